@@ -1,0 +1,270 @@
+"""Typed view of ``params.yaml``: one pydantic model per pipeline stage.
+
+Every stage reads its block through :func:`load_params`, so a misspelt key or a value of the wrong type fails before
+any work starts, with the dotted key in the message (``router.lr: Input should be a valid number``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A params file that cannot be used; the message names the file and the key."""
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class PathsParams(_Block):
+    """Where stages read and write. Relative paths are resolved against the project directory."""
+
+    data_dir: str = "data/embedded"
+    models_dir: str = "models"
+    labels_dir: str = "artifacts/labels"
+    routers_dir: str = "artifacts/routers"
+    reports_dir: str = "reports"
+    outputs_dir: str = "outputs"
+    mlflow_tracking_uri: str = "sqlite:///mlflow.db"
+    mlflow_artifacts: str = "mlartifacts"
+
+
+class DataParams(_Block):
+    """The dataset the pipeline routes on. ``train``/``dev``/``test`` are JSONL files in the chosen format."""
+
+    format: Literal["math", "mc"] = "math"
+    train: str = "data/embedded/math_train.jsonl"
+    dev: str = "data/embedded/math_dev.jsonl"
+    test: str = "data/embedded/math_test.jsonl"
+
+
+class SynthParams(_Block):
+    """The embedded arithmetic task (``citer data synth``): sizes, difficulty and the variety of the references."""
+
+    seed: int = 0
+    n_train: int = 6000
+    n_dev: int = 300
+    n_test: int = 300
+    max_operand: int = 20
+    min_steps: int = 2
+    max_steps: int = 3
+    variety: float = Field(0.5, ge=0.0, le=1.0)
+    n_choices: int = Field(4, ge=2, le=8)
+
+
+class ValidateParams(_Block):
+    """Files checked by the ``validate`` stage: pairs of (path, format). Empty means the ``data`` splits."""
+
+    files: list[tuple[str, Literal["math", "mc"]]] = []
+    max_chars_warning: int = 20000
+
+
+class ArchParams(_Block):
+    """A Qwen2-architecture model trained from scratch for the embedded pair."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 512
+
+
+class PretrainParams(_Block):
+    steps: int
+    lr: float
+    batch_size: int = 32
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.01
+
+
+class BootstrapParams(_Block):
+    """``citer models bootstrap``: build the tokenizer and pretrain the embedded SLM base and LLM."""
+
+    enabled: bool = True
+    seed: int = 0
+    vocab_size: int = 512
+    slm: ArchParams = ArchParams(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    llm: ArchParams = ArchParams(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
+    slm_pretrain: PretrainParams = PretrainParams(steps=300, lr=3e-3)
+    llm_pretrain: PretrainParams = PretrainParams(steps=2000, lr=2e-3)
+
+
+class ModelsParams(_Block):
+    """The model pair. Hub ids or local directories; the embedded default points at what ``bootstrap`` writes."""
+
+    slm: str = "models/slm_base"
+    llm: str = "models/llm"
+    finetuned_slm: str = "models/slm"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+
+
+class LoraParams(_Block):
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class FinetuneParams(_Block):
+    """SLM chain-of-thought SFT. Defaults are the CITER recipe for real pairs; params.yaml holds embedded values."""
+
+    enabled: bool = True
+    lr: float = 2e-5
+    weight_decay: float = 0.01
+    epochs: float = 10
+    max_steps: int = -1
+    max_length: int = 1000
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    warmup_ratio: float = 0.0
+    bf16: bool = True
+    deepspeed: bool = False
+    deepspeed_config: str = "infra/deepspeed/zero2.json"
+    lora: LoraParams = LoraParams()
+    eval_examples: int = 300
+
+
+class EvalParams(_Block):
+    """Greedy evaluation of one model alone (``citer eval model``)."""
+
+    batch_size: int = 64
+    max_new_tokens: int = 96
+    n_examples: int = 0
+
+
+class LabelsParams(_Block):
+    """Token-level preference collection. ``iterations`` counts label sets (1 = the ground-truth shortcut only)."""
+
+    iterations: int = Field(2, ge=1)
+    n_examples: int = 0
+    batch_size: int = 64
+    max_new_tokens: int = 96
+    tau: float = Field(0.5, ge=0.0, le=1.0)
+    rollout_llm_token: bool = False
+    citer_s: bool = False
+    hidden_dtype: Literal["float16", "float32"] = "float16"
+
+
+class RouterParams(_Block):
+    """The MLP router (h -> 2h -> h -> 1) and its training."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    epochs: int = 30
+    batch_size: int = 512
+    dropout: float = 0.1
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    patience: int = 5
+    class_weights: bool = True
+    seed: int = 0
+
+
+class SelectionRule(_Block):
+    """How the sweep picks τ: least bytes at accuracy ≥ ratio × LLM-only, or most accuracy under a bytes budget."""
+
+    kind: Literal["min_bytes_at_accuracy", "max_accuracy_under_bytes"] = "min_bytes_at_accuracy"
+    accuracy_ratio: float = 0.98
+    bytes_budget_rel_llm: float = 0.4
+
+
+class SweepParams(_Block):
+    taus: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    n_examples: int = 0
+    batch_size: int = 64
+    max_new_tokens: int = 96
+    gpu: Literal["H100", "H200"] = "H100"
+    speculative: bool = True
+    rule: SelectionRule = SelectionRule()
+
+
+class RegistryParams(_Block):
+    model_name: str = "citer-router"
+    alias: str = "champion"
+    experiment: str = "citer"
+
+
+class InferenceParams(_Block):
+    input: str = "data/embedded/math_test.jsonl"
+    output: str = "outputs/predictions.jsonl"
+    batch_size: int = 32
+    max_new_tokens: int = 96
+
+
+class ServeParams(_Block):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_new_tokens: int = 128
+
+
+class Params(_Block):
+    """The whole ``params.yaml``."""
+
+    seed: int = 0
+    paths: PathsParams = PathsParams()
+    data: DataParams = DataParams()
+    synth: SynthParams = SynthParams()
+    validate_: ValidateParams = Field(ValidateParams(), alias="validate")
+    bootstrap: BootstrapParams = BootstrapParams()
+    models: ModelsParams = ModelsParams()
+    finetune: FinetuneParams = FinetuneParams()
+    eval: EvalParams = EvalParams()
+    labels: LabelsParams = LabelsParams()
+    router: RouterParams = RouterParams()
+    sweep: SweepParams = SweepParams()
+    registry: RegistryParams = RegistryParams()
+    inference: InferenceParams = InferenceParams()
+    serve: ServeParams = ServeParams()
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _taus_in_range(self) -> Params:
+        bad = [t for t in self.sweep.taus if not 0.0 <= t <= 1.0]
+        if bad:
+            raise ValueError(f"sweep.taus must lie in [0, 1], got {bad}")
+        return self
+
+
+def _format_error(path: Path, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        lines.append(f"{key}: {e['msg']}")
+    return f"{path}: invalid params -> " + "; ".join(lines)
+
+
+def load_params(path: str | os.PathLike[str] = "params.yaml") -> Params:
+    """Read and validate a params file. Raises :class:`ConfigError` naming the file and every bad key."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: params file not found")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of stage blocks")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(p, exc)) from exc
+
+
+def resolve(root: str | os.PathLike[str], path: str) -> Path:
+    """A params path made absolute against the project root (absolute paths and hub ids pass through)."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(root) / p
