@@ -1,0 +1,94 @@
+"""Shared test fixtures: tiny real tokenizers and Qwen2 models built in the test, and tool state kept in tmp dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("CITER_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def make_char_tokenizer():
+    """A character-level fast tokenizer (printable ASCII + newline) that round-trips text exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def make_qwen2(
+    vocab_size: int,
+    *,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+):
+    """A randomly initialised Qwen2ForCausalLM; the seed fixes its weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    # Random init gives near-uniform logits; a larger scale makes argmax decisions well separated (fewer ties).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    return make_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(char_tokenizer):
+    """(slm, llm, tokenizer): two tiny random Qwen2 models of different size sharing one tokenizer."""
+    v = len(char_tokenizer)
+    slm = make_qwen2(v, hidden_size=32, num_hidden_layers=1, seed=1)
+    llm = make_qwen2(v, hidden_size=64, num_hidden_layers=2, seed=2)
+    return slm, llm, char_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tiny_pair, tmp_path_factory):
+    """The tiny pair saved as ordinary model directories (config, safetensors, tokenizer files)."""
+    slm, llm, tok = tiny_pair
+    root = tmp_path_factory.mktemp("pair")
+    for name, model in (("slm", slm), ("llm", llm)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root / "slm", root / "llm"
