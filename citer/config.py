@@ -51,7 +51,9 @@ class SynthParams(_Block):
     n_train: int = 6000
     n_dev: int = 300
     n_test: int = 300
-    max_operand: int = 20
+    max_start: int = 20
+    max_operand: int = 9
+    max_total: int = 40
     min_steps: int = 2
     max_steps: int = 3
     variety: float = Field(0.5, ge=0.0, le=1.0)

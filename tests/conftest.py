@@ -92,3 +92,22 @@ def tiny_pair_dirs(tiny_pair, tmp_path_factory):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
     return root / "slm", root / "llm"
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server (sqlite) for the whole session; flows run against it for real."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch):
+    """An empty project directory (CITER_ROOT) with its own MLflow sqlite store; returns its path."""
+    monkeypatch.setenv("CITER_ROOT", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("CITER_PARENT_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

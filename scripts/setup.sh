@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install citer with its pinned stack (CPU torch first: a looser torch pulls a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pip install -q -U pip
+pip install -q torch==2.13.0
+pip install -q -c constraints.txt -e '.[dev,gpu]'
+echo "citer installed in $(pwd)/.venv"

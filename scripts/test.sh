@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Lint and run the whole test suite (slow end-to-end tests included) with tool state kept inside the workspace.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+export PREFECT_HOME="$PWD/.state/test-prefect" TORCH_EXTENSIONS_DIR="$PWD/.state/torch_extensions"
+export MLFLOW_DISABLE_TELEMETRY=true DVC_NO_ANALYTICS=1 HF_HUB_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+ruff check .
+ruff format --check .
+python -m pytest "$@"

@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+
+from citer.config import ConfigError, Params, load_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_repo_params_load():
+    p = load_params(REPO / "params.yaml")
+    assert isinstance(p, Params)
+    assert p.data.format in ("math", "mc")
+
+
+def test_unknown_key_named(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("router:\n  lr: 0.001\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"router\.lrr"):
+        load_params(f)
+
+
+def test_wrong_type_named(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("router:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"router\.lr: Input should be a valid number"):
+        load_params(f)
+
+
+def test_tau_out_of_range(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("sweep:\n  taus: [0.2, 1.5]\n")
+    with pytest.raises(ConfigError, match="sweep.taus"):
+        load_params(f)
+
+
+@pytest.mark.parametrize("text", ["", "- a\n- b\n", "a: [\n"])
+def test_bad_files(tmp_path, text):
+    f = tmp_path / "params.yaml"
+    f.write_text(text)
+    if text == "":
+        assert load_params(f) == Params()
+    else:
+        with pytest.raises(ConfigError, match=str(f)):
+            load_params(f)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
