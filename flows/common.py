@@ -53,12 +53,58 @@ class Context:
         p = Path(rel)
         return p if p.is_absolute() else self.root / p
 
+    def model_ref(self, name: str) -> str:
+        """A model directory under the project when it exists there, else the name as given (a hub id)."""
+        local = self.path(name)
+        return str(local) if local.exists() else name
 
-def load_context(params_path: str | os.PathLike[str] = "params.yaml") -> Context:
+    @property
+    def slm_name(self) -> str:
+        """The SLM as params name it (project-relative), the identity routers and labels record."""
+        m = self.params.models
+        return m.finetuned_slm if self.params.finetune.enabled else m.slm
+
+    @property
+    def slm_ref(self) -> str:
+        """The SLM that routing uses: the finetuned one unless finetuning is off."""
+        return self.model_ref(self.slm_name)
+
+    @property
+    def llm_ref(self) -> str:
+        return self.model_ref(self.params.models.llm)
+
+    def labels_dir(self, iteration: int | str) -> Path:
+        return self.path(self.params.paths.labels_dir) / (f"iter{iteration}" if isinstance(iteration, int) else iteration)
+
+    def router_dir(self, iteration: int | str) -> Path:
+        return self.path(self.params.paths.routers_dir) / (f"iter{iteration}" if isinstance(iteration, int) else iteration)
+
+    @property
+    def reports(self) -> Path:
+        return self.path(self.params.paths.reports_dir)
+
+    def load_pair(self):
+        """``(slm, llm, tokenizer)`` as params say (dtype, device, remote code)."""
+        from citer.models import load_pair
+
+        m = self.params.models
+        return load_pair(self.slm_ref, self.llm_ref, m.dtype, m.device, m.trust_remote_code)
+
+    def read_split(self, split: str) -> list[dict[str, Any]]:
+        from citer.data.formats import read_jsonl
+
+        d = self.params.data
+        return read_jsonl(self.path(getattr(d, split)), d.format)
+
+
+def load_context(params_path: str | os.PathLike[str] = "params.yaml", optional: bool = False) -> Context:
+    """The project's context; with ``optional`` a missing params file means the defaults (a malformed one never)."""
     root = project_root()
     p = Path(params_path)
-    params = load_params(p if p.is_absolute() else root / p)
-    return Context(root=root, params=params)
+    p = p if p.is_absolute() else root / p
+    if optional and not p.exists():
+        return Context(root=root, params=Params())
+    return Context(root=root, params=load_params(p))
 
 
 def tracking_uri(ctx: Context) -> str:

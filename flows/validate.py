@@ -34,7 +34,7 @@ def validate_flow(
     """Validate ``files`` (default: the configured splits); write one JSON report and log it to MLflow."""
     from citer.io import write_json
 
-    ctx = load_context(params_path)
+    ctx = load_context(params_path, optional=files is not None)
     targets = files or configured_files(ctx)
     reports = [validate_one(path, fmt, ctx.params.validate_.max_chars_warning) for path, fmt in targets]
     out = Path(report_path) if report_path else ctx.path(ctx.params.paths.reports_dir) / "validation.json"

@@ -1,0 +1,258 @@
+"""Dataset validation with Great Expectations: every problem of a JSONL file, with its line, field and severity.
+
+Two layers. Lines that do not parse into a row of the format (bad JSON or UTF-8, control characters, truncation,
+missing keys, wrong types, empty strings) are error findings straight from :mod:`citer.data.formats`. The rows that
+do parse go into a DataFrame and through a Great Expectations suite for the format:
+
+- errors (the file is refused): not-null and type per column, and the row rules of ``formats.RULES`` (fewer than 2
+  choices, text/label length mismatch, duplicate labels, answerKey not a label, cot not ending in the answerKey, a
+  solution without a balanced non-empty final box), each evaluated as a bool column expected to be in ``[True]``;
+- warnings (the file passes): duplicate questions/problems and texts longer than ``max_chars_warning``.
+
+``result_format="COMPLETE"`` gives failing DataFrame indexes, mapped back to line numbers. Great Expectations is
+imported lazily (it takes seconds) and its ephemeral context is built once per process. Nothing is logged here: the
+caller logs the returned report (``to_dict``) or writes it with :func:`write_report`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from citer.data.formats import RULES, DataError, ParsedLine, iter_lines
+from citer.data.prompts import Format
+from citer.io import write_json
+
+Severity = Literal["error", "warning"]
+
+DEFAULT_MAX_CHARS_WARNING = 20000
+
+# Columns per format: (name, type checked by GE, whether it is required and gets length/duplicate checks).
+_TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"mc": ("question", "answerKey"), "math": ("problem", "solution")}
+_UNIQUE_COLUMN = {"mc": "question", "math": "problem"}
+_LONG_COLUMNS = {"mc": ("question", "cot"), "math": ("problem", "solution")}
+
+
+@dataclass(frozen=True)
+class Finding:
+    line: int | None
+    field: str | None
+    severity: Severity
+    reason: str
+
+
+@dataclass
+class ValidationReport:
+    path: str
+    fmt: str
+    n_rows: int
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def n_errors(self) -> int:
+        return sum(f.severity == "error" for f in self.findings)
+
+    @property
+    def n_warnings(self) -> int:
+        return sum(f.severity == "warning" for f in self.findings)
+
+    @property
+    def ok(self) -> bool:
+        return self.n_errors == 0
+
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "format": self.fmt,
+            "ok": self.ok,
+            "n_rows": self.n_rows,
+            "n_errors": self.n_errors,
+            "n_warnings": self.n_warnings,
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+    def summary(self, max_findings: int = 50) -> str:
+        verdict = "OK" if self.ok else "REFUSED"
+        head = (
+            f"{self.path} ({self.fmt}): {self.n_rows} rows, {self.n_errors} errors, "
+            f"{self.n_warnings} warnings -> {verdict}"
+        )
+        lines = [head]
+        for f in self.findings[:max_findings]:
+            where = "file" if f.line is None else f"line {f.line}"
+            what = f"{f.field}: " if f.field else ""
+            lines.append(f"  {where} [{f.severity}] {what}{f.reason}")
+        if len(self.findings) > max_findings:
+            lines.append(f"  ... and {len(self.findings) - max_findings} more findings")
+        return "\n".join(lines)
+
+
+_GX_LOCK = threading.Lock()
+_GX_STATE: dict[str, Any] = {}
+
+
+def _gx_batch_definition() -> Any:
+    """The pandas batch definition of the process-wide ephemeral context (built on first use)."""
+    with _GX_LOCK:
+        if "batch_def" not in _GX_STATE:
+            os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+            import great_expectations as gx
+            from great_expectations.data_context.types.base import ProgressBarsConfig
+
+            ctx = gx.get_context(mode="ephemeral")
+            ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+            asset = ctx.data_sources.add_pandas("citer").add_dataframe_asset("rows")
+            _GX_STATE["batch_def"] = asset.add_batch_definition_whole_dataframe("all")
+        return _GX_STATE["batch_def"]
+
+
+def _rule_column(name: str) -> str:
+    return f"rule__{name}"
+
+
+def _build_suite(fmt: Format, max_chars_warning: int, columns: Sequence[str]) -> Any:
+    import great_expectations as gx
+    from great_expectations import expectations as gxe
+
+    suite = gx.ExpectationSuite(name=f"citer_{fmt}")
+
+    def add(cls: Any, kind: str, column: str, **kwargs: Any) -> None:
+        # meta travels into each result, so findings can be mapped back without relying on result order.
+        suite.add_expectation(cls(column=column, meta={"kind": kind, "column": column}, **kwargs))
+
+    for col in _TEXT_COLUMNS[fmt]:
+        add(gxe.ExpectColumnValuesToNotBeNull, "not_null", col)
+        add(gxe.ExpectColumnValuesToBeOfType, "type", col, type_="str")
+    if fmt == "mc":
+        add(gxe.ExpectColumnValuesToNotBeNull, "not_null", "choices")
+        add(gxe.ExpectColumnValuesToBeOfType, "type", "choices", type_="dict")
+    for rule in RULES[fmt]:
+        severity = "warning" if rule.severity == "warning" else "critical"
+        add(
+            gxe.ExpectColumnValuesToBeInSet,
+            "rule",
+            _rule_column(rule.name),
+            value_set=[True],
+            severity=severity,
+        )
+    add(gxe.ExpectColumnValuesToBeUnique, "unique", _UNIQUE_COLUMN[fmt], severity="warning")
+    for col in _LONG_COLUMNS[fmt]:
+        if col in columns:
+            add(
+                gxe.ExpectColumnValueLengthsToBeBetween,
+                "length",
+                col,
+                max_value=max_chars_warning,
+                severity="warning",
+            )
+    return suite
+
+
+def _frame(parsed: list[ParsedLine], fmt: Format) -> tuple[Any, dict[str, list[str | None]]]:
+    """The valid rows as a DataFrame (+ one bool column per rule) and, per rule, each row's failure reason."""
+    import pandas as pd
+
+    rows = [p.row for p in parsed if p.row is not None]
+    data: dict[str, list[Any]] = {"line": [p.line for p in parsed if p.row is not None]}
+    for col in _TEXT_COLUMNS[fmt]:
+        data[col] = [r.get(col) for r in rows]
+    if fmt == "mc":
+        data["choices"] = [r.get("choices") for r in rows]
+        if any("cot" in r for r in rows):
+            data["cot"] = [r.get("cot") for r in rows]
+    reasons: dict[str, list[str | None]] = {}
+    for rule in RULES[fmt]:
+        col = _rule_column(rule.name)
+        reasons[col] = [rule.check(r) for r in rows]
+        data[col] = [reason is None for reason in reasons[col]]
+    return pd.DataFrame(data), reasons
+
+
+def _ge_findings(
+    df: Any, reasons: dict[str, list[str | None]], fmt: Format, max_chars_warning: int
+) -> list[Finding]:
+    batch_def = _gx_batch_definition()  # first: a suite can only be built once a context exists
+    with _GX_LOCK:  # one shared context: Prefect may validate several files from worker threads at once
+        suite = _build_suite(fmt, max_chars_warning, list(df.columns))
+        batch = batch_def.get_batch(batch_parameters={"dataframe": df})
+        result = batch.validate(suite, result_format="COMPLETE")
+    rule_fields = {_rule_column(r.name): r.field for r in RULES[fmt]}
+    lines = df["line"].tolist()
+    out: list[Finding] = []
+    for res in result.results:
+        cfg = res.expectation_config
+        kind, column = cfg.meta["kind"], cfg.meta["column"]
+        severity: Severity = "warning" if str(cfg.severity.value) == "warning" else "error"
+        if res.exception_info and res.exception_info.get("raised_exception"):
+            msg = res.exception_info.get("exception_message")
+            out.append(Finding(None, column, "error", f"expectation {cfg.type} could not run: {msg}"))
+            continue
+        if res.success:
+            continue
+        first_seen: dict[Any, int] = {}
+        if kind == "unique":
+            for i, value in enumerate(df[column].tolist()):
+                first_seen.setdefault(value, lines[i])
+        for idx in res.result.get("unexpected_index_list") or []:
+            i = int(idx)
+            if kind == "rule":
+                out.append(
+                    Finding(lines[i], rule_fields[column], severity, reasons[column][i] or "rule failed")
+                )
+            elif kind == "unique":
+                first = first_seen[df[column].iat[i]]
+                if first != lines[i]:  # GE lists every member of a duplicate group; report the repeats
+                    out.append(
+                        Finding(lines[i], column, severity, f"duplicate {column} (same text as line {first})")
+                    )
+            elif kind == "length":
+                n = len(df[column].iat[i])
+                out.append(
+                    Finding(lines[i], column, severity, f"{n} characters (> {max_chars_warning}, unusual)")
+                )
+            elif kind == "type":
+                out.append(
+                    Finding(lines[i], column, severity, f"wrong type {type(df[column].iat[i]).__name__}")
+                )
+            else:
+                out.append(Finding(lines[i], column, severity, "missing value"))
+    return out
+
+
+def validate_file(
+    path: str | os.PathLike[str], fmt: Format, max_chars_warning: int = DEFAULT_MAX_CHARS_WARNING
+) -> ValidationReport:
+    """Check a JSONL dataset in format ``fmt``; the report lists every finding (it never raises on bad content)."""
+    if fmt not in RULES:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(RULES)}")
+    report = ValidationReport(path=str(path), fmt=fmt, n_rows=0)
+    try:
+        parsed = list(iter_lines(path, fmt))
+    except DataError as exc:  # the file itself is missing
+        report.findings.append(Finding(exc.line, exc.field, "error", exc.reason))
+        return report
+    report.n_rows = len(parsed)
+    for p in parsed:
+        report.findings.extend(Finding(p.line, pr.field, "error", pr.reason) for pr in p.problems)
+    if not parsed:
+        report.findings.append(
+            Finding(None, None, "error", "no rows (the file is empty or holds only blank lines)")
+        )
+        return report
+    if any(p.row is not None for p in parsed):
+        df, reasons = _frame(parsed, fmt)
+        report.findings.extend(_ge_findings(df, reasons, fmt, max_chars_warning))
+    report.findings.sort(key=lambda f: (f.line or 0, f.severity != "error", f.field or ""))
+    return report
+
+
+def write_report(report: ValidationReport, path: str | os.PathLike[str]) -> None:
+    """The report as JSON, written atomically."""
+    write_json(Path(path), report.to_dict())

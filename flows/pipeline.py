@@ -1,0 +1,58 @@
+"""The whole CITER pipeline as one Prefect flow; each stage is a subflow and a nested MLflow run.
+
+validate -> [embedded: synth, bootstrap] -> finetune SLM -> eval models -> labels 1 -> router 1 -> ... -> labels K
+-> router K (+ CITER-S router) -> sweep and promote -> batch inference on the test split.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect import flow
+
+from flows.common import load_context, stage_run
+
+
+@flow(name="citer-pipeline")
+def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from flows.batch_inference import batch_inference_flow
+    from flows.bootstrap import bootstrap_flow
+    from flows.collect_preferences import labels_flow
+    from flows.evaluate_models import eval_models_flow
+    from flows.finetune_slm import finetune_flow
+    from flows.sweep_and_promote import sweep_flow
+    from flows.synth import synth_flow
+    from flows.train_router import router_flow
+    from flows.validate import validate_flow
+
+    ctx = load_context(params_path)  # a bad params.yaml stops here, before any work
+    p = ctx.params
+    out: dict[str, Any] = {}
+    with stage_run(ctx, "pipeline") as parent:
+        previous = os.environ.get("CITER_PARENT_RUN_ID")
+        os.environ["CITER_PARENT_RUN_ID"] = parent.run_id
+        try:
+            if p.synth.enabled:
+                out["synth"] = synth_flow(params_path)
+            reports = validate_flow(params_path)
+            bad = [r["path"] for r in reports if not r["ok"]]
+            if bad:
+                raise ValueError(f"data validation failed for {bad}; see reports/validation.json")
+            if p.bootstrap.enabled:
+                out["bootstrap"] = bootstrap_flow(params_path)
+            if p.finetune.enabled:
+                out["finetune"] = finetune_flow(params_path)
+            out["models"] = eval_models_flow(params_path)
+            for k in range(1, p.labels.iterations + 1):
+                out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k)
+                out[f"router_iter{k}"] = router_flow(params_path, iteration=k)
+            out["router_citer_s"] = router_flow(params_path, citer_s=True)
+            out["sweep"] = sweep_flow(params_path)
+            out["inference"] = batch_inference_flow(params_path)
+        finally:
+            if previous is None:
+                os.environ.pop("CITER_PARENT_RUN_ID", None)
+            else:
+                os.environ["CITER_PARENT_RUN_ID"] = previous
+    return out
