@@ -76,6 +76,7 @@ class ArchParams(_Block):
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
 
 
 class PretrainParams(_Block):
@@ -92,14 +93,15 @@ class BootstrapParams(_Block):
     enabled: bool = True
     seed: int = 0
     vocab_size: int = 512
+    formats: list[Literal["math", "mc"]] = ["math"]
     slm: ArchParams = ArchParams(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
     )
     llm: ArchParams = ArchParams(
-        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+        hidden_size=96, intermediate_size=288, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
     )
-    slm_pretrain: PretrainParams = PretrainParams(steps=300, lr=3e-3)
-    llm_pretrain: PretrainParams = PretrainParams(steps=2000, lr=2e-3)
+    slm_pretrain: PretrainParams = PretrainParams(steps=800, lr=5e-3)
+    llm_pretrain: PretrainParams = PretrainParams(steps=1200, lr=3e-3)
 
 
 class ModelsParams(_Block):
@@ -125,6 +127,7 @@ class FinetuneParams(_Block):
     """SLM chain-of-thought SFT. Defaults are the CITER recipe for real pairs; params.yaml holds embedded values."""
 
     enabled: bool = True
+    seed: int = 0
     lr: float = 2e-5
     weight_decay: float = 0.01
     epochs: float = 10
@@ -132,7 +135,9 @@ class FinetuneParams(_Block):
     max_length: int = 1000
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    logging_steps: int = 10
     bf16: bool = True
     deepspeed: bool = False
     deepspeed_config: str = "infra/deepspeed/zero2.json"
@@ -184,13 +189,35 @@ class SelectionRule(_Block):
 
 
 class SweepParams(_Block):
+    """The evaluation sweep (``citer eval sweep``): CITER over ``taus`` and every baseline on the test split.
+
+    Engine passes: 2 x len(taus) (citer, citer_s) + len(taus) random + len(confidence_thresholds) + 2 (SLM, LLM);
+    query-level routing reuses the SLM/LLM passes. ``speculative_examples`` (0 = all) bounds the per-question
+    assisted-generation runs; ``speculative_tokens`` is the draft length (constant schedule, deterministic).
+    """
+
     taus: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     n_examples: int = 0
     batch_size: int = 64
     max_new_tokens: int = 96
     gpu: Literal["H100", "H200"] = "H100"
+    seed: int = 0
+    confidence_thresholds: list[float] = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
+    query_llm_fractions: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     speculative: bool = True
+    speculative_examples: int = Field(50, ge=0)
+    speculative_tokens: int = Field(5, ge=1)
     rule: SelectionRule = SelectionRule()
+
+    @model_validator(mode="after")
+    def _grids_in_range(self) -> SweepParams:
+        for name in ("confidence_thresholds", "query_llm_fractions"):
+            bad = [t for t in getattr(self, name) if not 0.0 <= t <= 1.0]
+            if bad:
+                raise ValueError(f"{name} must lie in [0, 1], got {bad}")
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("batch_size and max_new_tokens must be >= 1")
+        return self
 
 
 class RegistryParams(_Block):
@@ -200,16 +227,25 @@ class RegistryParams(_Block):
 
 
 class InferenceParams(_Block):
+    """``citer route``: the champion router over a JSONL of questions; rerunning resumes where it stopped."""
+
     input: str = "data/embedded/math_test.jsonl"
     output: str = "outputs/predictions.jsonl"
-    batch_size: int = 32
-    max_new_tokens: int = 96
+    format: Literal["math", "mc"] | None = None  # None: data.format
+    tau: float | None = Field(None, ge=0.0, le=1.0)  # None: the champion's tau tag
+    batch_size: int = Field(32, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
 
 
 class ServeParams(_Block):
+    """``citer serve``: the OpenAI-compatible endpoint in front of the registry's champion router."""
+
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_new_tokens: int = 128
+    port: int = Field(8000, ge=1, le=65535)
+    max_new_tokens: int = Field(128, ge=1)
+    model_name: str = "citer"  # the OpenAI model id clients pass
+    prompt_format: Literal["auto", "math", "mc", "raw"] = "auto"  # chat prompts; auto = data.format
+    tau: float | None = Field(None, ge=0.0, le=1.0)  # None = the champion's τ
 
 
 class Params(_Block):

@@ -35,9 +35,9 @@ META_FILE = "meta.json"
 
 # Column -> dtype of tokens.parquet; the first six are the contract, the rest help debugging and iteration k.
 COLUMNS: dict[str, str] = {
-    "example_id": "object",
+    "example_id": "str",
     "position": "int64",
-    "case": "object",
+    "case": "str",
     "label": "int64",
     "iteration": "int64",
     "row": "int64",
@@ -132,6 +132,15 @@ def load_labels(path: str | os.PathLike[str], expected_hidden_size: int | None =
     missing = [c for c in COLUMNS if c not in tokens.columns]
     if missing:
         raise LabelsError(f"{d / TOKENS_FILE}: missing columns {missing}")
+    for col, dtype in COLUMNS.items():
+        try:
+            tokens[col] = tokens[col].astype(dtype)
+        except (TypeError, ValueError) as exc:
+            bad = tokens[col].isna()
+            row = f"row {int(bad.to_numpy().argmax())}, " if bad.any() else ""
+            raise LabelsError(
+                f"{d / TOKENS_FILE}: {row}field {col} not convertible to {dtype} ({exc})"
+            ) from exc
     ls = LabelSet(hidden=hidden, tokens=tokens[list(COLUMNS)], meta=meta)
     _check_structure(ls, where=str(d))
     if meta.get("hidden_size") != ls.hidden_size:
@@ -156,7 +165,9 @@ def _check_structure(ls: LabelSet, where: str) -> None:
     bad = np.flatnonzero((rows < 0) | (rows >= ls.hidden.shape[0]))
     if bad.size:
         i = int(bad[0])
-        raise LabelsError(f"{where}: row {i}, field row={int(rows[i])} outside hidden (N={ls.hidden.shape[0]})")
+        raise LabelsError(
+            f"{where}: row {i}, field row={int(rows[i])} outside hidden (N={ls.hidden.shape[0]})"
+        )
 
 
 class _Suite:

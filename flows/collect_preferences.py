@@ -24,7 +24,9 @@ def collect(ctx, iteration: int):
             slm, llm, tok, rows, p.data.format, p.labels, slm_name=ctx.slm_name, llm_name=p.models.llm
         ), hidden
     prev = load_labels(ctx.labels_dir(iteration - 1), expected_hidden_size=hidden)
-    router, _ = load_router(ctx.router_dir(iteration - 1), expected_hidden_size=hidden, expected_slm=ctx.slm_name)
+    router, _ = load_router(
+        ctx.router_dir(iteration - 1), expected_hidden_size=hidden, expected_slm=ctx.slm_name
+    )
     return collect_iter_k(prev, router, slm, llm, tok, rows, p.data.format, p.labels), hidden
 
 
@@ -34,7 +36,9 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1) -> dict[st
 
     ctx = load_context(params_path)
     if not 1 <= iteration <= ctx.params.labels.iterations:
-        raise ValueError(f"labels.iterations is {ctx.params.labels.iterations}; iteration {iteration} is out of range")
+        raise ValueError(
+            f"labels.iterations is {ctx.params.labels.iterations}; iteration {iteration} is out of range"
+        )
     labelset, hidden = collect(ctx, iteration)
     report = validate_labels(labelset, hidden)
     out = save_labels(labelset, ctx.labels_dir(iteration))
@@ -42,6 +46,12 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1) -> dict[st
     with stage_run(ctx, f"labels_iter{iteration}") as run:
         run.params(ctx.params.labels.model_dump(), prefix="labels.")
         run.metrics({f"case.{k}": v for k, v in counts.items()} | {"n_tokens": labelset.n_tokens})
-        run.metrics({k: v for k, v in labelset.meta.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.metrics(
+            {
+                k: v
+                for k, v in labelset.meta.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+        )
         run.tags({"labels.validation": "passed" if report.get("success", True) else "failed"})
     return {"dir": str(out), "n_tokens": labelset.n_tokens, "case_counts": counts, "meta": labelset.meta}

@@ -74,10 +74,14 @@ class Context:
         return self.model_ref(self.params.models.llm)
 
     def labels_dir(self, iteration: int | str) -> Path:
-        return self.path(self.params.paths.labels_dir) / (f"iter{iteration}" if isinstance(iteration, int) else iteration)
+        return self.path(self.params.paths.labels_dir) / (
+            f"iter{iteration}" if isinstance(iteration, int) else iteration
+        )
 
     def router_dir(self, iteration: int | str) -> Path:
-        return self.path(self.params.paths.routers_dir) / (f"iter{iteration}" if isinstance(iteration, int) else iteration)
+        return self.path(self.params.paths.routers_dir) / (
+            f"iter{iteration}" if isinstance(iteration, int) else iteration
+        )
 
     @property
     def reports(self) -> Path:
@@ -192,9 +196,11 @@ def ensure_experiment(ctx: Context) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    artifacts = ctx.path(ctx.params.paths.mlflow_artifacts)
-    artifacts.mkdir(parents=True, exist_ok=True)
     try:
+        if tracking_uri(ctx).startswith(("http://", "https://")):
+            return client.create_experiment(name)  # the server's own (proxied) artifact store
+        artifacts = ctx.path(ctx.params.paths.mlflow_artifacts)
+        artifacts.mkdir(parents=True, exist_ok=True)
         return client.create_experiment(name, artifact_location=artifacts.as_uri())
     except Exception:  # another process created it between the lookup and the create
         exp = client.get_experiment_by_name(name)

@@ -10,7 +10,9 @@ from flows.common import load_context, stage_run
 
 
 @flow(name="train-router")
-def router_flow(params_path: str = "params.yaml", iteration: int = 1, citer_s: bool = False) -> dict[str, Any]:
+def router_flow(
+    params_path: str = "params.yaml", iteration: int = 1, citer_s: bool = False
+) -> dict[str, Any]:
     from citer.io import read_json, write_json
     from citer.labels import citer_s_labels
     from citer.labels_store import load_labels
@@ -23,7 +25,9 @@ def router_flow(params_path: str = "params.yaml", iteration: int = 1, citer_s: b
         labelset = citer_s_labels(labelset)
     router, metrics = train_router(labelset, p.router)
     name: int | str = "citer_s" if citer_s else iteration
-    out = save_router(router, ctx.router_dir(name), router_meta(labelset, metrics, slm=ctx.slm_name, llm=p.models.llm))
+    out = save_router(
+        router, ctx.router_dir(name), router_meta(labelset, metrics, slm=ctx.slm_name, llm=p.models.llm)
+    )
     summary = iteration_summary(labelset, metrics)
     write_json(ctx.reports / f"router_{'citer_s' if citer_s else f'iter{iteration}'}.json", summary)
     if not citer_s and iteration == p.labels.iterations:

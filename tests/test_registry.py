@@ -67,7 +67,9 @@ def test_champion_with_missing_models(store, tmp_path):
     slm, llm = tmp_path / "gone_slm", tmp_path / "gone_llm"
     rdir, _ = _router_dir(tmp_path, slm, llm, seed=1)
     run = client.create_run(exp)
-    rv = register_router(rdir, model_name="m", run_id=run.info.run_id, tags={"slm": str(slm), "llm": str(llm), "tau": 0.5})
+    rv = register_router(
+        rdir, model_name="m", run_id=run.info.run_id, tags={"slm": str(slm), "llm": str(llm), "tau": 0.5}
+    )
     set_alias("m", "champion", rv.version)
     with pytest.raises(RegistryError, match="no longer exists"):
         require_champion("m", "champion")

@@ -152,9 +152,7 @@ def test_missing_file_and_unknown_format(tmp_path):
 
 def test_validate_from_a_worker_thread():
     out: list[ValidationReport] = []
-    th = threading.Thread(
-        target=lambda: out.append(validate_file(BAD_DIR / "math_no_boxed.jsonl", "math"))
-    )
+    th = threading.Thread(target=lambda: out.append(validate_file(BAD_DIR / "math_no_boxed.jsonl", "math")))
     th.start()
     th.join(timeout=120)
     assert out and not out[0].ok and out[0].errors()[0].line == EXPECTED["math_no_boxed.jsonl"]["line"]

@@ -62,12 +62,14 @@ def _problem(rng: random.Random, p: SynthParams) -> tuple[int, list[tuple[str, i
             return start, ops
 
 
-def _texts(rng: random.Random, p: SynthParams, start: int, ops: list[tuple[str, int]]) -> tuple[str, str, int]:
+def _texts(
+    rng: random.Random, p: SynthParams, start: int, ops: list[tuple[str, int]]
+) -> tuple[str, str, int]:
     """(problem text, chain-of-thought steps without the closing phrase, answer)."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     clauses = [f"{rng.choice(ADD_VERBS if op == '+' else SUB_VERBS)} {b}" for op, b in ops]
     acts = ", ".join(clauses[:-1]) + f" and {clauses[-1]}" if len(clauses) > 1 else clauses[0]
-    problem = f"{name} has {start} {item}, {acts}. How many {item} does {name} have now?"
+    problem = f"{name} has {start} {item}, {acts}. How many {item} now?"
 
     total, steps = start, []
     for i, (op, b) in enumerate(ops):
@@ -92,7 +94,11 @@ def _example(rng: random.Random, p: SynthParams, split: str, i: int) -> tuple[di
     start, ops = _problem(rng, p)
     problem, steps, answer = _texts(rng, p, start, ops)
     closing = _pick(rng, CLOSINGS, p.variety)
-    math_row = {"id": f"synth-{split}-{i:05d}", "problem": problem, "solution": f"{steps} {closing} \\boxed{{{answer}}}."}
+    math_row = {
+        "id": f"synth-{split}-{i:05d}",
+        "problem": problem,
+        "solution": f"{steps} {closing} \\boxed{{{answer}}}.",
+    }
     texts, key = _choices(rng, answer, p.n_choices, p.max_total)
     mc_row = {
         "id": f"synth-{split}-{i:05d}",
@@ -130,7 +136,9 @@ def synthesize(params: SynthParams) -> dict[str, list[dict[str, Any]]]:
         while len(math_rows) < sizes[split]:
             tries += 1
             if tries > 50 * sizes[split] + 1000:
-                raise SynthError(f"synth: cannot draw {sizes[split]} distinct {split} problems; widen the ranges")
+                raise SynthError(
+                    f"synth: cannot draw {sizes[split]} distinct {split} problems; widen the ranges"
+                )
             m, c = _example(rng, p, split, len(math_rows))
             if split != "train" and m["problem"] in seen:
                 continue

@@ -1,0 +1,110 @@
+"""Time the embedded model stages end to end: synth -> bootstrap (tokenizer, SLM base, LLM) -> SLM finetune -> eval.
+
+    python bench/bootstrap.py                      # params.yaml, scratch dir, writes reports/bench_models.json
+    python bench/bootstrap.py --params p.yaml --work /tmp/citer-bench --out reports/bench_models.json
+
+Runs in a scratch directory (the pipeline's data/ and models/ are left alone unless ``--work`` points there).
+Timings on a shared 2-core machine are noisy; the report records the CPU count and load average beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from citer.bootstrap import bootstrap_models  # noqa: E402
+from citer.config import Params, load_params  # noqa: E402
+from citer.data.synth import synthesize, write_splits  # noqa: E402
+from citer.evaluate import evaluate_model  # noqa: E402
+from citer.finetune import finetune_slm  # noqa: E402
+from citer.io import write_json  # noqa: E402
+from citer.models import count_params, load_model  # noqa: E402
+
+
+def run(params: Params, work: Path) -> dict:
+    fmt = "math"
+    phases: dict[str, float] = {}
+    cpu: dict[str, float] = {}  # process CPU seconds: less sensitive than wall time to other jobs on the cores
+
+    def mark(name: str, t: float, c: float) -> None:
+        phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
+
+    t, c = time.perf_counter(), time.process_time()
+    splits = synthesize(params.synth)
+    write_splits(work / "data", splits)
+    mark("synth", t, c)
+
+    t, c = time.perf_counter(), time.process_time()
+    boot = bootstrap_models(params.bootstrap, work / "data", work / "models")
+    mark("bootstrap", t, c)
+
+    t, c = time.perf_counter(), time.process_time()
+    ft = finetune_slm(
+        work / "models" / "slm_base",
+        splits[f"{fmt}_train"],
+        fmt,
+        params.finetune,
+        work / "models" / "slm",
+        eval_rows=None,
+    )
+    mark("finetune", t, c)
+
+    t, c = time.perf_counter(), time.process_time()
+    test = splits[f"{fmt}_test"]
+    if params.eval.n_examples:
+        test = test[: params.eval.n_examples]
+    acc, n_params = {}, {}
+    for name in ("slm_base", "slm", "llm"):
+        model, tok = load_model(work / "models" / name)
+        ev = evaluate_model(model, tok, test, fmt, params.eval.batch_size, params.eval.max_new_tokens)
+        acc[name], n_params[name] = ev.accuracy, count_params(model)
+    mark("eval", t, c)
+    phases["bootstrap_plus_finetune"] = phases["bootstrap"] + phases["finetune"]
+    cpu["bootstrap_plus_finetune"] = cpu["bootstrap"] + cpu["finetune"]
+    return {
+        "seconds": phases,
+        "cpu_seconds": cpu,
+        "params": {
+            "slm": n_params["slm"],
+            "llm": n_params["llm"],
+            "ratio": n_params["llm"] / n_params["slm"],
+        },
+        "test_accuracy": acc,
+        "n_test": len(test),
+        "slm_pretrain_seconds": boot["slm_pretrain_seconds"],
+        "llm_pretrain_seconds": boot["llm_pretrain_seconds"],
+        "finetune_steps": ft.steps,
+        "finetune_loss": ft.train_loss,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m_at_end": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--work", default=None, help="directory for data/ and models/ (default: a temporary one)")
+    ap.add_argument("--out", default="reports/bench_models.json")
+    a = ap.parse_args(argv)
+    params = load_params(a.params)
+    if a.work:
+        report = run(params, Path(a.work))
+    else:
+        with tempfile.TemporaryDirectory(prefix="citer-bench-") as tmp:
+            report = run(params, Path(tmp))
+    write_json(a.out, report)
+    import json
+
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Time per generated token of SLM-only, LLM-only, routed and speculative decoding: ``python bench/engine.py``.
+
+Two scales: ``embedded`` (the pipeline's own pair from ``models/`` when present, tiny random models otherwise) and
+``memory_bound`` (random Qwen2-architecture models of ~30M and ~300M parameters, where reading weights rather than
+Python overhead dominates a step). Routed rows use the random router at p = 0.1/0.3/0.5 and report the ratio of their
+time per token to the ideal ``f * t_LLM + t_SLM`` (f = the measured LLM fraction, t at the same batch size). Writes
+``reports/bench_engine.json`` (atomically). ``--quick``: a < 1 minute smoke version with smaller models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from citer.engine import RaggedKVCache, RoutedEngine, ragged_append  # noqa: E402
+from citer.io import write_json  # noqa: E402
+from citer.routers import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
+
+
+def random_qwen2(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def embedded_pair(quick: bool):
+    from transformers import AutoModelForCausalLM
+
+    models = ROOT / "models"
+    slm_dir = next((d for d in (models / "slm", models / "slm_base") if (d / "config.json").is_file()), None)
+    if not quick and slm_dir is not None and (models / "llm" / "config.json").is_file():
+        slm = AutoModelForCausalLM.from_pretrained(slm_dir, dtype=torch.float32).eval()
+        llm = AutoModelForCausalLM.from_pretrained(models / "llm", dtype=torch.float32).eval()
+        return slm, llm, f"trained pair {slm_dir.name} + llm from {models}"
+    # The bootstrap default architectures (citer.config.BootstrapParams), random weights.
+    slm = random_qwen2(512, 32, 64, 1, 2, 1, seed=1)
+    llm = random_qwen2(512, 128, 384, 4, 4, 2, seed=2)
+    return slm, llm, "tiny random models (models/slm|slm_base and models/llm not found)"
+
+
+def memory_bound_pair(quick: bool):
+    if quick:
+        return (
+            random_qwen2(8000, 128, 384, 2, 4, 2, seed=1),
+            random_qwen2(8000, 384, 1024, 6, 6, 2, seed=2),
+            "random ~2M / ~20M (quick)",
+        )
+    slm = random_qwen2(32000, 384, 1024, 6, 6, 2, seed=1)
+    llm = random_qwen2(32000, 1024, 2816, 20, 16, 4, seed=2)
+    n = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (slm, llm)]
+    return slm, llm, f"random Qwen2 {n[0]:.0f}M / {n[1]:.0f}M parameters, float32"
+
+
+def prompts_for(vocab: int, batch: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(12, 25, (batch,), generator=g).tolist()  # mixed lengths
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, profile) -> list[dict]:
+    """All methods at each batch size; repeats are interleaved (round-robin) and the best kept, so drifting load
+    on a shared machine biases every method alike."""
+    vocab = slm.config.vocab_size
+    rows: list[dict] = []
+    for batch in batches:
+        prompts = prompts_for(vocab, batch, seed=batch)
+        engines = {"slm": RoutedEngine(slm, llm, AlwaysSLM()), "llm": RoutedEngine(slm, llm, AlwaysLLM())}
+        for p in (0.1, 0.3, 0.5):
+            engines[p] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5)
+        engines["llm"].generate_batch(prompts, 2)  # warm-up (allocator, kernels)
+        best = {k: float("inf") for k in engines}
+        res = {}
+        for _ in range(repeats):
+            for k, e in engines.items():
+                sec, res[k] = timed(lambda e=e, p=prompts: e.generate_batch(p, new_tokens), 1)
+                best[k] = min(best[k], sec)
+        t = {k: best[k] / res[k].batch.new_tokens for k in engines}
+        for k in ("slm", "llm"):
+            rows.append(dict(scale=scale, method=k, batch=batch, llm_fraction=res[k].batch.llm_fraction,
+                             sec_per_token=t[k]))  # fmt: skip
+        for p in (0.1, 0.3, 0.5):
+            f = res[p].batch.llm_fraction
+            rows.append(dict(scale=scale, method="routed", batch=batch, llm_fraction=f, sec_per_token=t[p],
+                             ratio_to_ideal=t[p] / (f * t["llm"] + t["slm"]),
+                             llm_calls_per_token=res[p].batch.llm_calls_per_token, p=p))  # fmt: skip
+            if profile and batch == 1 and p == 0.3:
+                prof = cProfile.Profile()
+                prof.runcall(engines[p].generate_batch, prompts, new_tokens)
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+                print(
+                    f"--- cProfile, {scale}, routed p=0.3, batch 1 (sorted by own time) ---\n{s.getvalue()}"
+                )
+        if speculative and batch == 1:
+            ids = torch.tensor(prompts)
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            llm.generate(ids, assistant_model=slm, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            sec, out = timed(lambda i=ids, k=kw: llm.generate(i, assistant_model=slm, **k), repeats)
+            n_new = out.shape[1] - ids.shape[1]
+            rows.append(dict(scale=scale, method="speculative", batch=batch, llm_fraction=None,
+                             sec_per_token=sec / n_new))  # fmt: skip
+    return rows
+
+
+def chunk_costs(model, context: int = 24, sizes=(1, 4, 10, 16)) -> dict[int, float]:
+    """Seconds for one forward call feeding q new tokens of one row after ``context`` cached tokens: how far from
+    the memory-bound ideal (cost independent of q) a catch-up call is on this machine."""
+    out = {}
+    for q in sizes:
+        best = float("inf")
+        for _ in range(3):
+            cache = RaggedKVCache(model, 1, context + q)
+            ragged_append(model, cache, [list(range(3, 3 + context))])
+            t0 = time.perf_counter()
+            ragged_append(model, cache, [list(range(5, 5 + q))])
+            best = min(best, time.perf_counter() - t0)
+        out[q] = best
+    return out
+
+
+def check_speculative_batch(slm, llm) -> str:
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    try:
+        llm.generate(ids, assistant_model=slm, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        return "batch > 1 accepted"
+    except Exception as exc:  # the reason HF gives, reported as is
+        return f"batch > 1 refused: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="< 1 minute smoke version")
+    ap.add_argument("--profile", action="store_true", help="cProfile a routed run at batch 1 per scale")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_engine.json"))
+    # One thread by default: with 2 OpenMP threads on a shared 2-core machine, barrier waits swamp small ops.
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on an idle machine)")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}; timings are wall-clock, noisy on a shared machine")
+    rows: list[dict] = []
+    with torch.inference_mode():
+        slm, llm, desc = embedded_pair(args.quick)
+        print(f"embedded: {desc}")
+        print(f"speculative (HF assisted generation): {check_speculative_batch(slm, llm)}; reporting batch 1")
+        rows += bench_scale("embedded", slm, llm, [1, 16], 8 if args.quick else 48, 1 if args.quick else 2,
+                            True, args.profile)  # fmt: skip
+        slm, llm, desc = memory_bound_pair(args.quick)
+        print(f"memory_bound: {desc}")
+        cc = chunk_costs(llm)
+        print("memory_bound LLM, one call feeding q tokens (ms): "
+              + ", ".join(f"q={q}: {1000 * v:.1f}" for q, v in cc.items()))  # fmt: skip
+        rows += bench_scale("memory_bound", slm, llm, [1, 16], 4 if args.quick else 32, 1 if args.quick else 2,
+                            False, args.profile)  # fmt: skip
+    print(f"{'scale':<13}{'method':<12}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}")
+    for r in rows:
+        f = "" if r["llm_fraction"] is None else f"{r['llm_fraction']:.2f}"
+        ratio = f"{r['ratio_to_ideal']:.2f}" if "ratio_to_ideal" in r else ""
+        print(
+            f"{r['scale']:<13}{r['method']:<12}{r['batch']:>6}{f:>9}{1000 * r['sec_per_token']:>10.2f}{ratio:>8}"
+        )
+    write_json(args.out, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Iteration-1 labelling time: citer's teacher-forced collection vs a per-token generate loop. ``python bench/labels.py``.
+
+The per-token loop is the reference implementation's method: for every position t of every reference chain of thought,
+one ``generate(max_new_tokens=1)`` call per model on prompt + target[:t] (the SLM's call also returns its last hidden
+state, which the router needs). ``citer_seconds`` is the same work done citer's way (one teacher-forced pass per model
+per batch), and ``speedup`` their ratio. The whole of iteration 1 adds the both-wrong rollouts: citer batches them
+through the engine (``citer_collect_iter1_seconds``); the reference runs one ``generate`` per token, estimated from a
+sample of 20 (``reference_iter1_estimated_seconds``, ``speedup_iter1_estimated``).
+
+Models: the embedded pair in ``models/`` (finetuned SLM when present, else ``slm_base``; ``llm``) and the first
+``--n`` rows of the train split when they exist; otherwise untrained models of the embedded architecture on freshly
+synthesised rows (untrained models get nearly every token wrong, so rollouts dominate citer's time there).
+Writes ``reports/bench_labels.json`` atomically. Timings on a shared 2-core machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from citer.config import BootstrapParams, LabelsParams, SynthParams, load_params  # noqa: E402
+from citer.io import write_json  # noqa: E402
+from citer.labels import collect_iter1, encode_rows, teacher_forced  # noqa: E402
+
+
+def load_setup(n: int) -> tuple[Any, Any, Any, list[dict[str, Any]], str, str]:
+    """``(slm, llm, tokenizer, rows, fmt, description)``: the embedded pair when built, tiny models otherwise."""
+    params = load_params(ROOT / "params.yaml") if (ROOT / "params.yaml").is_file() else None
+    fmt = params.data.format if params else "math"
+    m = params.models if params else None
+    if m is not None:
+        slm_dir = next(
+            (ROOT / d for d in (m.finetuned_slm, m.slm) if (ROOT / d / "config.json").is_file()), None
+        )
+        llm_dir = ROOT / m.llm
+        train = ROOT / params.data.train
+        if slm_dir is not None and (llm_dir / "config.json").is_file() and train.is_file():
+            from citer.data.formats import read_jsonl
+            from citer.models import load_pair
+
+            slm, llm, tok = load_pair(slm_dir, llm_dir, "float32", "cpu")
+            rows = read_jsonl(train, fmt)[:n]
+            return slm, llm, tok, rows, fmt, f"embedded pair: {slm_dir.relative_to(ROOT)} + {m.llm}"
+    from citer.bootstrap import build_model, build_tokenizer, corpus_texts
+    from citer.data.synth import synthesize
+
+    splits = synthesize(SynthParams(n_train=max(n, 200), n_dev=10, n_test=10))
+    rows = splits[f"{fmt}_train"][:n]
+    bp = BootstrapParams()
+    tok = build_tokenizer(corpus_texts(splits[f"{fmt}_train"], fmt), bp.vocab_size)
+    slm = build_model(bp.slm, tok, seed=1).eval()
+    llm = build_model(bp.llm, tok, seed=2).eval()
+    return slm, llm, tok, rows, fmt, "untrained models of the embedded architecture (models/ not built)"
+
+
+@torch.inference_mode()
+def per_token_loop(
+    slm: Any, llm: Any, tok: Any, rows: list[dict[str, Any]], fmt: str
+) -> tuple[float, list[int]]:
+    """The reference method; returns (seconds, SLM tokens) so the two methods can be checked to agree."""
+    enc = encode_rows(tok, rows, fmt)  # tokenisation is outside both timings
+    pad = tok.pad_token_id
+    slm_tokens = []
+    t0 = time.perf_counter()
+    for e in enc:
+        for t in range(len(e.target)):
+            ids = torch.tensor([e.prompt + e.target[:t]])
+            out = slm.generate(
+                ids,
+                max_new_tokens=1,
+                do_sample=False,
+                pad_token_id=pad,
+                output_hidden_states=True,
+                return_dict_in_generate=True,
+            )
+            slm_tokens.append(int(out.sequences[0, -1]))
+            llm.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - t0, slm_tokens
+
+
+@torch.inference_mode()
+def reference_rollout_seconds(
+    slm: Any, tok: Any, enc: list[Any], ls: Any, max_new_tokens: int, k: int
+) -> float:
+    """Mean time of one reference-style rollout (one ``generate`` per both-wrong token), over up to k of them."""
+    bw = ls.tokens.index[ls.tokens["case"] == "both_wrong"].tolist()
+    if not bw:
+        return 0.0
+    pick = bw[:: max(1, len(bw) // k)][:k]  # evenly spread, deterministic
+    t0 = time.perf_counter()
+    for i in pick:
+        r = ls.tokens.loc[i]
+        e = enc[int(r["example_id"])]
+        ids = torch.tensor([e.prompt + e.target[: int(r["position"])] + [int(r["slm_token"])]])
+        slm.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )  # fmt: skip
+    return (time.perf_counter() - t0) / len(pick)
+
+
+def run(n: int, batch_size: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
+    slm, llm, tok, rows, fmt, desc = load_setup(n)
+    params = LabelsParams(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    # Warm-up (first-call allocations, lazy imports) outside every timing.
+    collect_iter1(slm, llm, tok, rows[:2], fmt, params.model_copy(update={"citer_s": True}))
+
+    enc = encode_rows(tok, rows, fmt)
+    t0 = time.perf_counter()
+    teacher_forced(slm, llm, enc, batch_size, tok.pad_token_id)
+    tf_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ls = collect_iter1(slm, llm, tok, rows, fmt, params)
+    citer_s = time.perf_counter() - t0
+    loop_s, loop_slm = per_token_loop(slm, llm, tok, rows, fmt)
+    agree = sum(int(a == b) for a, b in zip(loop_slm, ls.tokens["slm_token"].tolist(), strict=True))
+    per_rollout = reference_rollout_seconds(slm, tok, enc, ls, max_new_tokens, k=20)
+    ref_full = loop_s + per_rollout * int(ls.meta["n_rollouts"])
+    result = {
+        # Like for like: next-token predictions of both models + SLM hidden states at every target position.
+        "citer_seconds": round(tf_s, 3),
+        "per_token_loop_seconds": round(loop_s, 3),
+        "speedup": round(loop_s / tf_s, 2),
+        # Whole iteration 1 (both-wrong rollouts included): citer batches them through the engine, the reference
+        # runs one generate per token (its time estimated from a sample of 20 such calls).
+        "citer_collect_iter1_seconds": round(citer_s, 3),
+        "reference_iter1_estimated_seconds": round(ref_full, 3),
+        "speedup_iter1_estimated": round(ref_full / citer_s, 2),
+        "reference_seconds_per_rollout": round(per_rollout, 4),
+        "n_examples": len(rows),
+        "n_tokens": ls.n_tokens,
+        "n_rollouts": int(ls.meta["n_rollouts"]),
+        "case_counts": ls.case_counts(),
+        "slm_argmax_agreement": round(agree / ls.n_tokens, 4),
+        "models": desc,
+        "format": fmt,
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "torch_threads": torch.get_num_threads(),
+        "note": "shared 2-core machine: timings are noisy",
+    }
+    write_json(out, result)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=50, help="examples (default 50)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads for both methods (0 = torch default)"
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench_labels.json")
+    a = ap.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    res = run(a.n, a.batch_size, a.max_new_tokens, a.out)
+    for k, v in res.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

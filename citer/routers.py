@@ -1,0 +1,120 @@
+"""Baseline routers and the counter-based noise the engine's randomness is drawn from.
+
+A router is any callable ``hidden (B, H) float32 -> scores (B,)`` in [0, 1] = P(the SLM is good enough); the engine
+sends rows whose score is below tau to the LLM. A router whose ``__call__`` (or ``forward``) has a parameter named
+``row_ids`` also receives ``row_ids`` and ``steps`` (both (B,) int64: the row's index in the caller's prompt list and
+the index of the token being decided), so its decisions can be independent of how rows are batched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+_M32 = 0xFFFFFFFF
+STREAM_ROUTER = 1
+STREAM_SAMPLER = 2
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # lowbias32 integer hash on int64 tensors holding 32-bit values; the multiply may wrap int64, the mask keeps
+    # the (correct) low 32 bits.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(
+    seed: int, stream: int, row_ids: torch.Tensor, steps: torch.Tensor, width: int | None = None
+) -> torch.Tensor:
+    """Uniforms in (0, 1) that depend only on (seed, stream, row id, step[, column]), never on batch layout.
+
+    row_ids, steps: (B,) int -> (B,) float64, or (B, width) float64 when ``width`` is given.
+    """
+    dev = row_ids.device
+    h = _mix32(torch.tensor([(seed & _M32) ^ ((stream * 0x9E3779B9) & _M32)], dtype=torch.int64, device=dev))
+    h = _mix32(h ^ (row_ids.to(torch.int64) & _M32))
+    h = _mix32(h ^ (steps.to(torch.int64) & _M32))
+    if width is not None:
+        cols = _mix32((torch.arange(width, device=dev, dtype=torch.int64) * 0x9E3779B9) & _M32)
+        h = _mix32(h[:, None] ^ cols[None, :])  # (B, width)
+    return (h.to(torch.float64) + 0.5) / 4294967296.0
+
+
+def wants_row_ids(router: Callable[..., torch.Tensor]) -> bool:
+    """True when the router declares a ``row_ids`` parameter (nn.Module: on ``forward``)."""
+    target = router.forward if isinstance(router, nn.Module) else router
+    try:
+        return "row_ids" in inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class AlwaysSLM:
+    """Every token from the SLM (score 1)."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ones(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
+
+class AlwaysLLM:
+    """Every token from the LLM (score 0; routes to the LLM for any tau > 0)."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
+
+class RandomRouter:
+    """Sends a token to the LLM with probability ``p`` (score 0, else 1), decided by (seed, row id, step) only."""
+
+    def __init__(self, p: float, seed: int = 0) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"RandomRouter: p must lie in [0, 1], got {p}")
+        self.p = p
+        self.seed = seed
+
+    def __call__(
+        self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None, steps: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if row_ids is None or steps is None:
+            raise ValueError("RandomRouter needs row_ids and steps (the engine passes them)")
+        u = counter_uniform(self.seed, STREAM_ROUTER, row_ids, steps)  # (B,)
+        return (u >= self.p).to(torch.float32).to(hidden.device)
+
+
+class ConfidenceRouter(nn.Module):
+    """BiLD-style: the SLM's own confidence as the score, so low-confidence tokens go to the LLM.
+
+    Holds the SLM's output head to turn hidden states into a distribution, which keeps the (B, H) interface.
+    ``kind="max_prob"``: the top probability; ``kind="entropy"``: 1 - H(p) / log(V).
+    """
+
+    def __init__(self, lm_head: nn.Module, kind: Literal["max_prob", "entropy"] = "max_prob") -> None:
+        super().__init__()
+        if kind not in ("max_prob", "entropy"):
+            raise ValueError(f"ConfidenceRouter: kind must be 'max_prob' or 'entropy', got {kind!r}")
+        self.lm_head = lm_head
+        self.kind = kind
+
+    @classmethod
+    def from_model(
+        cls, slm: nn.Module, kind: Literal["max_prob", "entropy"] = "max_prob"
+    ) -> ConfidenceRouter:
+        return cls(slm.get_output_embeddings(), kind)
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.lm_head.weight
+        logits = self.lm_head(hidden.to(device=w.device, dtype=w.dtype)).float()  # (B, V)
+        logp = torch.log_softmax(logits, dim=-1)
+        if self.kind == "max_prob":
+            return logp.max(dim=-1).values.exp()  # (B,)
+        ent = -(logp.exp() * logp).sum(dim=-1)  # (B,)
+        return (1.0 - ent / math.log(logits.shape[-1])).clamp(0.0, 1.0)

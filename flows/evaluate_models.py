@@ -1,0 +1,62 @@
+"""Stage ``eval_models``: greedy test accuracy of the SLM and the LLM alone -> reports/models.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, task
+
+from flows.common import load_context, stage_run
+
+
+@task(name="evaluate-model", task_run_name="evaluate {name}")
+def evaluate_one(
+    name: str, ref: str, rows: list[dict[str, Any]], fmt: str, batch_size: int, max_new_tokens: int
+):
+    from citer.evaluate import evaluate_model
+    from citer.models import count_params, load_model
+
+    model, tok = load_model(ref)
+    return count_params(model), evaluate_model(model, tok, rows, fmt, batch_size, max_new_tokens)
+
+
+@flow(name="eval-models")
+def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.evaluate import write_models_report
+    from citer.io import read_json
+
+    ctx = load_context(params_path)
+    p = ctx.params
+    rows = ctx.read_split("test")
+    if p.eval.n_examples:
+        rows = rows[: p.eval.n_examples]
+    fmt = p.data.format
+    slm_n, slm_ev = evaluate_one("slm", ctx.slm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
+    llm_n, llm_ev = evaluate_one("llm", ctx.llm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
+    seconds = 0.0  # time to build the pair: bootstrap + finetune, when this project ran them
+    for stage in ("bootstrap", "finetune"):
+        f = ctx.reports / f"{stage}.json"
+        if f.exists():
+            seconds += float(read_json(f).get("seconds", 0.0))
+    report = write_models_report(
+        ctx.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
+    )
+    with stage_run(ctx, "eval_models") as run:
+        run.params({"slm": ctx.slm_name, "llm": p.models.llm, "n_examples": len(rows)})
+        run.metrics({f"slm.{k}": v for k, v in slm_ev.metrics().items()})
+        run.metrics({f"llm.{k}": v for k, v in llm_ev.metrics().items()})
+        run.metrics({"slm.params": slm_n, "llm.params": llm_n, "param_ratio": llm_n / max(slm_n, 1)})
+    return report
+
+
+@flow(name="eval-model")
+def eval_one_flow(
+    model: str, data: str, fmt: str, batch_size: int = 64, max_new_tokens: int = 96, limit: int = 0
+) -> dict[str, Any]:
+    """``citer eval model``: one model alone on one file (no params file needed)."""
+    from citer.data.formats import read_jsonl
+
+    rows = read_jsonl(data, fmt)
+    rows = rows[:limit] if limit else rows
+    n_params, ev = evaluate_one("model", model, rows, fmt, batch_size, max_new_tokens)
+    return {"model": model, "data": data, "params": n_params, **ev.metrics()}
