@@ -37,12 +37,20 @@ def _setup() -> None:
 
 
 def friendly(fn: F) -> F:
-    """Turn the library's user-facing errors into one line on stderr and exit code 1."""
+    """Turn the library's user-facing errors into one line on stderr and exit code 1.
+
+    A command's params file is checked here, before any flow starts, so a bad key fails fast and quietly.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _setup()
         try:
+            params = kwargs.get("params")
+            if params is not None and (Path(params).exists() or not kwargs.get("paths")):
+                from citer.config import load_params
+
+                load_params(params)
             return fn(*args, **kwargs)
         except (ValueError, FileNotFoundError, KeyError) as exc:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -47,6 +47,7 @@ class DataParams(_Block):
 class SynthParams(_Block):
     """The embedded arithmetic task (``citer data synth``): sizes, difficulty and the variety of the references."""
 
+    enabled: bool = True  # false when ``data`` points at real files: the pipeline then skips synth
     seed: int = 0
     n_train: int = 6000
     n_dev: int = 300

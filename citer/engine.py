@@ -6,9 +6,10 @@ token of the row it has not yet seen -- all selected rows in ONE forward call --
 The emitted token is then fed to the SLM. Rows stop at EOS or ``max_new_tokens`` and leave the batch.
 
 Both models keep a :class:`RaggedKVCache`: each row has its own length, so rows whose LLM caches lag by different
-gaps are appended to in one call (the chunk is right-padded; pad keys go to a trash column and an explicit 4D mask
-lets each query see only its own row's valid, causal columns). Prompts are never padded into the cache, so padding
-cannot change a logit beyond float rounding.
+gaps are appended to in one call, either padded (right-padded chunk; pad keys go to a trash column) or packed (all
+new tokens in one sequence, when padding would double the work). An explicit 4D mask lets each query see only its
+own row's valid, causal columns, and prompts are never padded into the cache, so batching cannot change a logit
+beyond float rounding. Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = hidden.
 """
 
 from __future__ import annotations

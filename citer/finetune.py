@@ -189,6 +189,10 @@ def build_trainer(
         data_collator=SFTCollator(pad),
         processing_class=tokenizer,
     )
+    # The loss curve comes back in FinetuneResult.log_history; printing every log line is the flow's choice.
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
     return trainer, truncated
 
 

@@ -53,5 +53,5 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1) -> dict[st
                 if isinstance(v, (int, float)) and not isinstance(v, bool)
             }
         )
-        run.tags({"labels.validation": "passed" if report.get("success", True) else "failed"})
+        run.metrics({f"labels.{k}": v for k, v in report.get("label_counts", {}).items()})
     return {"dir": str(out), "n_tokens": labelset.n_tokens, "case_counts": counts, "meta": labelset.meta}

@@ -11,11 +11,12 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import load_context, stage_run
+from flows.common import load_context, stage_run, tracking_uri
 
 
 @flow(name="citer-pipeline")
 def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.registry import get_alias
     from flows.batch_inference import batch_inference_flow
     from flows.bootstrap import bootstrap_flow
     from flows.collect_preferences import labels_flow
@@ -49,7 +50,10 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 out[f"router_iter{k}"] = router_flow(params_path, iteration=k)
             out["router_citer_s"] = router_flow(params_path, citer_s=True)
             out["sweep"] = sweep_flow(params_path)
-            out["inference"] = batch_inference_flow(params_path)
+            if get_alias(p.registry.model_name, p.registry.alias, tracking_uri(ctx)) is not None:
+                out["inference"] = batch_inference_flow(params_path)
+            else:  # nothing promoted yet (no τ met the rule): there is no deployed router to infer with
+                out["inference"] = {"skipped": "no champion: " + out["sweep"]["reason"]}
         finally:
             if previous is None:
                 os.environ.pop("CITER_PARENT_RUN_ID", None)

@@ -1,0 +1,106 @@
+"""The whole pipeline, for real, on a shrunken embedded default: one `citer pipeline` (Prefect + MLflow), then the
+batch-inference resume and the registry state it leaves behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from citer.cli import app
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small enough for CI on 2 cores; the sizes of the real default live in params.yaml.
+TINY = {
+    "synth": {"n_train": 400, "n_dev": 24, "n_test": 24},
+    "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
+    "finetune": {"max_steps": 10, "eval_examples": 8},
+    "eval": {"n_examples": 12},
+    "labels": {"n_examples": 24},
+    "router": {"epochs": 3},
+    "sweep": {
+        "n_examples": 12,
+        "taus": [0.3, 0.7],
+        "confidence_thresholds": [0.9],
+        "query_llm_fractions": [0.5],
+        "speculative_examples": 2,
+    },
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def write_tiny_params(root: Path) -> Path:
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+def test_pipeline_end_to_end(prefect_server, project):
+    write_tiny_params(project)
+    runner = CliRunner()
+    res = runner.invoke(app, ["pipeline"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+
+    rep = project / "reports"
+    models = json.loads((rep / "models.json").read_text())
+    assert set(models) == {"slm", "llm", "seconds"}
+    assert models["llm"]["params"] > models["slm"]["params"]
+    router = json.loads((rep / "router.json").read_text())
+    assert [it["iteration"] for it in router["iterations"]] == [1, 2]
+    for it in router["iterations"]:
+        assert {"iteration", "n_tokens", "case_counts", "val_auc", "val_loss"} <= set(it)
+    sweep = json.loads((rep / "sweep.json").read_text())
+    keys = {
+        "method",
+        "tau",
+        "accuracy",
+        "llm_token_fraction",
+        "llm_calls",
+        "bytes_moved",
+        "bytes_moved_rel_llm",
+        "sec_per_token",
+    }
+    assert all(set(r) == keys for r in sweep)
+    assert {"citer", "citer_s", "slm", "llm", "random", "confidence", "query", "speculative"} <= {
+        r["method"] for r in sweep
+    }
+    assert (rep / "pareto.png").stat().st_size > 0
+    promotion = json.loads((rep / "promotion.json").read_text())
+
+    preds = (project / "outputs" / "predictions.jsonl").read_text().splitlines()
+    assert len(preds) == 24 and all("response" in json.loads(x) for x in preds)
+
+    # The registry holds the version; the alias is there whenever the sweep found a τ meeting the rule.
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
+    client = mlflow.MlflowClient()
+    versions = client.search_model_versions("name='citer-router'")
+    assert len(versions) == 1 and versions[0].tags["slm"].endswith("models/slm")
+    runs = mlflow.search_runs(experiment_names=["citer"])
+    parent = runs[runs["tags.citer.stage"] == "pipeline"]
+    assert len(parent) == 1
+    nested = runs[runs["tags.mlflow.parentRunId"] == parent["run_id"].iloc[0]]
+    assert {"validate", "bootstrap_models", "finetune_slm", "labels_iter2", "router_iter2", "sweep"} <= set(
+        nested["tags.citer.stage"]
+    )
+
+    # A rerun of batch inference resumes: nothing left to decode, same file.
+    if promotion["promoted"]:
+        before = (project / "outputs" / "predictions.jsonl").read_bytes()
+        res = runner.invoke(app, ["route"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["n_skipped"] == 24
+        assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
