@@ -31,7 +31,8 @@ from citer.models import count_params, load_model  # noqa: E402
 def run(params: Params, work: Path) -> dict:
     fmt = "math"
     phases: dict[str, float] = {}
-    cpu: dict[str, float] = {}  # process CPU seconds: less sensitive than wall time to other jobs on the cores
+    # Process CPU seconds: less sensitive than wall time to other jobs on the cores.
+    cpu: dict[str, float] = {}
 
     def mark(name: str, t: float, c: float) -> None:
         phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c

@@ -96,10 +96,18 @@ class BootstrapParams(_Block):
     vocab_size: int = 512
     formats: list[Literal["math", "mc"]] = ["math"]
     slm: ArchParams = ArchParams(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
     llm: ArchParams = ArchParams(
-        hidden_size=96, intermediate_size=288, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+        hidden_size=96,
+        intermediate_size=288,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     slm_pretrain: PretrainParams = PretrainParams(steps=800, lr=5e-3)
     llm_pretrain: PretrainParams = PretrainParams(steps=1200, lr=3e-3)
@@ -205,6 +213,9 @@ class SweepParams(_Block):
     seed: int = 0
     confidence_thresholds: list[float] = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
     query_llm_fractions: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    # "query": bytes as if each question were decoded alone (batch 1, the paper's memory-bound regime; exact, since a
+    # row's output does not depend on its batch); "batch": weight reads shared by the sweep's batch of batch_size.
+    bytes_per: Literal["query", "batch"] = "query"
     speculative: bool = True
     speculative_examples: int = Field(50, ge=0)
     speculative_tokens: int = Field(5, ge=1)

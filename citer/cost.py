@@ -15,6 +15,10 @@ batch bytes:
 
     bytes_r = sum over calls c containing r of ( W_M / |R_c| + kv_M * (ctx_r + new_r) )
 
+``bytes_alone`` prices the same calls as if the row had been decoded by itself (batch 1, the latency regime the
+CITER paper measures): ``sum over calls c containing r of ( W_M + kv_M * (ctx_r + new_r) )``. Because the engine's
+output for a row does not depend on its batch, this is exact, not an estimate.
+
 Projected GPU time = bytes / bandwidth of the named GPU (``GPU_BANDWIDTH``, bytes/s: H100 3.35e12, H200 4.8e12);
 per token it is batch bytes / bandwidth / tokens generated in the batch. Compute, launch and Python overheads are not
 in the projection; wall time (measured) is reported beside it.
@@ -72,6 +76,8 @@ class RowStats:
     llm_bytes: float
     bytes_moved: float
     projected_seconds: float
+    # The same calls as if this row were decoded alone (batch 1): every call reads the whole weights.
+    bytes_alone: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,9 +161,18 @@ class CostMeter:
             cost.kv_bytes_per_token
         )
 
+    def _bytes_alone(self) -> np.ndarray:
+        out = np.zeros(self.n, dtype=np.float64)
+        for model, cost in self.costs.items():
+            if cost is not None:
+                out += self.row_calls[model] * float(cost.weight_bytes)
+                out += self.row_kv[model].astype(np.float64) * cost.kv_bytes_per_token
+        return out
+
     def finish(self, wall_seconds: float) -> tuple[list[RowStats], BatchStats]:
         bw = GPU_BANDWIDTH[self.gpu]
         sb, lb = self._bytes("slm"), self._bytes("llm")
+        alone = self._bytes_alone()
         rows = []
         for r in range(self.n):
             st, lt = int(self.tokens["slm"][r]), int(self.tokens["llm"][r])
@@ -174,6 +189,7 @@ class CostMeter:
                     llm_bytes=float(lb[r]),
                     bytes_moved=float(sb[r] + lb[r]),
                     projected_seconds=float((sb[r] + lb[r]) / bw),
+                    bytes_alone=float(alone[r]),
                 )
             )
         new = int(self.tokens["slm"].sum() + self.tokens["llm"].sum())

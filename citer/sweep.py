@@ -127,10 +127,12 @@ def decode_pass(
     batch_size: int,
     max_new_tokens: int,
     solo_llm: bool = False,
+    per_query: bool = True,
 ) -> PassResult:
     """Decode every prompt greedily through ``engine`` and grade it; time counts decoding only.
 
     ``solo_llm``: the engine is ``RoutedEngine(llm, None, AlwaysSLM())`` (plain LLM decoding, metered alike).
+    ``per_query``: bytes as if each question were decoded alone (``RowStats.bytes_alone``), else the batch's share.
     """
     n = len(prompts)
     res_tokens: list[list[int]] = [[] for _ in range(n)]
@@ -149,7 +151,7 @@ def decode_pass(
             # A solo LLM engine runs the LLM in the SLM seat: every token and call is the LLM's.
             llm_tokens[i] = len(toks) if solo_llm else int(st.llm_tokens)
             llm_calls[i] = int(st.slm_calls) if solo_llm else int(st.llm_calls)
-            byts[i] = float(st.bytes_moved)
+            byts[i] = float(st.bytes_alone if per_query else st.bytes_moved)
     correct = grade_all(tokenizer, res_tokens, rows, fmt)
     return PassResult(
         correct, [len(t) for t in res_tokens], llm_tokens, llm_calls, byts, wall, gpu, res_tokens
@@ -238,7 +240,9 @@ def combine_query(
     )
 
 
-def scoring_bytes(slm: Any, prompts: Sequence[Sequence[int]], batch_size: int, gpu: str) -> list[float]:
+def scoring_bytes(
+    slm: Any, prompts: Sequence[Sequence[int]], batch_size: int, gpu: str, per_query: bool = True
+) -> list[float]:
     """Per question, the bytes of the SLM prefill that computes the query router's input (same batches as
     :func:`prompt_scores`, metered by :class:`citer.cost.CostMeter`)."""
     from citer.cost import CostMeter, ModelCost
@@ -248,7 +252,7 @@ def scoring_bytes(slm: Any, prompts: Sequence[Sequence[int]], batch_size: int, g
         lens = [len(prompts[i]) for i in idx]
         meter.forward("slm", idx, lens, lens)
     rows, _ = meter.finish(0.0)
-    return [r.bytes_moved for r in rows]
+    return [r.bytes_alone if per_query else r.bytes_moved for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -296,7 +300,17 @@ def run_sweep(
 
     def run(name: str, engine: Any, solo_llm: bool = False) -> tuple[PassResult, float]:
         t0 = time.perf_counter()
-        res = decode_pass(engine, tokenizer, prompts, use, fmt, bs, mnt, solo_llm=solo_llm)
+        res = decode_pass(
+            engine,
+            tokenizer,
+            prompts,
+            use,
+            fmt,
+            bs,
+            mnt,
+            solo_llm=solo_llm,
+            per_query=params.bytes_per == "query",
+        )
         secs = time.perf_counter() - t0
         say(f"sweep {name}: accuracy {sum(res.correct) / len(res.correct):.3f}, {secs:.1f}s")
         return res, secs
@@ -341,7 +355,7 @@ def run_sweep(
             mnt,
             params.speculative_tokens,
             gpu,
-            weight_share=min(bs, len(use)),
+            weight_share=1 if params.bytes_per == "query" else min(bs, len(use)),
         )
         secs = time.perf_counter() - t0
         say(f"sweep speculative: {len(idx)} questions, {secs:.1f}s")
@@ -368,7 +382,7 @@ def _query_rows(
 
     t0 = time.perf_counter()
     scores = prompt_scores(slm, router, prompts, params.batch_size, pad)  # (N,)
-    extra = scoring_bytes(slm, prompts, params.batch_size, params.gpu)
+    extra = scoring_bytes(slm, prompts, params.batch_size, params.gpu, params.bytes_per == "query")
     secs = time.perf_counter() - t0
     n = len(prompts)
     order = sorted(range(n), key=lambda i: (float(scores[i]), i))

@@ -35,6 +35,8 @@ def quiet_defaults(root: Path | None = None) -> None:
     root = root or project_root()
     os.environ.setdefault("PREFECT_HOME", str(root / ".state" / "prefect"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".state" / "torch_extensions"))
+    # Prefect creates its home without parents and then fails to start its temporary server.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
 
 
 def project_root() -> Path:

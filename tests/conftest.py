@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -116,3 +117,35 @@ def project(tmp_path, monkeypatch):
     monkeypatch.delenv("CITER_PARENT_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+# Small enough for CI on 2 cores; the sizes of the real default live in params.yaml.
+TINY = {
+    "synth": {"n_train": 400, "n_dev": 24, "n_test": 24},
+    "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
+    "finetune": {"max_steps": 10, "eval_examples": 8},
+    "eval": {"n_examples": 12},
+    "labels": {"n_examples": 24},
+    "router": {"epochs": 3},
+    "sweep": {
+        "n_examples": 12,
+        "taus": [0.3, 0.7],
+        "confidence_thresholds": [0.9],
+        "query_llm_fractions": [0.5],
+        "speculative_examples": 2,
+    },
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def write_tiny_params(root: Path) -> Path:
+    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path

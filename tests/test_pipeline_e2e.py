@@ -4,46 +4,12 @@ batch-inference resume and the registry state it leaves behind."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import yaml
+from conftest import write_tiny_params
 from typer.testing import CliRunner
 
 from citer.cli import app
-
-REPO = Path(__file__).resolve().parents[1]
-
-# Small enough for CI on 2 cores; the sizes of the real default live in params.yaml.
-TINY = {
-    "synth": {"n_train": 400, "n_dev": 24, "n_test": 24},
-    "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
-    "finetune": {"max_steps": 10, "eval_examples": 8},
-    "eval": {"n_examples": 12},
-    "labels": {"n_examples": 24},
-    "router": {"epochs": 3},
-    "sweep": {
-        "n_examples": 12,
-        "taus": [0.3, 0.7],
-        "confidence_thresholds": [0.9],
-        "query_llm_fractions": [0.5],
-        "speculative_examples": 2,
-    },
-}
-
-
-def merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
-def write_tiny_params(root: Path) -> Path:
-    params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
-    path = root / "params.yaml"
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
-    return path
 
 
 @pytest.mark.slow
