@@ -25,7 +25,11 @@ QUIET_ENV = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "GIT_PYTHON_REFRESH": "quiet",
+    "GX_ANALYTICS_ENABLED": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # model saves/loads; citer's own long loops keep their bars
+    "TRANSFORMERS_VERBOSITY": "error",
 }
+QUIET_LOGGERS = ("mlflow", "great_expectations", "alembic", "DeepSpeed")
 
 
 def quiet_defaults(root: Path | None = None) -> None:
@@ -37,6 +41,14 @@ def quiet_defaults(root: Path | None = None) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".state" / "torch_extensions"))
     # Prefect creates its home without parents and then fails to start its temporary server.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    import logging
+
+    import torch
+
+    if not torch.cuda.is_available():  # else DeepSpeed (imported by transformers) warns on every start
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def project_root() -> Path:

@@ -41,7 +41,6 @@ def dvc_project(tmp_path, prefect_server):
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}",
         PREFECT_API_URL=str(PREFECT_API_URL.value()),  # the session's server: no server start per stage
-        CITER_ROOT=str(root),
         DVC_NO_ANALYTICS="1",
         GIT_AUTHOR_NAME="t",
         GIT_AUTHOR_EMAIL="t@t",
@@ -49,6 +48,7 @@ def dvc_project(tmp_path, prefect_server):
         GIT_COMMITTER_EMAIL="t@t",
     )
     env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("CITER_ROOT", None)  # stages run in dvc's working directory (a temp copy under `exp run --temp`)
     run(["git", "init", "-q"], root, env)
     run(["git", "add", "-A"], root, env)
     run(["git", "commit", "-qm", "init"], root, env)
