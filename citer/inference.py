@@ -15,7 +15,6 @@ A sidecar ``<output>.meta.json`` records the input's hash and the settings; resu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -27,7 +26,7 @@ from typing import Any
 from citer.data.answers import extract_answer, grade
 from citer.data.formats import FORMATS, iter_raw_lines, structural_problems
 from citer.data.prompts import Format, build_prompt
-from citer.io import write_json
+from citer.io import file_digest, write_json
 
 # Reference fields: a question without them is routed but not graded.
 _REFERENCE = {"math": ("solution",), "mc": ("answerKey",)}
@@ -97,11 +96,7 @@ def _read_items(path: Path, fmt: Format) -> list[_Item]:
 
 
 def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return file_digest(path)
 
 
 def _scan_output(output: Path) -> tuple[list[dict[str, Any]], list[int]]:

@@ -6,6 +6,7 @@ A stage killed half-way therefore leaves either the previous artifact or none, n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -64,6 +65,15 @@ def write_jsonl(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) ->
     with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as fh:
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def file_digest(path: str | os.PathLike[str], algorithm: str = "sha256") -> str:
+    """Hex digest of a file read in 1 MiB blocks (``md5`` is what DVC records for a file)."""
+    h = hashlib.new(algorithm)
+    with Path(path).open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
 from flows.common import git_commit, load_context, stage_run, tracking_uri
-
-
-def file_md5(path: Path) -> str:
-    """The md5 DVC records for a file: the data version a router was trained on."""
-    h = hashlib.md5()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @task(name="load-champion", retries=2, retry_delay_seconds=2)
@@ -39,7 +28,7 @@ def load_champion(ctx, hidden_size: int) -> tuple[Any, Any, str]:
 
 @flow(name="sweep-and-promote")
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.io import write_json
+    from citer.io import file_digest, write_json
     from citer.registry import Decision, register_router, set_alias
     from citer.router import load_router
     from citer.sweep import (
@@ -108,7 +97,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 "hidden_size": hidden,
                 "iteration": k,
                 "labels_hash": rmeta.get("data_hash", ""),
-                "data_version": file_md5(ctx.path(p.data.train)),
+                "data_version": file_digest(ctx.path(p.data.train), "md5"),  # as DVC records it
                 "eval_examples_hash": best.examples_hash,
                 "git_commit": git_commit(ctx.root),
                 "rule": p.sweep.rule.model_dump_json(),

@@ -15,15 +15,6 @@ V = 97
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models gain nothing from 2 threads, and on a shared 2-core machine OpenMP barriers stall small ops.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def pair():
     slm = make_qwen2(V, hidden_size=32, num_hidden_layers=1, seed=1)

@@ -12,17 +12,6 @@ from citer.inference import InferenceError, route_file
 GOOD = [{"problem": f"{a} + {a % 4}", "solution": f"\\boxed{{{a + a % 4}}}", "id": f"q{a}"} for a in range(7)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny models on a shared 2-core box: torch's intra-op threads only contend (measured 5x slower under load).
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _write_input(path, with_bad=True):
     lines = [json.dumps(r) for r in GOOD[:3]]
     if with_bad:

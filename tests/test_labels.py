@@ -27,16 +27,6 @@ from citer.labels import (
 )
 from citer.labels_store import LabelsError, LabelSet, load_labels, save_labels, validate_labels
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors on 2 shared cores: a second intra-op thread only adds contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 EOS = "<eos>"
 # SLM: from a space it writes "\boxed{7}" then EOS; any other unknown char -> space.  LLM: the same box with 8, and
 # digits count up (d -> d+1), "+" -> "5", "=" -> "8". Every chain ends in EOS within a few tokens.

@@ -25,15 +25,6 @@ from citer.router import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors on 2 shared cores: a second intra-op thread only adds contention (measured 3x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_labelset(hidden: torch.Tensor, labels: list[int], example_ids: list[str]) -> LabelSet:
     n = len(labels)
     pos: dict[str, int] = {}

@@ -23,17 +23,6 @@ from citer.pareto import (
 from citer.sweep_report import plot_pareto, read_sweep, write_pareto_json, write_plot_data, write_sweep
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Tiny models on a shared 2-core box: torch's intra-op threads only contend (measured 5x slower under load).
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def R(method, tau, acc, rel, llm_acc=0.80, h="h", n=100):
     return SweepRow(
         method, tau, acc, rel, 0, rel * 1000.0, rel, 1e-3, llm_accuracy=llm_acc, examples_hash=h, n_examples=n
