@@ -76,5 +76,23 @@ def file_digest(path: str | os.PathLike[str], algorithm: str = "sha256") -> str:
     return h.hexdigest()
 
 
+def read_artifact_meta(
+    directory: str | os.PathLike[str],
+    files: Iterable[str],
+    meta_file: str,
+    error: type[ValueError],
+    written_by: str,
+) -> dict[str, Any]:
+    """The JSON meta of an artifact directory, after checking every expected file is there; ``error`` names the file."""
+    d = Path(directory)
+    for name in files:
+        if not (d / name).is_file():
+            raise error(f"{d / name}: missing (not a directory written by {written_by})")
+    try:
+        return json.loads((d / meta_file).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise error(f"{d / meta_file}: not valid JSON ({exc})") from exc
+
+
 def read_json(path: str | os.PathLike[str]) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from citer.io import atomic_dir
+from citer.io import atomic_dir, read_artifact_meta
 
 CASES: tuple[str, ...] = ("slm_correct", "llm_correct", "both_wrong")
 SLM_PREFERRED = 1
@@ -117,13 +117,7 @@ def save_labels(ls: LabelSet, path: str | os.PathLike[str]) -> Path:
 def load_labels(path: str | os.PathLike[str], expected_hidden_size: int | None = None) -> LabelSet:
     """Read a label directory; raises :class:`LabelsError` naming the file and field when it is unusable."""
     d = Path(path)
-    for name in (HIDDEN_FILE, TOKENS_FILE, META_FILE):
-        if not (d / name).is_file():
-            raise LabelsError(f"{d / name}: missing (not a label directory written by save_labels)")
-    try:
-        meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise LabelsError(f"{d / META_FILE}: not valid JSON ({exc})") from exc
+    meta = read_artifact_meta(d, (HIDDEN_FILE, TOKENS_FILE, META_FILE), META_FILE, LabelsError, "save_labels")
     tensors = load_file(str(d / HIDDEN_FILE))
     if "hidden" not in tensors:
         raise LabelsError(f"{d / HIDDEN_FILE}: no tensor named 'hidden' (found {sorted(tensors)})")

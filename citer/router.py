@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from citer.config import RouterParams
-from citer.io import atomic_dir, write_json
+from citer.io import atomic_dir, read_artifact_meta, write_json
 from citer.labels_store import CASES, LabelSet, labelset_hash
 
 WEIGHTS_FILE = "router.safetensors"
@@ -291,13 +291,7 @@ def load_router(
 ) -> tuple[MLPRouter, dict[str, Any]]:
     """Load a saved router in eval mode with its meta; refuses a checkpoint for another SLM (hidden size or name)."""
     d = Path(path)
-    for name in (WEIGHTS_FILE, META_FILE):
-        if not (d / name).is_file():
-            raise RouterError(f"{d / name}: missing (not a router directory written by save_router)")
-    try:
-        meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise RouterError(f"{d / META_FILE}: not valid JSON ({exc})") from exc
+    meta = read_artifact_meta(d, (WEIGHTS_FILE, META_FILE), META_FILE, RouterError, "save_router")
     for key in ("hidden_size", "dropout"):
         if key not in meta:
             raise RouterError(f"{d / META_FILE}: field {key} missing")
