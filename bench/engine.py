@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from citer.engine import RaggedKVCache, RoutedEngine, ragged_append  # noqa: E402
+from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
+from citer.decoding.engine import RoutedEngine  # noqa: E402
+from citer.decoding.kv_cache import RaggedKVCache, ragged_append  # noqa: E402
 from citer.io import write_json  # noqa: E402
-from citer.routers import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
 
 
 def random_qwen2(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, seed: int):

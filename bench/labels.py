@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from citer.config import BootstrapParams, LabelsParams, SynthParams, load_params  # noqa: E402
 from citer.io import write_json  # noqa: E402
-from citer.labels import collect_iter1, encode_rows, teacher_forced  # noqa: E402
+from citer.routing.labels import collect_iter1, encode_rows, teacher_forced  # noqa: E402
 
 
 def load_setup(n: int) -> tuple[Any, Any, Any, list[dict[str, Any]], str, str]:
@@ -45,14 +45,14 @@ def load_setup(n: int) -> tuple[Any, Any, Any, list[dict[str, Any]], str, str]:
         llm_dir = ROOT / m.llm
         train = ROOT / params.data.train
         if slm_dir is not None and (llm_dir / "config.json").is_file() and train.is_file():
-            from citer.data.formats import read_jsonl
-            from citer.models import load_pair
+            from citer.data.jsonl import read_jsonl
+            from citer.models.loading import load_pair
 
             slm, llm, tok = load_pair(slm_dir, llm_dir, "float32", "cpu")
             rows = read_jsonl(train, fmt)[:n]
             return slm, llm, tok, rows, fmt, f"embedded pair: {slm_dir.relative_to(ROOT)} + {m.llm}"
-    from citer.bootstrap import build_model, build_tokenizer, corpus_texts
     from citer.data.synth import synthesize
+    from citer.models.bootstrap import build_model, build_tokenizer, corpus_texts
 
     splits = synthesize(SynthParams(n_train=max(n, 200), n_dev=10, n_test=10))
     rows = splits[f"{fmt}_train"][:n]

@@ -222,11 +222,10 @@ def serve_cmd(
     port: Annotated[int | None, typer.Option(help="default: serve.port")] = None,
 ) -> None:
     """Serve the registry's champion router behind an OpenAI-compatible API (streaming included)."""
-    from citer.serve import serve_champion
-    from flows.common import load_context, tracking_uri
+    from citer.project import load_project
+    from citer.serving.server import serve_champion
 
-    ctx = load_context(params)
-    serve_champion(ctx.params, root=ctx.root, tracking_uri=tracking_uri(ctx), host=host, port=port)
+    serve_champion(load_project(params), host=host, port=port)
 
 
 def main() -> None:  # pragma: no cover - console entry

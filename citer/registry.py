@@ -1,19 +1,20 @@
 """The MLflow Model Registry side of the router: register a version, read the champion, move the alias.
 
-A router version is a pyfunc model logged *from code* (``citer/router_pyfunc.py``), so nothing is pickled: its only
+A router version is a pyfunc model logged *from code* (``citer/routing/pyfunc.py``), so nothing is pickled: its only
 artifact is the router directory (``router.safetensors`` + ``router.json``). Version tags carry what a deployment
 needs to rebuild the decoder: the SLM, the LLM, τ, the hidden size, the label iteration, the data version and the git
-commit, plus the sweep metrics at the chosen τ.
+commit, plus the sweep metrics at the chosen τ (:func:`citer.evaluation.promotion.version_tags`). Whether a version
+takes the alias is decided by :mod:`citer.evaluation.promotion`; this module carries the decision out.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PYFUNC_CODE = Path(__file__).with_name("router_pyfunc.py")
+PYFUNC_CODE = Path(__file__).parent / "routing" / "pyfunc.py"
 PIP_REQUIREMENTS = ["torch==2.13.0", "safetensors", "mlflow==3.17.2"]
 
 
@@ -31,14 +32,6 @@ class RouterVersion:
     @property
     def tau(self) -> float:
         return float(self.tags["tau"])
-
-
-@dataclass(frozen=True)
-class Decision:
-    promoted: bool
-    reason: str
-    previous: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _client(tracking_uri: str | None = None):
@@ -120,3 +113,55 @@ def load_router_version(rv: RouterVersion):
 
     model = mlflow.pyfunc.load_model(f"models:/{rv.name}/{rv.version}")
     return model.unwrap_python_model().router
+
+
+@dataclass(frozen=True)
+class ChampionToCompare:
+    """The version holding the alias and, when it routes for this SLM, its router to re-evaluate in the sweep."""
+
+    version: RouterVersion | None  # None: no champion yet
+    router: Any | None  # None: no champion, or one that cannot run on this SLM (``note`` says why)
+    note: str
+
+    @property
+    def router_and_tau(self) -> tuple[Any, float] | None:
+        if self.version is None or self.router is None:
+            return None
+        return self.router, self.version.tau
+
+
+def champion_to_compare(
+    model_name: str, alias: str, *, slm: str, hidden_size: int, tracking_uri: str | None = None
+) -> ChampionToCompare:
+    """The champion, re-usable in a sweep only when it was registered for the same SLM and hidden size."""
+    rv = get_alias(model_name, alias, tracking_uri)
+    if rv is None:
+        return ChampionToCompare(None, None, "no champion yet")
+    if rv.tags.get("slm") != slm:
+        return ChampionToCompare(
+            rv, None, f"champion v{rv.version} routes for SLM {rv.tags.get('slm')}, not {slm}"
+        )
+    router = load_router_version(rv)
+    if router.hidden_size != hidden_size:
+        note = f"champion v{rv.version} has hidden_size {router.hidden_size}, the SLM {hidden_size}"
+        return ChampionToCompare(rv, None, note)
+    return ChampionToCompare(rv, router, f"champion v{rv.version} re-evaluated at tau={rv.tau}")
+
+
+def publish_router(
+    router_dir: str | Path,
+    *,
+    model_name: str,
+    alias: str,
+    run_id: str,
+    tags: dict[str, Any],
+    promote: bool,
+    tracking_uri: str | None = None,
+) -> RouterVersion:
+    """Register ``router_dir`` as a new version and, when ``promote``, move ``alias`` to it."""
+    rv = register_router(
+        router_dir, model_name=model_name, run_id=run_id, tags=tags, tracking_uri=tracking_uri
+    )
+    if promote:
+        set_alias(model_name, alias, rv.version, tracking_uri)
+    return rv

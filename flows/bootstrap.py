@@ -6,21 +6,22 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import load_context, stage_run
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @flow(name="bootstrap-models")
 def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.bootstrap import bootstrap_models
     from citer.io import write_json
+    from citer.models.bootstrap import bootstrap_models
 
-    ctx = load_context(params_path)
-    p = ctx.params
+    proj = load_project(params_path)
+    p = proj.params
     if not p.bootstrap.enabled:
         return {"skipped": True}
-    metrics = bootstrap_models(p.bootstrap, ctx.path(p.paths.data_dir), ctx.path(p.paths.models_dir))
-    write_json(ctx.path(p.paths.reports_dir) / "bootstrap.json", metrics)
-    with stage_run(ctx, "bootstrap_models") as run:
+    metrics = bootstrap_models(p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.paths.models_dir))
+    write_json(proj.path(p.paths.reports_dir) / "bootstrap.json", metrics)
+    with stage_run(proj, "bootstrap_models") as run:
         run.params(p.bootstrap.model_dump(), prefix="bootstrap.")
         run.metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
     return metrics

@@ -6,45 +6,46 @@ from typing import Any
 
 from prefect import flow, task
 
-from flows.common import load_context, stage_run
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @task(name="collect-labels", task_run_name="collect labels, iteration {iteration}")
-def collect(ctx, iteration: int):
-    from citer.labels import collect_iter1, collect_iter_k
-    from citer.labels_store import load_labels
-    from citer.router import load_router
+def collect(proj, iteration: int):
+    from citer.routing.label_store import load_labels
+    from citer.routing.labels import collect_iter1, collect_iter_k
+    from citer.routing.mlp import load_router
 
-    p = ctx.params
-    slm, llm, tok = ctx.load_pair()
-    rows = ctx.read_split("train")
+    p = proj.params
+    slm, llm, tok = proj.load_pair()
+    rows = proj.read_split("train")
     hidden = slm.config.hidden_size
     if iteration == 1:
         return collect_iter1(
-            slm, llm, tok, rows, p.data.format, p.labels, slm_name=ctx.slm_name, llm_name=p.models.llm
+            slm, llm, tok, rows, p.data.format, p.labels, slm_name=proj.slm_name, llm_name=p.models.llm
         ), hidden
-    prev = load_labels(ctx.labels_dir(iteration - 1), expected_hidden_size=hidden)
+    prev = load_labels(proj.labels_dir(iteration - 1), expected_hidden_size=hidden)
     router, _ = load_router(
-        ctx.router_dir(iteration - 1), expected_hidden_size=hidden, expected_slm=ctx.slm_name
+        proj.router_dir(iteration - 1), expected_hidden_size=hidden, expected_slm=proj.slm_name
     )
     return collect_iter_k(prev, router, slm, llm, tok, rows, p.data.format, p.labels), hidden
 
 
 @flow(name="collect-preferences")
 def labels_flow(params_path: str = "params.yaml", iteration: int = 1) -> dict[str, Any]:
-    from citer.labels_store import save_labels, validate_labels
+    from citer.routing.label_store import save_labels, validate_labels
 
-    ctx = load_context(params_path)
-    if not 1 <= iteration <= ctx.params.labels.iterations:
+    proj = load_project(params_path)
+    if not 1 <= iteration <= proj.params.labels.iterations:
         raise ValueError(
-            f"labels.iterations is {ctx.params.labels.iterations}; iteration {iteration} is out of range"
+            f"labels.iterations is {proj.params.labels.iterations}; iteration {iteration} is out of range"
         )
-    labelset, hidden = collect(ctx, iteration)
+    labelset, hidden = collect(proj, iteration)
     report = validate_labels(labelset, hidden)
-    out = save_labels(labelset, ctx.labels_dir(iteration))
+    out = save_labels(labelset, proj.labels_dir(iteration))
     counts = labelset.case_counts()
-    with stage_run(ctx, f"labels_iter{iteration}") as run:
-        run.params(ctx.params.labels.model_dump(), prefix="labels.")
+    with stage_run(proj, f"labels_iter{iteration}") as run:
+        run.params(proj.params.labels.model_dump(), prefix="labels.")
         run.metrics({f"case.{k}": v for k, v in counts.items()} | {"n_tokens": labelset.n_tokens})
         run.metrics(
             {

@@ -6,15 +6,16 @@ from typing import Any
 
 from prefect import flow, task
 
-from flows.common import load_context, stage_run
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @task(name="evaluate-model", task_run_name="evaluate {name}")
 def evaluate_one(
     name: str, ref: str, rows: list[dict[str, Any]], fmt: str, batch_size: int, max_new_tokens: int
 ):
-    from citer.evaluate import evaluate_model
-    from citer.models import count_params, load_model
+    from citer.models.evaluate import evaluate_model
+    from citer.models.loading import count_params, load_model
 
     model, tok = load_model(ref)
     return count_params(model), evaluate_model(model, tok, rows, fmt, batch_size, max_new_tokens)
@@ -22,27 +23,27 @@ def evaluate_one(
 
 @flow(name="eval-models")
 def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.evaluate import write_models_report
     from citer.io import read_json
+    from citer.models.evaluate import write_models_report
 
-    ctx = load_context(params_path)
-    p = ctx.params
-    rows = ctx.read_split("test")
+    proj = load_project(params_path)
+    p = proj.params
+    rows = proj.read_split("test")
     if p.eval.n_examples:
         rows = rows[: p.eval.n_examples]
     fmt = p.data.format
-    slm_n, slm_ev = evaluate_one("slm", ctx.slm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
-    llm_n, llm_ev = evaluate_one("llm", ctx.llm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
+    slm_n, slm_ev = evaluate_one("slm", proj.slm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
+    llm_n, llm_ev = evaluate_one("llm", proj.llm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
     seconds = 0.0  # time to build the pair: bootstrap + finetune, when this project ran them
     for stage in ("bootstrap", "finetune"):
-        f = ctx.reports / f"{stage}.json"
+        f = proj.reports / f"{stage}.json"
         if f.exists():
             seconds += float(read_json(f).get("seconds", 0.0))
     report = write_models_report(
-        ctx.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
+        proj.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
     )
-    with stage_run(ctx, "eval_models") as run:
-        run.params({"slm": ctx.slm_name, "llm": p.models.llm, "n_examples": len(rows)})
+    with stage_run(proj, "eval_models") as run:
+        run.params({"slm": proj.slm_name, "llm": p.models.llm, "n_examples": len(rows)})
         run.metrics({f"slm.{k}": v for k, v in slm_ev.metrics().items()})
         run.metrics({f"llm.{k}": v for k, v in llm_ev.metrics().items()})
         run.metrics({"slm.params": slm_n, "llm.params": llm_n, "param_ratio": llm_n / max(slm_n, 1)})
@@ -54,7 +55,7 @@ def eval_one_flow(
     model: str, data: str, fmt: str, batch_size: int = 64, max_new_tokens: int = 96, limit: int = 0
 ) -> dict[str, Any]:
     """``citer eval model``: one model alone on one file (no params file needed)."""
-    from citer.data.formats import read_jsonl
+    from citer.data.jsonl import read_jsonl
 
     rows = read_jsonl(data, fmt)
     rows = rows[:limit] if limit else rows

@@ -6,29 +6,30 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import load_context, stage_run
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @flow(name="finetune-slm")
 def finetune_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.finetune import finetune_slm
     from citer.io import write_json
+    from citer.models.finetune import finetune_slm
 
-    ctx = load_context(params_path)
-    p = ctx.params
+    proj = load_project(params_path)
+    p = proj.params
     result = finetune_slm(
-        ctx.model_ref(p.models.slm),
-        ctx.read_split("train"),
+        proj.model_ref(p.models.slm),
+        proj.read_split("train"),
         p.data.format,
         p.finetune,
-        ctx.path(p.models.finetuned_slm),
-        eval_rows=ctx.read_split("dev"),
+        proj.path(p.models.finetuned_slm),
+        eval_rows=proj.read_split("dev"),
         eval_batch_size=p.eval.batch_size,
         eval_max_new_tokens=p.eval.max_new_tokens,
     )
     summary = result.metrics() | {"deepspeed": result.deepspeed, "lora": result.lora}
-    write_json(ctx.reports / "finetune.json", summary)
-    with stage_run(ctx, "finetune_slm") as run:
+    write_json(proj.reports / "finetune.json", summary)
+    with stage_run(proj, "finetune_slm") as run:
         run.params(p.finetune.model_dump(), prefix="finetune.")
         run.params({"base": p.models.slm, "out": p.models.finetuned_slm})
         run.metrics(result.metrics())

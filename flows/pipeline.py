@@ -11,7 +11,8 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import load_context, stage_run, tracking_uri
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @flow(name="citer-pipeline")
@@ -27,10 +28,10 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from flows.train_router import router_flow
     from flows.validate import validate_flow
 
-    ctx = load_context(params_path)  # a bad params.yaml stops here, before any work
-    p = ctx.params
+    proj = load_project(params_path)  # a bad params.yaml stops here, before any work
+    p = proj.params
     out: dict[str, Any] = {}
-    with stage_run(ctx, "pipeline") as parent:
+    with stage_run(proj, "pipeline") as parent:
         previous = os.environ.get("CITER_PARENT_RUN_ID")
         os.environ["CITER_PARENT_RUN_ID"] = parent.run_id
         try:
@@ -50,7 +51,7 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 out[f"router_iter{k}"] = router_flow(params_path, iteration=k)
             out["router_citer_s"] = router_flow(params_path, citer_s=True)
             out["sweep"] = sweep_flow(params_path)
-            if get_alias(p.registry.model_name, p.registry.alias, tracking_uri(ctx)) is not None:
+            if get_alias(p.registry.model_name, p.registry.alias, proj.tracking_uri) is not None:
                 out["inference"] = batch_inference_flow(params_path)
             else:  # nothing promoted yet (no τ met the rule): there is no deployed router to infer with
                 out["inference"] = {"skipped": "no champion: " + out["sweep"]["reason"]}

@@ -6,127 +6,94 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from flows.common import git_commit, load_context, stage_run, tracking_uri
+from citer.project import load_project
+from flows.common import stage_run
 
 
-@task(name="load-champion", retries=2, retry_delay_seconds=2)
-def load_champion(ctx, hidden_size: int) -> tuple[Any, Any, str]:
-    """``(version, (router, tau) | None, note)``: the current champion, re-usable here only with the same SLM."""
-    from citer.registry import get_alias, load_router_version
+@task(name="find-champion", retries=2, retry_delay_seconds=2)
+def find_champion(proj, hidden_size: int):
+    from citer.registry import champion_to_compare
 
-    reg = ctx.params.registry
-    rv = get_alias(reg.model_name, reg.alias, tracking_uri(ctx))
-    if rv is None:
-        return None, None, "no champion yet"
-    if rv.tags.get("slm") != ctx.slm_ref:
-        return rv, None, f"champion v{rv.version} routes for SLM {rv.tags.get('slm')}, not {ctx.slm_ref}"
-    router = load_router_version(rv)
-    if router.hidden_size != hidden_size:
-        return rv, None, f"champion v{rv.version} has hidden_size {router.hidden_size}, the SLM {hidden_size}"
-    return rv, (router, rv.tau), f"champion v{rv.version} re-evaluated at tau={rv.tau}"
+    reg = proj.params.registry
+    return champion_to_compare(
+        reg.model_name, reg.alias, slm=proj.slm_ref, hidden_size=hidden_size, tracking_uri=proj.tracking_uri
+    )
 
 
 @flow(name="sweep-and-promote")
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.evaluation.promotion import plan_promotion, promotion_record, version_tags
+    from citer.evaluation.report import sweep_metrics, write_sweep_reports
+    from citer.evaluation.sweep import run_sweep
     from citer.io import file_digest, write_json
-    from citer.registry import Decision, register_router, set_alias
-    from citer.router import load_router
-    from citer.sweep import (
-        choose_tau,
-        claims,
-        decide_promotion,
-        plot_pareto,
-        run_sweep,
-        write_pareto_json,
-        write_plot_data,
-        write_sweep,
-    )
+    from citer.project import git_commit
+    from citer.registry import publish_router
+    from citer.routing.mlp import load_router
 
     logger = get_run_logger()
-    ctx = load_context(params_path)
-    p = ctx.params
-    slm, llm, tok = ctx.load_pair()
+    proj = load_project(params_path)
+    p = proj.params
+    slm, llm, tok = proj.load_pair()
     hidden = slm.config.hidden_size
     k = p.labels.iterations
-    router_dir = ctx.router_dir(k)
-    router, rmeta = load_router(router_dir, expected_hidden_size=hidden, expected_slm=ctx.slm_name)
+    router_dir = proj.router_dir(k)
+    router, rmeta = load_router(router_dir, expected_hidden_size=hidden, expected_slm=proj.slm_name)
     routers = {"citer": router}
-    if (ctx.router_dir("citer_s") / "router.json").exists():
-        routers["citer_s"] = load_router(ctx.router_dir("citer_s"), expected_hidden_size=hidden)[0]
-    rows = ctx.read_split("test")
+    if (proj.router_dir("citer_s") / "router.json").exists():
+        routers["citer_s"] = load_router(proj.router_dir("citer_s"), expected_hidden_size=hidden)[0]
+    rows = proj.read_split("test")
     if p.sweep.n_examples:
         rows = rows[: p.sweep.n_examples]
-    champ_rv, champion, champ_note = load_champion(ctx, hidden)
-    logger.info(champ_note)
+    champion = find_champion(proj, hidden)
+    logger.info(champion.note)
 
     sweep = run_sweep(
-        slm, llm, tok, rows, p.data.format, routers, p.sweep, champion=champion, log=logger.info
+        slm,
+        llm,
+        tok,
+        rows,
+        p.data.format,
+        routers,
+        p.sweep,
+        champion=champion.router_and_tau,
+        log=logger.info,
     )
-    rep = ctx.reports
-    write_sweep(rep / "sweep.json", sweep, rep / "sweep_details.json")
-    write_pareto_json(rep / "pareto.json", sweep)
-    write_plot_data(rep / "pareto", sweep)
-    plot_pareto(sweep, rep / "pareto.png")
-    found = claims(sweep, p.sweep.rule.accuracy_ratio)
-    write_json(rep / "sweep_claims.json", found)
-
-    best = choose_tau(sweep, p.sweep.rule)
-    champion_row = next((r for r in sweep if r.method == "champion"), None)
-    if champ_rv is not None and champion_row is None:
-        decision = Decision(False, f"kept v{champ_rv.version}: {champ_note}; it cannot be compared here")
-    else:
-        decision = decide_promotion(
-            best, champion_row, p.sweep.rule, previous=champ_rv.version if champ_rv else None
-        )
+    found = write_sweep_reports(proj.reports, sweep, p.sweep.rule.accuracy_ratio)
+    plan = plan_promotion(
+        sweep, p.sweep.rule, champion.version.version if champion.version else None, champion.note
+    )
 
     reg = p.registry
     version = None
-    with stage_run(ctx, "sweep") as run:
+    with stage_run(proj, "sweep") as run:
         run.params(p.sweep.model_dump(), prefix="sweep.")
-        for r in sweep:
-            tag = r.method if r.tau is None else f"{r.method}.tau_{r.tau:g}"
-            run.metrics({f"{tag}.accuracy": r.accuracy, f"{tag}.bytes_rel_llm": r.bytes_moved_rel_llm})
-        run.metrics({f"claims.{k_}": v for k_, v in found.items() if isinstance(v, (int, float))})
+        run.metrics(sweep_metrics(sweep, found))
         for f in ("sweep.json", "sweep_details.json", "sweep_claims.json", "pareto.png"):
-            run.artifact(rep / f, "sweep")
-        if best is not None:
-            tags = {
-                "slm": ctx.slm_ref,
-                "llm": ctx.llm_ref,
-                "tau": best.tau,
-                "hidden_size": hidden,
-                "iteration": k,
-                "labels_hash": rmeta.get("data_hash", ""),
-                "data_version": file_digest(ctx.path(p.data.train), "md5"),  # as DVC records it
-                "eval_examples_hash": best.examples_hash,
-                "git_commit": git_commit(ctx.root),
-                "rule": p.sweep.rule.model_dump_json(),
-                "accuracy": best.accuracy,
-                "bytes_moved_rel_llm": best.bytes_moved_rel_llm,
-                "llm_token_fraction": best.llm_token_fraction,
-                "sec_per_token": best.sec_per_token,
-            }
-            rv = register_router(
+            run.artifact(proj.reports / f, "sweep")
+        if plan.best is not None:
+            tags = version_tags(
+                plan.best,
+                p.sweep.rule,
+                slm=proj.slm_ref,
+                llm=proj.llm_ref,
+                hidden_size=hidden,
+                iteration=k,
+                labels_hash=rmeta.get("data_hash", ""),
+                data_version=file_digest(proj.path(p.data.train), "md5"),  # as DVC records it
+                git_commit=git_commit(proj.root),
+            )
+            version = publish_router(
                 router_dir,
                 model_name=reg.model_name,
+                alias=reg.alias,
                 run_id=run.run_id,
                 tags=tags,
-                tracking_uri=tracking_uri(ctx),
-            )
-            version = rv.version
-            if decision.promoted:
-                set_alias(reg.model_name, reg.alias, rv.version, tracking_uri(ctx))
-        run.tags({"promotion.promoted": decision.promoted, "promotion.reason": decision.reason})
+                promote=plan.decision.promoted,
+                tracking_uri=proj.tracking_uri,
+            ).version
+        run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
+    decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
-    promotion = {
-        "promoted": int(decision.promoted),
-        "reason": decision.reason,
-        "version": version,
-        "previous": decision.previous,
-        "tau": best.tau if best else None,
-        "accuracy": best.accuracy if best else None,
-        "bytes_moved_rel_llm": best.bytes_moved_rel_llm if best else None,
-        "llm_accuracy": next((r.accuracy for r in sweep if r.method == "llm"), None),
-    }
-    write_json(rep / "promotion.json", promotion)
+    promotion = promotion_record(plan, version, sweep)
+    write_json(proj.reports / "promotion.json", promotion)
     return promotion | {"claims": found}

@@ -7,7 +7,8 @@ from typing import Any
 
 from prefect import flow, task
 
-from flows.common import load_context, stage_run
+from citer.project import load_project
+from flows.common import stage_run
 
 
 @task(name="validate-file", task_run_name="validate {path}")
@@ -16,13 +17,6 @@ def validate_one(path: str, fmt: str, max_chars_warning: int) -> dict[str, Any]:
 
     report = validate_file(path, fmt, max_chars_warning=max_chars_warning)
     return report.to_dict() | {"summary": report.summary()}
-
-
-def configured_files(ctx) -> list[tuple[str, str]]:
-    p = ctx.params
-    if p.validate_.files:
-        return [(str(ctx.path(f)), fmt) for f, fmt in p.validate_.files]
-    return [(str(ctx.path(s)), p.data.format) for s in (p.data.train, p.data.dev, p.data.test)]
 
 
 @flow(name="validate", log_prints=False)
@@ -34,12 +28,12 @@ def validate_flow(
     """Validate ``files`` (default: the configured splits); write one JSON report and log it to MLflow."""
     from citer.io import write_json
 
-    ctx = load_context(params_path, optional=files is not None)
-    targets = files or configured_files(ctx)
-    reports = [validate_one(path, fmt, ctx.params.validate_.max_chars_warning) for path, fmt in targets]
-    out = Path(report_path) if report_path else ctx.path(ctx.params.paths.reports_dir) / "validation.json"
+    proj = load_project(params_path, optional=files is not None)
+    targets = files or proj.validation_files()
+    reports = [validate_one(path, fmt, proj.params.validate_.max_chars_warning) for path, fmt in targets]
+    out = Path(report_path) if report_path else proj.path(proj.params.paths.reports_dir) / "validation.json"
     write_json(out, {"files": [{k: v for k, v in r.items() if k != "summary"} for r in reports]})
-    with stage_run(ctx, "validate") as run:
+    with stage_run(proj, "validate") as run:
         run.params({"files": [f"{p}:{fmt}" for p, fmt in targets]})
         run.metrics(
             {

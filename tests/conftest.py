@@ -9,6 +9,8 @@ import pytest
 import torch
 import yaml
 
+from citer.config import ArchParams, SynthParams
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -20,7 +22,12 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+# The read-only benchmark files beside the checkout, absent on machines without them.
 SHARED_DATA = Path(os.environ.get("CITER_SHARED_DATA", REPO.parent / "shared" / "data"))
+needs_shared_data = pytest.mark.skipif(
+    not SHARED_DATA.is_dir(), reason=f"shared data not found at {SHARED_DATA} (set CITER_SHARED_DATA)"
+)
 
 
 def make_char_tokenizer():
@@ -75,6 +82,17 @@ def make_qwen2(
     return model.eval()
 
 
+def spread_router(hidden_size: int):
+    """A seeded MLP router whose scores spread over [0, 1], so at tau 0.5 both models write tokens."""
+    from citer.routing.mlp import MLPRouter
+
+    torch.manual_seed(0)
+    r = MLPRouter(hidden_size).eval()
+    with torch.no_grad():  # a larger last layer spreads the scores
+        r.net[-1].weight.mul_(8.0)
+    return r
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     return make_char_tokenizer()
@@ -100,6 +118,28 @@ def tiny_pair_dirs(tiny_pair, tmp_path_factory):
     return root / "slm", root / "llm"
 
 
+# A one-layer Qwen2 architecture for the embedded pair's builders (citer.models.bootstrap).
+TINY_ARCH = ArchParams(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+)
+
+
+@pytest.fixture(scope="session")
+def synth_rows():
+    """The embedded task, small: every split of both formats."""
+    from citer.data.synth import synthesize
+
+    return synthesize(SynthParams(seed=0, n_train=200, n_dev=20, n_test=20))
+
+
+@pytest.fixture(scope="session")
+def embedded_tok(synth_rows):
+    """The embedded tokenizer trained on the small task's math train split."""
+    from citer.models.bootstrap import build_tokenizer, corpus_texts
+
+    return build_tokenizer(corpus_texts(synth_rows["math_train"], "math"), 512)
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One temporary Prefect server (sqlite) for the whole session; flows run against it for real."""
@@ -117,6 +157,35 @@ def project(tmp_path, monkeypatch):
     monkeypatch.delenv("CITER_PARENT_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def sweep_row(method, tau, acc, rel, llm_acc=0.80, h="h", n=100):
+    """A hand-made sweep row: accuracy ``acc`` at ``rel`` x LLM-only bytes."""
+    from citer.evaluation.rows import SweepRow
+
+    return SweepRow(
+        method, tau, acc, rel, 0, rel * 1000.0, rel, 1e-3, llm_accuracy=llm_acc, examples_hash=h, n_examples=n
+    )
+
+
+@pytest.fixture()
+def sweep_rows():
+    """One hand-made sweep: every method, LLM-only accuracy 0.80."""
+    R = sweep_row
+    return [
+        R("llm", None, 0.80, 1.0),
+        R("slm", None, 0.40, 0.05),
+        R("citer", 0.2, 0.60, 0.15),
+        R("citer", 0.4, 0.75, 0.25),
+        R("citer", 0.6, 0.79, 0.35),
+        R("citer", 0.8, 0.80, 0.50),
+        R("citer_s", 0.4, 0.70, 0.30),
+        R("citer_s", 0.8, 0.79, 0.60),
+        R("random", 0.4, 0.55, 0.40),
+        R("confidence", 0.5, 0.70, 0.30),
+        R("query", 0.5, 0.62, 0.55),
+        R("speculative", None, 0.80, 1.10),
+    ]
 
 
 # Small enough for CI on 2 cores; the sizes of the real default live in params.yaml.

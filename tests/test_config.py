@@ -1,10 +1,7 @@
-from pathlib import Path
-
 import pytest
+from conftest import REPO
 
 from citer.config import ConfigError, Params, load_params
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_repo_params_load():

@@ -6,13 +6,15 @@ import torch
 
 from citer.registry import (
     RegistryError,
+    champion_to_compare,
     get_alias,
     load_router_version,
+    publish_router,
     register_router,
     require_champion,
     set_alias,
 )
-from citer.router import MLPRouter, save_router
+from citer.routing.mlp import MLPRouter, save_router
 
 
 @pytest.fixture()
@@ -80,3 +82,43 @@ def test_register_refuses_non_router_dir(store, tmp_path):
     run = client.create_run(exp)
     with pytest.raises(RegistryError, match="missing router.safetensors"):
         register_router(tmp_path, model_name="x", run_id=run.info.run_id, tags={})
+
+
+def test_publish_moves_the_alias_only_when_promoted(store, tmp_path):
+    client, exp = store
+    rdir, _ = _router_dir(tmp_path, "models/slm", "models/llm")
+    tags = {"slm": "models/slm", "llm": "models/llm", "tau": 0.3}
+
+    def publish(promote: bool) -> str:
+        run_id = client.create_run(exp).info.run_id
+        return publish_router(
+            rdir, model_name="p", alias="champion", run_id=run_id, tags=tags, promote=promote
+        ).version
+
+    assert publish(False) == "1" and get_alias("p", "champion") is None
+    assert publish(True) == "2" and get_alias("p", "champion").version == "2"
+    assert publish(False) == "3"
+    assert get_alias("p", "champion").version == "2"  # a registered loser leaves the alias where it was
+
+
+def test_champion_to_compare_only_for_the_same_slm_and_hidden_size(store, tmp_path):
+    client, exp = store
+    none = champion_to_compare("c", "champion", slm="models/slm", hidden_size=8)
+    assert none.version is None and none.router_and_tau is None and none.note == "no champion yet"
+    rdir, router = _router_dir(tmp_path, "models/slm", "models/llm")
+    tags = {"slm": "models/slm", "llm": "models/llm", "tau": 0.4}
+    run = client.create_run(exp).info.run_id
+    publish_router(rdir, model_name="c", alias="champion", run_id=run, tags=tags, promote=True)
+
+    same = champion_to_compare("c", "champion", slm="models/slm", hidden_size=8)
+    loaded, tau = same.router_and_tau
+    assert same.version.version == "1" and tau == 0.4 and "re-evaluated at tau=0.4" in same.note
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), router(x))
+
+    other_slm = champion_to_compare("c", "champion", slm="models/other", hidden_size=8)
+    assert other_slm.version.version == "1" and other_slm.router_and_tau is None
+    assert "routes for SLM models/slm, not models/other" in other_slm.note
+    other_size = champion_to_compare("c", "champion", slm="models/slm", hidden_size=16)
+    assert other_size.router_and_tau is None and "hidden_size 8, the SLM 16" in other_size.note

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from citer.data.prompts import Format
+from citer.data.formats import Format
 
 # Seconds math-verify may spend on one parse or comparison (main thread only; see the module docstring).
 MATH_VERIFY_TIMEOUT_S = 5

@@ -11,9 +11,10 @@ is trained on is exactly the text it is later asked to continue.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-Format = Literal["math", "mc"]
+from citer.data.answers import extract_boxed
+from citer.data.formats import Format
 
 ANSWER_CUE = "Answer:"
 
@@ -48,8 +49,6 @@ def reference_answer(row: Mapping[str, Any], fmt: Format) -> str:
     """The gold answer string as grading expects it (math: the solution's last box; mc: the answer label)."""
     if fmt == "mc":
         return str(row["answerKey"])
-    from citer.data.answers import extract_boxed
-
     boxed = extract_boxed(str(row["solution"]))
     if boxed is None:
         raise ValueError("math row has no \\boxed{...} answer in its solution")

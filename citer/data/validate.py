@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from citer.data.formats import RULES, DataError, ParsedLine, iter_lines
-from citer.data.prompts import Format
+from citer.data.formats import Format
+from citer.data.jsonl import RULES, DataError, ParsedLine, iter_lines
 from citer.io import write_json
 
 Severity = Literal["error", "warning"]

@@ -1,0 +1,42 @@
+"""One forward call of a causal LM that returns both the logits and the router's input.
+
+The router reads the SLM's last-layer hidden state after the final norm, at the position that predicts the next token.
+This function is the one definition of that vector: the engine, the KV cache's appends and label collection all call
+it, so a router is trained on exactly what it later sees. Shapes: B = rows, T = tokens, V = vocab, H = hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+
+def decoder_forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | dict[str, torch.Tensor] | None,
+    position_ids: torch.Tensor | None,
+    cache: Cache | None,
+    *,
+    last_index: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a causal LM and return ``(logits, hidden)``; hidden is the last layer's output after the final norm.
+
+    input_ids (B, T) -> logits (B, T, V), hidden (B, T, H); with ``last_index`` (B,) only that position of each row:
+    logits (B, V), hidden (B, H) (the head then runs on B vectors, not B*T). A pair (batch_idx (n,), pos_idx (n,))
+    picks n arbitrary positions: logits (n, V), hidden (n, H).
+    """
+    out = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=cache is not None,
+    )
+    hidden = out.last_hidden_state  # (B, T, H)
+    if isinstance(last_index, tuple):
+        hidden = hidden[last_index[0], last_index[1]]  # (n, H)
+    elif last_index is not None:
+        hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, H)
+    return model.get_output_embeddings()(hidden), hidden

@@ -1,0 +1,187 @@
+"""The per-row ragged KV cache and its one-call append.
+
+Each row has its own length, so rows whose caches lag by different gaps are appended to in one forward call, either
+padded (right-padded chunk; pad keys go to a trash column) or packed (all new tokens in one sequence, when padding
+would double the work). An explicit 4D mask lets each query see only its own row's valid, causal columns, and prompts
+are never padded into the cache, so batching cannot change a logit beyond float rounding.
+Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+from citer.decoding.forward import decoder_forward
+
+
+class RaggedKVCache(Cache):
+    """Per-row KV cache: per layer a (R, kv_heads, capacity + 1, head_dim) buffer; row r holds ``lengths[r]`` columns.
+
+    A call either pads (rows x longest chunk; pad keys go to the last column, a trash slot) or packs (all new tokens
+    in one sequence, each attending only its own row's columns: no padded compute, at the price of gathering the
+    rows' caches into one key sequence). Rows are "slots" in buffer order; ``keep`` compacts
+    them when rows finish so the active rows stay a prefix (the common call then uses views, not gathers).
+    """
+
+    def __init__(self, model: nn.Module, n_rows: int, capacity: int) -> None:
+        super().__init__(layers=[])
+        cfg = model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        p = next(model.parameters())
+        shape = (n_rows, kv_heads, capacity + 1, head_dim)
+        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
+        self.values = [
+            torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.capacity = capacity
+        self.lengths = [0] * n_rows  # valid columns per slot
+        # Set by `append` for the duration of one forward call.
+        self._slots: torch.Tensor | None = None  # (b,) slot indices, None = the prefix 0..b-1
+        self._cols: torch.Tensor | None = None  # (b, Q) column each new key goes to
+        self._kv_len = 0
+        self._packed: tuple[torch.Tensor, ...] | None = None  # (tok_slot, tok_col, key_slot, key_col)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths, default=0)
+
+    def keep(self, slots: Sequence[int]) -> None:
+        """Keep only ``slots`` (in that order) -- rows that finished are dropped."""
+        idx = torch.tensor(list(slots), dtype=torch.long, device=self.keys[0].device)
+        self.keys = [k.index_select(0, idx) for k in self.keys]
+        self.values = [v.index_select(0, idx) for v in self.values]
+        self.lengths = [self.lengths[s] for s in slots]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: (b, kv_heads, Q, head_dim) -> cache keys/values (b, kv_heads, kv_len, head_dim)
+        kbuf, vbuf = self.keys[layer_idx], self.values[layer_idx]
+        if self._packed is not None:
+            # Packed call: key_states (1, kv_heads, N, head_dim), N new tokens of several rows in one sequence.
+            tok_slot, tok_col, key_slot, key_col = self._packed
+            kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
+            vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
+            # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
+            return (
+                kbuf[key_slot, :, key_col].transpose(0, 1)[None],
+                vbuf[key_slot, :, key_col].transpose(0, 1)[None],
+            )
+        b = key_states.shape[0]
+        cols = self._cols  # (b, Q)
+        if self._slots is None:
+            rows = torch.arange(b, device=cols.device)[:, None]  # (b, 1)
+            kbuf[rows, :, cols] = key_states.transpose(1, 2)  # indexed dims first: (b, Q, kv_heads, head_dim)
+            vbuf[rows, :, cols] = value_states.transpose(1, 2)
+            return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
+        rows = self._slots[:, None]
+        kbuf[rows, :, cols] = key_states.transpose(1, 2)
+        vbuf[rows, :, cols] = value_states.transpose(1, 2)
+        # A gather: the selected rows' caches, cut to the longest (b, kv_heads, kv_len, head_dim).
+        return (
+            kbuf[:, :, : self._kv_len].index_select(0, self._slots),
+            vbuf[:, :, : self._kv_len].index_select(0, self._slots),
+        )
+
+
+def _mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    # allowed: (b, 1, Q, K) bool, True = attend. sdpa takes it as is; eager wants an additive float mask.
+    impl = model.config._attn_implementation
+    if impl == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def ragged_append(
+    model: nn.Module,
+    cache: RaggedKVCache,
+    chunks: Sequence[Sequence[int]],
+    slots: Sequence[int] | None = None,
+    packed: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed ``chunks[i]`` (>= 1 token) to slot ``slots[i]`` (default: slot i) in one forward call.
+
+    ``packed``: None chooses -- pack when padding would at least double the tokens computed (catch-up calls with
+    mixed gaps) and the packed mask stays small, pad otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
+    hidden (b, H) at each row's last fed token.
+    """
+    dev = cache.keys[0].device
+    b = len(chunks)
+    sl = list(range(b)) if slots is None else list(slots)
+    gaps = [len(c) for c in chunks]
+    q = max(gaps)
+    if packed is None:
+        # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
+        n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
+        packed = b > 1 and 2 * sum(gaps) <= b * q and sum(gaps) * n_keys <= 1 << 22
+    if packed:
+        return _packed_append(model, cache, chunks, sl, gaps)
+    starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
+    g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
+    ids = torch.tensor(
+        [list(c) + [c[-1]] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
+    )  # (b, Q)
+    j = torch.arange(q, device=dev)[None, :]  # (1, Q)
+    real = j < g[:, None]  # (b, Q)
+    # Pad queries repeat the last real position, so they see exactly the row's valid columns (never all-masked).
+    pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
+    cache._cols = torch.where(real, starts[:, None] + j, torch.full_like(pos, cache.capacity))  # (b, Q)
+    cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))
+    cache._slots = None if sl == list(range(b)) else torch.tensor(sl, dtype=torch.long, device=dev)
+    allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
+    mask = _mask_for(model, allowed[:, None])  # (b, 1, Q, K)
+    try:
+        logits, hidden = decoder_forward(
+            model, ids, {"full_attention": mask}, pos, cache, last_index=g - 1
+        )  # (b, V), (b, H)
+    finally:
+        cache._slots, cache._cols = None, None
+    for s, n in zip(sl, gaps, strict=True):
+        cache.lengths[s] += n
+    return logits, hidden
+
+
+def _packed_append(
+    model: nn.Module, cache: RaggedKVCache, chunks: Sequence[Sequence[int]], sl: list[int], gaps: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = cache.keys[0].device
+    tok_row, tok_pos, key_row, key_col, key_slot = [], [], [], [], []
+    for i, (s, n) in enumerate(zip(sl, gaps, strict=True)):
+        start = cache.lengths[s]
+        tok_row += [i] * n
+        tok_pos += range(start, start + n)
+        key_row += [i] * (start + n)
+        key_col += range(start + n)
+        key_slot += [s] * (start + n)
+    t = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in
+         dict(tok_row=tok_row, tok_pos=tok_pos, key_row=key_row, key_col=key_col, key_slot=key_slot).items()}  # fmt: skip
+    ids = torch.tensor([[x for c in chunks for x in c]], dtype=torch.long, device=dev)  # (1, N)
+    slot_t = torch.tensor(sl, dtype=torch.long, device=dev)[t["tok_row"]]  # (N,)
+    cache._packed = (slot_t, t["tok_pos"], t["key_slot"], t["key_col"])
+    # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
+    allowed = (t["key_row"][None, :] == t["tok_row"][:, None]) & (
+        t["key_col"][None, :] <= t["tok_pos"][:, None]
+    )
+    mask = _mask_for(model, allowed[None, None])  # (1, 1, N, sum K_i)
+    last = torch.tensor(gaps, device=dev).cumsum(0) - 1  # (b,) index of each row's last token
+    try:
+        logits, hidden = decoder_forward(
+            model,
+            ids,
+            {"full_attention": mask},
+            t["tok_pos"][None],
+            cache,
+            last_index=(torch.zeros_like(last), last),
+        )  # (b, V), (b, H)
+    finally:
+        cache._packed = None
+    for s, n in zip(sl, gaps, strict=True):
+        cache.lengths[s] += n
+    return logits, hidden

@@ -1,0 +1,227 @@
+"""One decoding pass over the sweep's examples: decode, grade, aggregate into a :class:`SweepRow`.
+
+Every method of the sweep is a pass (or, for query-level routing, a per-question pick from two passes), so all of
+them are decoded from the same prompt ids, graded by the same function and priced by the same cost model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from citer.data.answers import grade
+from citer.data.formats import Format
+from citer.data.prompts import build_prompt
+from citer.decoding.cost import GPU_BANDWIDTH
+from citer.decoding.speculative import SpeculativeOutput
+from citer.evaluation.rows import SweepError, SweepRow
+
+
+@dataclass
+class PassResult:
+    """Per-example outcomes of decoding every example once (lists indexed like the examples)."""
+
+    correct: list[bool]
+    n_tokens: list[int]
+    llm_tokens: list[int]
+    llm_calls: list[int]
+    bytes_moved: list[float]
+    wall_seconds: float
+    gpu_seconds: float  # projected (bytes / bandwidth), see citer.decoding.cost
+    tokens: list[list[int]] = field(default_factory=list)
+
+    def subset(self, idx: Sequence[int]) -> PassResult:
+        return PassResult(
+            [self.correct[i] for i in idx],
+            [self.n_tokens[i] for i in idx],
+            [self.llm_tokens[i] for i in idx],
+            [self.llm_calls[i] for i in idx],
+            [self.bytes_moved[i] for i in idx],
+            self.wall_seconds,
+            self.gpu_seconds,
+            [self.tokens[i] for i in idx] if self.tokens else [],
+        )
+
+
+def encode_prompts(tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Format) -> list[list[int]]:
+    """The prompt ids every method decodes from (no special tokens, as in training)."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            ids = tokenizer.encode(build_prompt(row, fmt), add_special_tokens=False)
+        except KeyError as exc:
+            raise SweepError(f"rows: row {i}, field {exc.args[0]!r} missing for format {fmt!r}") from exc
+        if not ids:
+            raise SweepError(f"rows: row {i}, field prompt encodes to no tokens")
+        out.append(list(ids))
+    return out
+
+
+def examples_hash(prompts: Sequence[Sequence[int]], rows: Sequence[Mapping[str, Any]]) -> str:
+    """Identifies the examples a row was measured on (prompts and references)."""
+    h = hashlib.sha256()
+    h.update(json.dumps([list(p) for p in prompts]).encode())
+    h.update(json.dumps([dict(r) for r in rows], sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def grade_all(
+    tokenizer: Any, tokens: Sequence[Sequence[int]], rows: Sequence[Mapping[str, Any]], fmt: Format
+) -> list[bool]:
+    """Whether each decoded answer is right (special tokens dropped before grading)."""
+    texts = [tokenizer.decode(list(t), skip_special_tokens=True) for t in tokens]
+    return [bool(grade(t, r, fmt)) for t, r in zip(texts, rows, strict=True)]
+
+
+def batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    # Similar lengths per batch keep left padding short; the order is fixed, so every pass sees the same batches.
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    return [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+def decode_pass(
+    engine: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    batch_size: int,
+    max_new_tokens: int,
+    solo_llm: bool = False,
+    per_query: bool = True,
+) -> PassResult:
+    """Decode every prompt greedily through ``engine`` and grade it; time counts decoding only.
+
+    ``solo_llm``: the engine is ``RoutedEngine(llm, None, AlwaysSLM())`` (plain LLM decoding, metered alike).
+    ``per_query``: bytes as if each question were decoded alone (``RowStats.bytes_alone``), else the batch's share.
+    """
+    n = len(prompts)
+    res_tokens: list[list[int]] = [[] for _ in range(n)]
+    llm_tokens, llm_calls, byts = [0] * n, [0] * n, [0.0] * n
+    wall, gpu = 0.0, 0.0
+    for idx in batches(prompts, batch_size):
+        t0 = time.perf_counter()
+        # row_ids = example indices: the random router's draws then do not depend on how rows are batched.
+        res = engine.generate_batch(
+            [list(prompts[i]) for i in idx], max_new_tokens=max_new_tokens, temperature=0.0, row_ids=idx
+        )
+        wall += time.perf_counter() - t0
+        gpu += float(res.batch.projected_seconds)
+        for i, toks, st in zip(idx, res.tokens, res.rows, strict=True):
+            res_tokens[i] = list(toks)
+            # A solo LLM engine runs the LLM in the SLM seat: every token and call is the LLM's.
+            llm_tokens[i] = len(toks) if solo_llm else int(st.llm_tokens)
+            llm_calls[i] = int(st.slm_calls) if solo_llm else int(st.llm_calls)
+            byts[i] = float(st.bytes_alone if per_query else st.bytes_moved)
+    correct = grade_all(tokenizer, res_tokens, rows, fmt)
+    return PassResult(
+        correct, [len(t) for t in res_tokens], llm_tokens, llm_calls, byts, wall, gpu, res_tokens
+    )
+
+
+def to_row(
+    method: str, tau: float | None, res: PassResult, llm_ref: PassResult | None, ex_hash: str, **extra: Any
+) -> SweepRow:
+    """Aggregate a pass into a :class:`SweepRow` (``llm_ref`` None: this pass is the LLM-only reference)."""
+    ref = llm_ref or res
+    n_tok = sum(res.n_tokens)
+    b = sum(res.bytes_moved)
+    b_ref = sum(ref.bytes_moved)
+    return SweepRow(
+        method=method,
+        tau=None if tau is None else float(tau),
+        accuracy=sum(res.correct) / len(res.correct),
+        llm_token_fraction=sum(res.llm_tokens) / n_tok if n_tok else 0.0,
+        llm_calls=int(sum(res.llm_calls)),
+        bytes_moved=float(b),
+        bytes_moved_rel_llm=b / b_ref if b_ref > 0 else float("nan"),
+        sec_per_token=res.wall_seconds / n_tok if n_tok else float("nan"),
+        gpu_sec_per_token=res.gpu_seconds / n_tok if n_tok else None,
+        n_examples=len(res.correct),
+        n_tokens=int(n_tok),
+        llm_accuracy=sum(ref.correct) / len(ref.correct),
+        examples_hash=ex_hash,
+        extra=dict(extra),
+    )
+
+
+def speculative_result(
+    outputs: Sequence[SpeculativeOutput],
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    gpu: str,
+    weight_share: int = 1,
+) -> tuple[PassResult, dict[str, float]]:
+    """A pass from per-question assisted-generation outputs (:func:`citer.decoding.speculative.speculative_generate`).
+
+    ``llm_tokens`` counts the tokens the LLM wrote itself: each verification call emits exactly one token of its own
+    (a correction or the bonus token) besides the accepted drafts.
+
+    Bytes: the engine shares each call's weight read among the rows of its batch; assisted generation runs one
+    question at a time, so to compare like with like the weight bytes of every call are divided by
+    ``weight_share`` (the sweep passes its batch size under ``bytes_per: batch``: the estimate of a batched
+    speculative decoder, optimistic because rows leave a real batch as they finish). KV bytes are per question and
+    exact. The second return value holds the measured batch-1 totals (``bytes_batch1``, ``slm_calls``, ``llm_calls``,
+    ``new_tokens``).
+    """
+    n = len(outputs)
+    res = PassResult([False] * n, [0] * n, [0] * n, [0] * n, [0.0] * n, 0.0, 0.0, [[] for _ in range(n)])
+    totals = {"bytes_batch1": 0.0, "slm_calls": 0.0, "llm_calls": 0.0, "new_tokens": 0.0}
+    for i, o in enumerate(outputs):
+        shared = o.bytes_moved - o.weight_bytes * (1.0 - 1.0 / weight_share)
+        totals["bytes_batch1"] += o.bytes_moved
+        totals["slm_calls"] += o.slm_calls
+        totals["llm_calls"] += o.llm_calls
+        totals["new_tokens"] += len(o.tokens)
+        res.tokens[i] = list(o.tokens)
+        res.n_tokens[i] = len(o.tokens)
+        res.llm_calls[i] = o.llm_calls
+        res.llm_tokens[i] = min(o.llm_calls, len(o.tokens))
+        res.bytes_moved[i] = shared
+        res.wall_seconds += o.wall_seconds
+        res.gpu_seconds += shared / GPU_BANDWIDTH[gpu]
+    res.correct = grade_all(tokenizer, res.tokens, rows, fmt)
+    return res, totals
+
+
+def speculative_row(
+    sp: PassResult,
+    llm_res: PassResult,
+    idx: list[int],
+    ex_hash: str,
+    secs: float,
+    totals: Mapping[str, float],
+) -> SweepRow:
+    """The speculative row; on a subset of the examples its bytes and calls are scaled to the whole set by the
+    LLM-only pass's bytes on that subset, and its accuracy is LLM-only's (greedy assisted generation is lossless;
+    the measured agreement with the LLM-only outputs is in ``extra``)."""
+    llm_sub = llm_res.subset(idx)
+    agree = sum(a == b for a, b in zip(sp.tokens, llm_sub.tokens, strict=True)) / len(idx)
+    measured = sum(sp.correct) / len(idx)
+    row = to_row(
+        "speculative",
+        None,
+        sp,
+        llm_sub,
+        ex_hash,
+        n_measured=len(idx),
+        measured_accuracy=measured,
+        llm_agreement=agree,
+        pass_seconds=secs,
+        **{f"batch1_{k}": v for k, v in totals.items()},
+    )
+    if len(idx) == len(llm_res.correct):
+        return row
+    scale = sum(llm_res.bytes_moved) / sum(llm_sub.bytes_moved)
+    row.accuracy = sum(llm_res.correct) / len(llm_res.correct)
+    row.llm_accuracy = row.accuracy
+    row.bytes_moved *= scale
+    row.llm_calls = round(row.llm_calls * scale)
+    row.n_examples = len(llm_res.correct)
+    row.extra["scaled_from_subset"] = scale
+    return row

@@ -1,0 +1,185 @@
+"""The promotion rule, as pure functions: choose τ, compare candidate and champion, build the registry record.
+
+Rows in, decisions and records out; the MLflow side (:mod:`citer.registry`) only carries them out. A candidate takes the
+alias only when it strictly beats the champion re-evaluated on the same examples in the same sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from citer.config import SelectionRule
+from citer.evaluation.rows import SweepError, SweepRow, llm_reference, rows_of
+
+
+@dataclass(frozen=True)
+class Decision:
+    promoted: bool
+    reason: str
+    previous: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def objective(
+    row: SweepRow, rule: SelectionRule, llm_accuracy: float | None = None
+) -> tuple[float, float, float]:
+    """A lexicographic score, larger is better: (meets the rule's constraint, primary, secondary).
+
+    - ``min_bytes_at_accuracy``: feasible when accuracy >= ratio x LLM-only accuracy; then fewer bytes, then more
+      accuracy. Infeasible rows rank by accuracy, then bytes (the closest to feasible first).
+    - ``max_accuracy_under_bytes``: feasible when bytes_moved_rel_llm <= budget; then more accuracy, then fewer
+      bytes. Infeasible rows rank by bytes, then accuracy.
+    ``llm_accuracy`` defaults to the row's own ``llm_accuracy`` (set by the sweep).
+    """
+    acc, rel = float(row.accuracy), float(row.bytes_moved_rel_llm)
+    if rule.kind == "min_bytes_at_accuracy":
+        ref = row.llm_accuracy if llm_accuracy is None else llm_accuracy
+        if ref is None:
+            raise SweepError(f"row {row.method}@{row.tau}: field llm_accuracy is unset; pass llm_accuracy")
+        # A tiny slack keeps 0.98 x 0.5 == 0.49 feasible despite binary floating point.
+        if acc >= rule.accuracy_ratio * float(ref) - 1e-12:
+            return (1.0, -rel, acc)
+        return (0.0, acc, -rel)
+    if rule.kind == "max_accuracy_under_bytes":
+        if rel <= rule.bytes_budget_rel_llm + 1e-12:
+            return (1.0, acc, -rel)
+        return (0.0, -rel, acc)
+    raise SweepError(f"selection rule: field kind={rule.kind!r} unknown")
+
+
+def choose_tau(rows: Sequence[SweepRow], rule: SelectionRule, method: str = "citer") -> SweepRow | None:
+    """The ``method`` row that best meets ``rule`` (see :func:`objective`); None when no row meets the constraint.
+
+    Ties (same objective) go to the smaller τ, so the choice does not depend on row order.
+    """
+    llm_acc = llm_reference(rows).accuracy if rule.kind == "min_bytes_at_accuracy" else None
+    cands = [(objective(r, rule, llm_acc), r) for r in rows_of(rows, method)]
+    feasible = [(o, r) for o, r in cands if o[0] == 1.0]
+    if not feasible:
+        return None
+    best = max(feasible, key=lambda x: (x[0], -(x[1].tau if x[1].tau is not None else math.inf)))
+    return best[1]
+
+
+def _describe(row: SweepRow) -> str:
+    return f"accuracy {row.accuracy:.4f}, bytes {row.bytes_moved_rel_llm:.4f} x LLM-only (tau={row.tau})"
+
+
+def decide_promotion(
+    candidate: SweepRow | None, champion: SweepRow | None, rule: SelectionRule, previous: str | None = None
+) -> Decision:
+    """Whether the candidate router takes the alias from the champion.
+
+    Both rows must come from the same examples (the flow re-evaluates the champion at its own τ in the same sweep).
+    The candidate wins only if its :func:`objective` is strictly larger; an equal score keeps the champion.
+    ``previous`` (the champion's version) is carried into the decision for the log.
+    """
+    if candidate is None:
+        return Decision(
+            False, f"no tau of the candidate meets the rule {rule.kind}; alias unchanged", previous
+        )
+    cand_obj = objective(candidate, rule)
+    details: dict[str, Any] = {"candidate": candidate.to_json(), "candidate_objective": list(cand_obj)}
+    if cand_obj[0] != 1.0:
+        reason = f"candidate does not meet the rule {rule.kind} ({_describe(candidate)}); alias unchanged"
+        return Decision(False, reason, previous, details)
+    if champion is None:
+        return Decision(
+            True, f"no champion yet; candidate promoted ({_describe(candidate)})", previous, details
+        )
+    if champion.examples_hash != candidate.examples_hash or champion.n_examples != candidate.n_examples:
+        raise SweepError(
+            "champion and candidate rows come from different examples "
+            f"({champion.n_examples} ex, hash {champion.examples_hash!r} vs {candidate.n_examples} ex, hash "
+            f"{candidate.examples_hash!r}); re-evaluate the champion in the same sweep"
+        )
+    champ_obj = objective(champion, rule, candidate.llm_accuracy)
+    details.update(champion=champion.to_json(), champion_objective=list(champ_obj))
+    if cand_obj > champ_obj:
+        reason = (
+            f"candidate ({_describe(candidate)}) beats champion ({_describe(champion)}) under {rule.kind}"
+        )
+        return Decision(True, reason, previous, details)
+    word = "ties with" if cand_obj == champ_obj else "does not beat"
+    reason = f"candidate ({_describe(candidate)}) {word} champion ({_describe(champion)}) under {rule.kind}; alias kept"
+    return Decision(False, reason, previous, details)
+
+
+@dataclass(frozen=True)
+class PromotionPlan:
+    """What the sweep decided: the candidate's chosen row (None when no τ meets the rule) and the decision."""
+
+    best: SweepRow | None
+    decision: Decision
+
+
+def plan_promotion(
+    rows: Sequence[SweepRow],
+    rule: SelectionRule,
+    champion_version: str | None = None,
+    champion_note: str = "",
+) -> PromotionPlan:
+    """Choose the candidate's τ and decide against the champion's row (method ``champion``) of the same sweep.
+
+    ``champion_version`` names the version holding the alias (None: no champion yet). A champion that exists but has
+    no row here (another SLM, another hidden size: ``champion_note`` says which) is kept: it cannot be compared.
+    """
+    best = choose_tau(rows, rule)
+    champion_row = next((r for r in rows if r.method == "champion"), None)
+    if champion_version is not None and champion_row is None:
+        why = f": {champion_note}" if champion_note else ""
+        decision = Decision(
+            False, f"kept v{champion_version}{why}; it cannot be compared here", champion_version
+        )
+    else:
+        decision = decide_promotion(best, champion_row, rule, previous=champion_version)
+    return PromotionPlan(best, decision)
+
+
+def version_tags(
+    best: SweepRow,
+    rule: SelectionRule,
+    *,
+    slm: str,
+    llm: str,
+    hidden_size: int,
+    iteration: int,
+    labels_hash: str,
+    data_version: str,
+    git_commit: str,
+) -> dict[str, Any]:
+    """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics."""
+    return {
+        "slm": slm,
+        "llm": llm,
+        "tau": best.tau,
+        "hidden_size": hidden_size,
+        "iteration": iteration,
+        "labels_hash": labels_hash,
+        "data_version": data_version,
+        "eval_examples_hash": best.examples_hash,
+        "git_commit": git_commit,
+        "rule": rule.model_dump_json(),
+        "accuracy": best.accuracy,
+        "bytes_moved_rel_llm": best.bytes_moved_rel_llm,
+        "llm_token_fraction": best.llm_token_fraction,
+        "sec_per_token": best.sec_per_token,
+    }
+
+
+def promotion_record(plan: PromotionPlan, version: str | None, rows: Sequence[SweepRow]) -> dict[str, Any]:
+    """``reports/promotion.json``: the decision, the version registered by this sweep and the chosen point."""
+    best = plan.best
+    return {
+        "promoted": int(plan.decision.promoted),
+        "reason": plan.decision.reason,
+        "version": version,
+        "previous": plan.decision.previous,
+        "tau": best.tau if best else None,
+        "accuracy": best.accuracy if best else None,
+        "bytes_moved_rel_llm": best.bytes_moved_rel_llm if best else None,
+        "llm_accuracy": next((r.accuracy for r in rows if r.method == "llm"), None),
+    }

@@ -1,0 +1,164 @@
+"""The sweep's files: reports/sweep.json (exactly the contract keys), the details, the claims, plot data and the PNG.
+
+Every file is written atomically (``citer.io``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from citer.evaluation.pareto import claims
+from citer.evaluation.rows import METHODS, SweepError, SweepRow, rows_of
+from citer.io import atomic_dir, atomic_path, write_json
+
+
+def write_sweep(
+    path: str | os.PathLike[str], rows: Sequence[SweepRow], details_path: str | os.PathLike[str] | None = None
+) -> Path:
+    """``reports/sweep.json``: the rows of :data:`METHODS` with exactly :data:`SWEEP_KEYS`.
+
+    ``details_path`` (e.g. reports/sweep_details.json) gets every row with every field (projected GPU time, example
+    counts, extras, and rows such as the re-evaluated champion that are not sweep methods).
+    """
+    out = [r.to_json() for r in rows if r.method in METHODS]
+    write_json(path, out)
+    if details_path is not None:
+        write_json(details_path, [r.to_details() for r in rows])
+    return Path(path)
+
+
+def read_sweep(path: str | os.PathLike[str]) -> list[SweepRow]:
+    """Rows back from sweep.json or sweep_details.json."""
+    p = Path(path)
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise SweepError(f"{p}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, list):
+        raise SweepError(f"{p}: expected a list of rows")
+    out = []
+    for i, d in enumerate(raw):
+        try:
+            out.append(SweepRow.from_dict(d))
+        except (SweepError, TypeError) as exc:
+            raise SweepError(f"{p}: row {i}: {exc}") from exc
+    return out
+
+
+PLOT_COLUMNS = ("tau", "bytes_moved_rel_llm", "accuracy", "llm_token_fraction")
+
+
+def plot_points(rows: Sequence[SweepRow]) -> list[dict[str, Any]]:
+    """Flat records (method, tau, bytes_moved_rel_llm, accuracy, llm_token_fraction) of the sweep methods."""
+    keep = [r for r in rows if r.method in METHODS]
+    keep.sort(key=lambda r: (METHODS.index(r.method), r.bytes_moved_rel_llm, r.accuracy))
+    return [{"method": r.method, **{c: getattr(r, c) for c in PLOT_COLUMNS}} for r in keep]
+
+
+def write_pareto_json(path: str | os.PathLike[str], rows: Sequence[SweepRow]) -> Path:
+    """``reports/pareto.json`` for ``dvc plots`` (x: bytes_moved_rel_llm, y: accuracy): :func:`plot_points`."""
+    write_json(path, plot_points(rows))
+    return Path(path)
+
+
+def write_plot_data(dir_path: str | os.PathLike[str], rows: Sequence[SweepRow]) -> Path:
+    """One CSV per method (``{dir}/{method}.csv``, sorted by bytes) for ``dvc plots``: DVC draws one curve per file."""
+    with atomic_dir(dir_path) as tmp:
+        for m in METHODS:
+            mine = sorted(rows_of(rows, m), key=lambda r: (r.bytes_moved_rel_llm, r.accuracy))
+            if not mine:
+                continue
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            w.writerow(("method",) + PLOT_COLUMNS)
+            for r in mine:
+                w.writerow(
+                    (
+                        m,
+                        "" if r.tau is None else r.tau,
+                        r.bytes_moved_rel_llm,
+                        r.accuracy,
+                        r.llm_token_fraction,
+                    )
+                )
+            (tmp / f"{m}.csv").write_text(buf.getvalue(), encoding="utf-8")
+    return Path(dir_path)
+
+
+_STYLE = {
+    "citer": ("C3", "o", "-"),
+    "citer_s": ("C1", "s", "-"),
+    "random": ("C7", "x", "--"),
+    "confidence": ("C2", "^", "--"),
+    "query": ("C4", "v", "--"),
+    "slm": ("k", "P", ""),
+    "llm": ("k", "*", ""),
+    "speculative": ("C0", "D", ""),
+}
+
+
+def plot_pareto(rows: Sequence[SweepRow], path_png: str | os.PathLike[str], title: str | None = None) -> Path:
+    """Accuracy against bytes moved (x LLM-only), one curve per method, written atomically as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 5), dpi=120)
+    ax = fig.add_subplot(1, 1, 1)
+    for m in METHODS:
+        mine = sorted(rows_of(rows, m), key=lambda r: r.bytes_moved_rel_llm)
+        if not mine:
+            continue
+        color, marker, ls = _STYLE[m]
+        ax.plot(
+            [r.bytes_moved_rel_llm for r in mine],
+            [r.accuracy for r in mine],
+            color=color,
+            marker=marker,
+            linestyle=ls or "none",
+            label=m,
+            markersize=6,
+        )
+    ax.set_xlabel("bytes moved (relative to LLM-only)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title or "CITER: accuracy vs cost")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    with atomic_path(path_png) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")
+    return Path(path_png)
+
+
+def write_sweep_reports(
+    reports_dir: str | os.PathLike[str], rows: Sequence[SweepRow], accuracy_ratio: float
+) -> dict[str, Any]:
+    """The sweep stage's files under ``reports_dir``: sweep.json, sweep_details.json, sweep_claims.json,
+    pareto.json, pareto/ and pareto.png. Returns the claims it wrote."""
+    d = Path(reports_dir)
+    write_sweep(d / "sweep.json", rows, d / "sweep_details.json")
+    write_pareto_json(d / "pareto.json", rows)
+    write_plot_data(d / "pareto", rows)
+    plot_pareto(rows, d / "pareto.png")
+    found = claims(rows, accuracy_ratio)
+    write_json(d / "sweep_claims.json", found)
+    return found
+
+
+def sweep_metrics(rows: Sequence[SweepRow], found: dict[str, Any]) -> dict[str, float]:
+    """Flat metrics for a tracking run: each point's accuracy and bytes, and the scalar claims."""
+    out: dict[str, float] = {}
+    for r in rows:
+        tag = r.method if r.tau is None else f"{r.method}.tau_{r.tau:g}"
+        out[f"{tag}.accuracy"] = r.accuracy
+        out[f"{tag}.bytes_rel_llm"] = r.bytes_moved_rel_llm
+    for k, v in found.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"claims.{k}"] = v
+    return out

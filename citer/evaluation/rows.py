@@ -1,0 +1,83 @@
+"""The sweep's row type: one operating point of one method, and the keys of reports/sweep.json.
+
+Every part of evaluation speaks in :class:`SweepRow`: decoding passes produce them, the Pareto maths and the promotion
+rule read them, the report writes them. Bytes are compared relative to LLM-only decoding on the same examples
+(``bytes_moved_rel_llm``), so rows from one sweep are comparable whatever the model sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# The method names of reports/sweep.json, and its row keys (exactly these, in this order).
+METHODS = ("citer", "citer_s", "slm", "llm", "random", "confidence", "query", "speculative")
+SWEEP_KEYS = (
+    "method",
+    "tau",
+    "accuracy",
+    "llm_token_fraction",
+    "llm_calls",
+    "bytes_moved",
+    "bytes_moved_rel_llm",
+    "sec_per_token",
+)
+
+
+class SweepError(ValueError):
+    """Rows that cannot be compared or chosen from (missing LLM-only row, different examples)."""
+
+
+@dataclass
+class SweepRow:
+    """One operating point of one method on the sweep's examples.
+
+    ``bytes_moved`` and ``llm_calls`` are totals over the examples; ``llm_accuracy`` and ``examples_hash`` tie the row
+    to the LLM-only reference it was measured against, so a row alone can be judged under a rule.
+    """
+
+    method: str
+    tau: float | None
+    accuracy: float
+    llm_token_fraction: float
+    llm_calls: int
+    bytes_moved: float
+    bytes_moved_rel_llm: float
+    sec_per_token: float
+    gpu_sec_per_token: float | None = None
+    n_examples: int = 0
+    n_tokens: int = 0
+    llm_accuracy: float | None = None
+    examples_hash: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The eight keys of reports/sweep.json."""
+        d = asdict(self)
+        return {k: d[k] for k in SWEEP_KEYS}
+
+    def to_details(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SweepRow:
+        known = {f for f in cls.__dataclass_fields__}
+        missing = [k for k in SWEEP_KEYS if k not in d]
+        if missing:
+            raise SweepError(f"sweep row: fields {missing} missing")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def rows_of(rows: Iterable[SweepRow], method: str) -> list[SweepRow]:
+    return [r for r in rows if r.method == method]
+
+
+def llm_reference(rows: Sequence[SweepRow]) -> SweepRow:
+    """The LLM-only row (the accuracy every ratio refers to)."""
+    llm = rows_of(rows, "llm")
+    if not llm:
+        raise SweepError(
+            "sweep rows: no 'llm' row (LLM-only accuracy is the reference of the selection rule)"
+        )
+    return llm[0]

@@ -1,0 +1,125 @@
+"""A citer project on disk: its root directory, its params, and the paths and models the stages use.
+
+Params hold paths relative to the project root (or hub ids); :class:`Project` resolves them, so every stage, the CLI
+and the Python API (:func:`citer.load_champion`) agree on where things are. The root is ``CITER_ROOT`` when set (a
+deployment worker), else the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from citer.config import Params, load_params
+
+
+def project_root() -> Path:
+    """The project directory: ``CITER_ROOT`` if set, else the current directory."""
+    return Path(os.environ.get("CITER_ROOT", os.getcwd())).resolve()
+
+
+@dataclass(frozen=True)
+class Project:
+    """A project's root directory and its params."""
+
+    root: Path
+    params: Params
+
+    def path(self, rel: str) -> Path:
+        p = Path(rel)
+        return p if p.is_absolute() else self.root / p
+
+    def model_ref(self, name: str) -> str:
+        """A model directory under the project when it exists there, else the name as given (a hub id)."""
+        local = self.path(name)
+        return str(local) if local.exists() else name
+
+    @property
+    def slm_name(self) -> str:
+        """The SLM as params name it (project-relative), the identity routers and labels record."""
+        m = self.params.models
+        return m.finetuned_slm if self.params.finetune.enabled else m.slm
+
+    @property
+    def slm_ref(self) -> str:
+        """The SLM that routing uses: the finetuned one unless finetuning is off."""
+        return self.model_ref(self.slm_name)
+
+    @property
+    def llm_ref(self) -> str:
+        return self.model_ref(self.params.models.llm)
+
+    def labels_dir(self, iteration: int | str) -> Path:
+        return self.path(self.params.paths.labels_dir) / (
+            f"iter{iteration}" if isinstance(iteration, int) else iteration
+        )
+
+    def router_dir(self, iteration: int | str) -> Path:
+        return self.path(self.params.paths.routers_dir) / (
+            f"iter{iteration}" if isinstance(iteration, int) else iteration
+        )
+
+    @property
+    def reports(self) -> Path:
+        return self.path(self.params.paths.reports_dir)
+
+    @property
+    def tracking_uri(self) -> str:
+        """``MLFLOW_TRACKING_URI`` wins; else params, with a relative sqlite path made absolute against the root."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or self.params.paths.mlflow_tracking_uri
+        prefix = "sqlite:///"
+        if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
+            uri = prefix + str(self.root / uri[len(prefix) :])
+        return uri
+
+    def validation_files(self) -> list[tuple[str, str]]:
+        """``(path, format)`` of every file the validate stage checks: ``validate.files``, else the data splits."""
+        p = self.params
+        if p.validate_.files:
+            return [(str(self.path(f)), fmt) for f, fmt in p.validate_.files]
+        return [(str(self.path(s)), p.data.format) for s in (p.data.train, p.data.dev, p.data.test)]
+
+    def load_pair(self) -> tuple[Any, Any, Any]:
+        """``(slm, llm, tokenizer)`` as params say (dtype, device, remote code)."""
+        from citer.models.loading import load_pair
+
+        m = self.params.models
+        return load_pair(self.slm_ref, self.llm_ref, m.dtype, m.device, m.trust_remote_code)
+
+    def read_split(self, split: str) -> list[dict[str, Any]]:
+        """The rows of ``data.<split>`` (train, dev or test) in ``data.format``."""
+        from citer.data.jsonl import read_jsonl
+
+        d = self.params.data
+        return read_jsonl(self.path(getattr(d, split)), d.format)
+
+
+def load_project(
+    params_path: str | os.PathLike[str] = "params.yaml",
+    optional: bool = False,
+    root: str | os.PathLike[str] | None = None,
+) -> Project:
+    """The project at ``root`` (default :func:`project_root`) with its params file (relative to the root).
+
+    With ``optional`` a missing params file means the defaults; a malformed one never does.
+    """
+    base = Path(root).resolve() if root is not None else project_root()
+    p = Path(params_path)
+    p = p if p.is_absolute() else base / p
+    if optional and not p.exists():
+        return Project(root=base, params=Params())
+    return Project(root=base, params=load_params(p))
+
+
+def git_commit(root: Path) -> str:
+    """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"

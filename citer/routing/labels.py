@@ -1,0 +1,381 @@
+"""Token-level preference collection (CITER section 3.2).
+
+Iteration 1 needs no decoding loop for the easy tokens: one teacher-forced pass of each model over prompt + reference
+gives, at every target position t, both models' greedy next token and the SLM's hidden state.
+
+    SLM argmax == reference token  -> ``slm_correct``, label 1 (SLM preferred)
+    else LLM argmax == reference   -> ``llm_correct``, label 0 (LLM preferred)
+    else                           -> ``both_wrong``: decode the rest of the answer from prefix + the SLM's token
+                                      (SLM only) and prefer the SLM iff the final answer is correct.
+
+Iteration k >= 2 relabels only the ``both_wrong`` tokens, rolling out through the routed engine with router k-1.
+CITER-S (``params.citer_s``) labels every ``both_wrong`` token LLM without a rollout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from citer.config import LabelsParams
+from citer.data.answers import grade
+from citer.data.formats import Format
+from citer.data.prompts import build_prompt, build_target
+from citer.decoding.baselines import AlwaysSLM, Router
+from citer.decoding.engine import RoutedEngine
+from citer.routing.label_store import LLM_PREFERRED, SLM_PREFERRED, LabelsError, LabelSet, make_tokens_table
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One training example as token ids: the target ends in EOS."""
+
+    example_id: str
+    prompt: list[int]
+    target: list[int]
+
+
+def encode_rows(
+    tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Format, n_examples: int = 0
+) -> list[Encoded]:
+    """Prompt and target ids per row (prompt and target encoded separately, no special tokens, EOS appended)."""
+    if tokenizer.eos_token_id is None:
+        raise LabelsError("tokenizer: field eos_token is not set")
+    use = rows[:n_examples] if n_examples > 0 else rows
+    out = []
+    for i, row in enumerate(use):
+        try:
+            prompt = tokenizer.encode(build_prompt(row, fmt), add_special_tokens=False)
+            target = tokenizer.encode(build_target(row, fmt), add_special_tokens=False)
+        except KeyError as exc:
+            raise LabelsError(f"rows: row {i}, field {exc.args[0]!r} missing for format {fmt!r}") from exc
+        if not prompt:
+            raise LabelsError(f"rows: row {i}, field prompt encodes to no tokens")
+        out.append(Encoded(str(i), list(prompt), list(target) + [int(tokenizer.eos_token_id)]))
+    if not out:
+        raise LabelsError("rows: no examples to label (empty input)")
+    return out
+
+
+def rows_hash(encoded: Sequence[Encoded]) -> str:
+    """Identifies the exact token sequences labelled, so iteration k refuses rows that differ from iteration 1."""
+    h = hashlib.sha256()
+    for e in encoded:
+        h.update(json.dumps([e.prompt, e.target]).encode())
+    return h.hexdigest()[:16]
+
+
+def model_name(model: Any) -> str:
+    return str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", ""))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Teacher-forced pass
+
+
+@dataclass
+class TeacherForced:
+    """Per target token, flattened in (example, position) order; N = total target tokens."""
+
+    example_index: torch.Tensor  # (N,) long, index into the encoded list
+    position: torch.Tensor  # (N,) long, index into that example's target
+    ref: torch.Tensor  # (N,) long, the reference token
+    slm_token: torch.Tensor  # (N,) long, SLM argmax at the position that predicts ref
+    llm_token: torch.Tensor  # (N,) long
+    hidden: torch.Tensor  # (N, H) float32, SLM last hidden state after the final norm
+
+
+def _decoder_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden state after the final norm: (B, L) -> (B, L, H), the router input (docs/contracts.md)."""
+    # Right padding: positions 0..len-1 of every row are exactly the unpadded sequence's positions.
+    out = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False)
+    return out.last_hidden_state
+
+
+@torch.inference_mode()
+def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hidden: bool):
+    """Argmax (n,) and optionally hidden (n, H) at each target position of a batch of examples."""
+    device = next(model.parameters()).device
+    seqs = [e.prompt + e.target[:-1] for e in batch]  # the last target token (EOS) predicts nothing we need
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    L = max(len(s) for s in seqs)
+    if max_pos is not None and L > max_pos:
+        i = max(range(len(seqs)), key=lambda j: len(seqs[j]))
+        raise LabelsError(
+            f"rows: row {batch[i].example_id}, field prompt+target has {len(seqs[i])} tokens, more than the "
+            f"model's max_position_embeddings={max_pos}"
+        )
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+        mask[b, : len(s)] = 1
+    h = _decoder_hidden(model, ids.to(device), mask.to(device))  # (B, L, H)
+    # Target token t of example b is predicted at sequence position len(prompt) - 1 + t.
+    b_idx = torch.cat([torch.full((len(e.target),), b) for b, e in enumerate(batch)])
+    p_idx = torch.cat([torch.arange(len(e.target)) + len(e.prompt) - 1 for e in batch])
+    ht = h[b_idx.to(device), p_idx.to(device)]  # (n, H)
+    logits = model.get_output_embeddings()(ht)  # (n, V)
+    return logits.argmax(-1).cpu(), (ht.float().cpu() if want_hidden else None)
+
+
+def teacher_forced(
+    slm: Any, llm: Any, encoded: Sequence[Encoded], batch_size: int, pad_id: int
+) -> TeacherForced:
+    """One forward pass per model per batch; batches group examples of similar length to cut padding."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].prompt) + len(encoded[i].target))
+    per_ex: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for s in range(0, len(order), batch_size):
+        idx = order[s : s + batch_size]
+        batch = [encoded[i] for i in idx]
+        slm_tok, hid = _targets_forward(slm, batch, pad_id, want_hidden=True)
+        llm_tok, _ = _targets_forward(llm, batch, pad_id, want_hidden=False)
+        off = 0
+        for i, e in zip(idx, batch, strict=True):
+            n = len(e.target)
+            per_ex[i] = (slm_tok[off : off + n], llm_tok[off : off + n], hid[off : off + n])
+            off += n
+    ex = range(len(encoded))
+    return TeacherForced(
+        example_index=torch.cat([torch.full((len(encoded[i].target),), i) for i in ex]),
+        position=torch.cat([torch.arange(len(encoded[i].target)) for i in ex]),
+        ref=torch.cat([torch.tensor(encoded[i].target) for i in ex]),
+        slm_token=torch.cat([per_ex[i][0] for i in ex]),
+        llm_token=torch.cat([per_ex[i][1] for i in ex]),
+        hidden=torch.cat([per_ex[i][2] for i in ex]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Continue example ``ex`` from target[:position] + [token] and grade the final answer."""
+
+    ex: int
+    position: int
+    token: int
+
+
+def rollout_correct(
+    engine: Any,
+    tokenizer: Any,
+    encoded: Sequence[Encoded],
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    branches: Sequence[Branch],
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[bool]:
+    """Greedy-complete every branch through ``engine`` (many prefixes per batch) and grade each answer."""
+    eos = int(tokenizer.eos_token_id)
+    models = [m for m in (engine.slm, engine.llm) if m is not None]
+    max_positions = min(int(m.config.max_position_embeddings) for m in models)
+    texts: list[str | None] = [None] * len(branches)
+    todo = []
+    for j, br in enumerate(branches):
+        e = encoded[br.ex]
+        if br.token == eos:  # the branch ends the answer here: grade what is written, no decoding needed
+            texts[j] = tokenizer.decode(e.target[: br.position], skip_special_tokens=True)
+        else:
+            todo.append(j)
+    # Batches of similar prefix length keep the engine's ragged cache (capacity = longest prompt + new tokens) small.
+    todo.sort(key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
+    for s in range(0, len(todo), batch_size):
+        chunk = todo[s : s + batch_size]
+        prompts = []
+        for j in chunk:
+            br, e = branches[j], encoded[branches[j].ex]
+            prompts.append(e.prompt + e.target[: br.position] + [br.token])
+        # The engine refuses prompts that leave no room for max_new_tokens; near the context limit, decode less.
+        room = max_positions - max(len(q) for q in prompts)
+        if room < 1:
+            raise LabelsError(
+                f"rows: row {encoded[branches[chunk[-1]].ex].example_id}, field prompt+target fills the context "
+                f"({max_positions} positions); no room to roll out"
+            )
+        res = engine.generate_batch(prompts, max_new_tokens=min(max_new_tokens, room), temperature=0.0)
+        for j, new in zip(chunk, res.tokens, strict=True):
+            br, e = branches[j], encoded[branches[j].ex]
+            texts[j] = tokenizer.decode(
+                e.target[: br.position] + [br.token] + list(new), skip_special_tokens=True
+            )
+    return [
+        bool(grade(t or "", rows[br.ex], fmt))  # encoded[i] is rows[i]
+        for t, br in zip(texts, branches, strict=True)
+    ]
+
+
+def _engine(slm: Any, llm: Any, router: Router | None, tau: float, tokenizer: Any) -> Any:
+    if router is None:  # SLM-only decoding: the engine accepts llm=None with an AlwaysSLM router
+        router = AlwaysSLM()
+    return RoutedEngine(
+        slm, llm, router, tau=tau, eos_token_id=int(tokenizer.eos_token_id), pad_token_id=_pad_id(tokenizer)
+    )
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Iterations
+
+
+def collect_iter1(
+    slm: Any,
+    llm: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    params: LabelsParams,
+    *,
+    slm_name: str | None = None,
+    llm_name: str | None = None,
+) -> LabelSet:
+    """Iteration-1 labels: teacher-forced cases, SLM-only rollouts for ``both_wrong`` (LLM label under CITER-S)."""
+    enc = encode_rows(tokenizer, rows, fmt, params.n_examples)
+    tf = teacher_forced(slm, llm, enc, params.batch_size, _pad_id(tokenizer))
+    slm_ok = tf.slm_token == tf.ref  # (N,)
+    llm_ok = tf.llm_token == tf.ref
+    case = [
+        "slm_correct" if s else "llm_correct" if m else "both_wrong"
+        for s, m in zip(slm_ok, llm_ok, strict=True)
+    ]
+    label = torch.where(slm_ok, SLM_PREFERRED, LLM_PREFERRED)  # (N,) both_wrong filled below
+    both = torch.nonzero(~slm_ok & ~llm_ok).flatten().tolist()
+    if both and not params.citer_s:
+        branches = [Branch(int(tf.example_index[i]), int(tf.position[i]), int(tf.slm_token[i])) for i in both]
+        engine = _engine(slm, None, None, 1.0, tokenizer)
+        ok = rollout_correct(
+            engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
+        )
+        label[both] = torch.tensor([SLM_PREFERRED if o else LLM_PREFERRED for o in ok])
+    dtype = torch.float16 if params.hidden_dtype == "float16" else torch.float32
+    n = len(case)
+    table = make_tokens_table(
+        {
+            "example_id": [enc[i].example_id for i in tf.example_index.tolist()],
+            "position": tf.position.tolist(),
+            "case": case,
+            "label": label.tolist(),
+            "iteration": [1] * n,
+            "row": list(range(n)),
+            "slm_token": tf.slm_token.tolist(),
+            "llm_token": tf.llm_token.tolist(),
+            "ref_token": tf.ref.tolist(),
+        }
+    )
+    meta = {
+        "iteration": 1,
+        "fmt": fmt,
+        "slm": slm_name if slm_name is not None else model_name(slm),
+        "llm": llm_name if llm_name is not None else model_name(llm),
+        "citer_s": params.citer_s,
+        "n_examples": len(enc),
+        "rows_hash": rows_hash(enc),
+        "n_rollouts": 0 if params.citer_s else len(both),
+    }
+    return LabelSet(hidden=tf.hidden.to(dtype), tokens=table, meta=meta)
+
+
+def citer_s_labels(ls: LabelSet) -> LabelSet:
+    """CITER-S (the paper's ablation, close to Co-LLM's labels): every ``both_wrong`` token -> LLM, no rollout.
+
+    Derived from an iteration-1 label set (same hidden states and cases), so the baseline costs no extra decoding.
+    """
+    if ls.iteration != 1:
+        raise LabelsError(
+            f"label set: field iteration={ls.iteration}; CITER-S labels derive from iteration 1"
+        )
+    tokens = ls.tokens.copy()
+    both = tokens["case"] == "both_wrong"
+    tokens.loc[both, "label"] = LLM_PREFERRED
+    meta = dict(ls.meta, citer_s=True, n_rollouts=0, n_changed=int((ls.tokens.loc[both, "label"] != 0).sum()))
+    return LabelSet(ls.hidden, tokens, meta)
+
+
+def collect_iter_k(
+    prev: LabelSet,
+    router: Router,
+    slm: Any,
+    llm: Any,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    params: LabelsParams,
+) -> LabelSet:
+    """Relabel ``prev``'s ``both_wrong`` tokens by routed rollouts (router of iteration k-1, τ = params.tau).
+
+    With ``params.rollout_llm_token`` the LLM's token is rolled out too: both right -> SLM, one right -> that one,
+    both wrong -> LLM. Every other token, and every hidden state, is carried over unchanged.
+    """
+    k = prev.iteration + 1
+    if prev.meta.get("citer_s"):
+        raise LabelsError(
+            "label set: field citer_s is true; CITER-S labels are one-step and have no iteration k"
+        )
+    enc = encode_rows(tokenizer, rows, fmt, int(prev.meta.get("n_examples", 0)))
+    if prev.meta.get("rows_hash") != rows_hash(enc):
+        raise LabelsError(
+            f"label set (iteration {prev.iteration}): field rows_hash={prev.meta.get('rows_hash')!r} does not match "
+            f"the given rows ({rows_hash(enc)!r}); pass the same rows, format and tokenizer as iteration 1"
+        )
+    slm_h = int(slm.config.hidden_size)
+    if prev.hidden_size != slm_h:
+        raise LabelsError(f"label set: field hidden has size {prev.hidden_size}, the SLM's is {slm_h}")
+    if hasattr(router, "eval"):
+        router.eval()
+    tokens = prev.tokens.copy()
+    both = tokens.index[tokens["case"] == "both_wrong"].tolist()
+    meta = dict(prev.meta, iteration=k, tau=params.tau, rollout_llm_token=params.rollout_llm_token)
+    if not both:
+        return LabelSet(prev.hidden, tokens, dict(meta, n_rollouts=0, n_changed=0))
+    exs = [int(x) for x in tokens.loc[both, "example_id"]]
+    pos = tokens.loc[both, "position"].tolist()
+    engine = _engine(slm, llm, router, params.tau, tokenizer)
+
+    def run(col: str) -> list[bool]:
+        toks = tokens.loc[both, col].tolist()
+        branches = [Branch(e, p, int(t)) for e, p, t in zip(exs, pos, toks, strict=True)]
+        return rollout_correct(
+            engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
+        )
+
+    slm_ok = run("slm_token")
+    outcomes: dict[str, int] = {"slm_ok": sum(slm_ok)}
+    if params.rollout_llm_token:
+        llm_ok = run("llm_token")
+        # both right -> SLM (cheaper); only one right -> that one; both wrong -> LLM. This reduces to "SLM iff its
+        # branch is right"; the LLM branch adds the outcome counts (how often neither continuation succeeds).
+        new = [_compare(s, m) for s, m in zip(slm_ok, llm_ok, strict=True)]
+        outcomes.update(
+            both_ok=sum(s and m for s, m in zip(slm_ok, llm_ok, strict=True)),
+            only_llm_ok=sum(m and not s for s, m in zip(slm_ok, llm_ok, strict=True)),
+            neither_ok=sum(not (s or m) for s, m in zip(slm_ok, llm_ok, strict=True)),
+        )
+    else:
+        new = [SLM_PREFERRED if s else LLM_PREFERRED for s in slm_ok]
+    old = tokens.loc[both, "label"].tolist()
+    tokens.loc[both, "label"] = new
+    tokens.loc[both, "iteration"] = k
+    n_changed = sum(int(a != b) for a, b in zip(old, new, strict=True))
+    n_rollouts = len(both) * (2 if params.rollout_llm_token else 1)
+    return LabelSet(
+        prev.hidden, tokens, dict(meta, n_rollouts=n_rollouts, n_changed=n_changed, outcomes=outcomes)
+    )
+
+
+def _compare(slm_ok: bool, llm_ok: bool) -> int:
+    """Preference from the two branches' outcomes: ties go to the cheaper model, both-wrong to the LLM."""
+    if slm_ok:
+        return SLM_PREFERRED
+    return LLM_PREFERRED

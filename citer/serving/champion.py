@@ -1,0 +1,71 @@
+"""The deployed decoder: the router holding the registry alias, with the SLM, LLM and τ its version names.
+
+Batch inference, serving and the Python API (:func:`citer.load_champion`) all start from here, so they decode with
+exactly what the sweep promoted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from citer.decoding.engine import RoutedEngine
+from citer.models.loading import load_pair
+from citer.project import Project, load_project
+from citer.registry import RegistryError, load_router_version, require_champion
+
+
+class ChampionError(RegistryError):
+    """The champion cannot be used as registered (a tag missing, a router that does not fit its SLM)."""
+
+
+class Champion(NamedTuple):
+    """The champion as a ready decoder: ``engine.generate(tokenizer.encode(prompt), ...)``."""
+
+    engine: RoutedEngine
+    tokenizer: Any
+    info: dict[str, Any]  # router name/version, alias, slm, llm, tau
+
+
+def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | None = None) -> Champion:
+    """The router holding the project's registry alias, with its SLM and LLM, as a :class:`Champion`.
+
+    ``project`` is a :class:`~citer.project.Project` or a project directory (its ``params.yaml`` is read). The
+    version's tags name its SLM, LLM and τ; ``tau`` (else ``serve.tau`` in params) overrides τ. Relative model paths
+    are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
+    and :class:`ChampionError` when its router does not fit its SLM.
+    """
+    proj = project if isinstance(project, Project) else load_project(root=project)
+    params = proj.params
+    reg = params.registry
+    rv = require_champion(reg.model_name, reg.alias, proj.tracking_uri)
+    paths = {}
+    for role in ("slm", "llm"):
+        name = rv.tags.get(role)
+        if not name:
+            raise ChampionError(f"router '{rv.name}' v{rv.version} (@{reg.alias}): tag {role} missing")
+        local = proj.root / name
+        paths[role] = str(local) if not Path(name).is_absolute() and local.exists() else name
+    if tau is None:
+        tau = params.serve.tau if params.serve.tau is not None else rv.tau
+    slm, llm, tok = load_pair(paths["slm"], paths["llm"], params.models.dtype, params.models.device)
+    router = load_router_version(rv)
+    if router.hidden_size != slm.config.hidden_size:
+        raise ChampionError(
+            f"router '{rv.name}' v{rv.version}: hidden_size={router.hidden_size} but SLM {paths['slm']} has "
+            f"hidden size {slm.config.hidden_size}"
+        )
+    router = router.to(slm.device).eval()
+    engine = RoutedEngine(
+        slm, llm, router, tau=tau, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    info = {
+        "router": f"{rv.name}/{rv.version}",
+        "alias": reg.alias,
+        "slm": paths["slm"],
+        "llm": paths["llm"],
+        "tau": tau,
+        "version": rv.version,
+    }
+    return Champion(engine, tok, info)

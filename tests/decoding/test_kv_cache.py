@@ -1,0 +1,35 @@
+"""The ragged KV cache: appends of mixed lengths, padded or packed, give the logits of an uncached forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_qwen2
+
+from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+
+V = 97
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_qwen2(V, hidden_size=64, num_hidden_layers=2, seed=2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_padding_never_changes_a_logit(llm, packed):
+    seqs = [PROMPTS[2] + [30, 31, 32], PROMPTS[1] + [33], PROMPTS[0] + [34, 35, 36, 37]]
+    ref = [llm(torch.tensor([s])).logits[0] for s in seqs]  # (T, V) each, no cache, no padding
+    with torch.inference_mode():
+        cache = RaggedKVCache(llm, 3, 32)
+        # Prefill prompts of mixed length, then catch up rows 2 and 0 with different gaps in one call.
+        lg, _ = ragged_append(llm, cache, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], packed=packed)
+        for i, p in enumerate([PROMPTS[2], PROMPTS[1], PROMPTS[0]]):
+            torch.testing.assert_close(lg[i], ref[i][len(p) - 1], rtol=1e-4, atol=1e-4)
+        lg, _ = ragged_append(llm, cache, [[34, 35, 36, 37], [30, 31, 32]], slots=[2, 0], packed=packed)
+        torch.testing.assert_close(lg[0], ref[2][-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(lg[1], ref[0][-1], rtol=1e-4, atol=1e-4)
+        lg, _ = ragged_append(llm, cache, [[33]], slots=[1], packed=packed)
+        torch.testing.assert_close(lg[0], ref[1][-1], rtol=1e-4, atol=1e-4)
+        assert cache.lengths == [len(seqs[0]), len(seqs[1]), len(seqs[2])]

@@ -1,0 +1,86 @@
+"""Evaluating one model alone: batched left-padded greedy decoding equals one-by-one decoding, grading is real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_qwen2
+
+from citer.data.prompts import build_prompt, build_target
+from citer.io import read_json
+from citer.models.evaluate import EvalError, evaluate_model, generate_greedy, write_models_report
+
+ROWS = [
+    {"id": "a", "problem": "2 + 2?", "solution": "2 + 2 = 4. So the answer is \\boxed{4}."},
+    {"id": "b", "problem": "What is 3 + 5 in all, counting twice?", "solution": "3 + 5 = 8. So \\boxed{8}."},
+    {"id": "c", "problem": "1 + 1?", "solution": "1 + 1 = 2. \\boxed{2}."},
+]
+
+
+def _overfit(tok, row, steps=120):
+    """A tiny real model trained until it writes ``row``'s target after its prompt."""
+    model = make_qwen2(len(tok), hidden_size=32, num_hidden_layers=1, seed=0).train()
+    with torch.no_grad():  # undo the fixture's large init scale: it slows convergence
+        for p in model.parameters():
+            p.div_(4.0 if p.dim() > 1 else 1.0)
+    ids = tok.encode(build_prompt(row, "math") + build_target(row, "math"), add_special_tokens=False)
+    ids = torch.tensor([ids + [tok.eos_token_id]])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_batched_generation_equals_one_by_one(tiny_pair, char_tokenizer):
+    _, llm, tok = tiny_pair
+    prompts = [build_prompt(r, "math") for r in ROWS]  # different lengths: real left padding
+    batched = generate_greedy(llm, tok, prompts, batch_size=3, max_new_tokens=12)
+    single = [generate_greedy(llm, tok, [p], batch_size=1, max_new_tokens=12)[0] for p in prompts]
+    assert batched == single
+    for toks in batched:
+        assert tok.eos_token_id not in toks[:-1] and 0 < len(toks) <= 12
+
+
+def test_a_model_that_learnt_the_answer_is_graded_correct(char_tokenizer):
+    tok = char_tokenizer
+    model = _overfit(tok, ROWS[0])
+    ev = evaluate_model(model, tok, [ROWS[0], ROWS[2]], "math", batch_size=2, max_new_tokens=48)
+    first, other = ev.predictions
+    assert first.text.strip() == ROWS[0]["solution"] and first.extracted == "4" and first.correct
+    assert not other.correct  # it writes "4" for a question whose answer is 2
+    assert ev.accuracy == 0.5 and ev.n == 2 and ev.n_correct == 1
+    assert [p.id for p in ev.predictions] == ["a", "c"]
+    assert ev.tokens_generated == sum(p.n_tokens for p in ev.predictions)
+    assert set(ev.metrics()) >= {"accuracy", "n", "seconds"} and ev.prediction_rows()[0]["correct"] is True
+
+
+def test_mc_rows_are_graded_by_label(tiny_pair):
+    _, llm, tok = tiny_pair
+    row = {"question": "Pick", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "A"}
+    ev = evaluate_model(llm, tok, [row], "mc", batch_size=1, max_new_tokens=8)
+    from citer.data.answers import grade
+
+    assert ev.predictions[0].correct == grade(ev.predictions[0].text, row, "mc")
+
+
+def test_empty_rows_and_bad_batch_size_are_refused(tiny_pair):
+    _, llm, tok = tiny_pair
+    with pytest.raises(EvalError, match="no rows"):
+        evaluate_model(llm, tok, [], "math", 4, 4)
+    with pytest.raises(EvalError, match="batch_size"):
+        evaluate_model(llm, tok, ROWS, "math", 0, 4)
+
+
+def test_models_report_has_the_agreed_keys(tmp_path):
+    path = tmp_path / "reports" / "models.json"
+    write_models_report(path, 1000, 0.25, 9000, 0.95, 12.5)
+    assert read_json(path) == {
+        "slm": {"params": 1000, "test_accuracy": 0.25},
+        "llm": {"params": 9000, "test_accuracy": 0.95},
+        "seconds": 12.5,
+    }
+    assert [p.name for p in path.parent.iterdir()] == ["models.json"]

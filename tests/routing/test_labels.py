@@ -1,0 +1,288 @@
+"""Token-level preference collection on real tiny Qwen2 models.
+
+Two kinds of model: the random tiny pair of conftest (alignment against per-token ``generate``), and "lookup" models:
+real Qwen2 weights set so that the greedy next token is a chosen function of the current token (attention and MLP
+write nothing, embeddings are one-hot, lm_head is a lookup table). With them the expected cases, rollouts and labels
+can be computed by hand and compared with what collection produces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_qwen2
+
+from citer.config import LabelsParams
+from citer.data.answers import grade
+from citer.decoding.forward import decoder_forward
+from citer.routing.label_store import LabelsError, validate_labels
+from citer.routing.labels import (
+    Branch,
+    citer_s_labels,
+    collect_iter1,
+    collect_iter_k,
+    encode_rows,
+    teacher_forced,
+)
+
+EOS = "<eos>"
+# SLM: from a space it writes "\boxed{7}" then EOS; any other unknown char -> space.  LLM: the same box with 8, and
+# digits count up (d -> d+1), "+" -> "5", "=" -> "8". Every chain ends in EOS within a few tokens.
+SLM_MAP = {
+    " ": "\\",
+    "\\": "b",
+    "b": "o",
+    "o": "x",
+    "x": "e",
+    "e": "d",
+    "d": "{",
+    "{": "7",
+    "7": "}",
+    "}": EOS,
+}
+LLM_MAP = dict(SLM_MAP, **{"{": "8", "8": "}", "+": "5", "=": "8"})
+LLM_MAP.update({str(d): str(d + 1) for d in range(8) if str(d) not in LLM_MAP})
+LLM_MAP["9"] = "0"
+
+
+def lookup_next(mapping: dict[str, str], c: str) -> str:
+    return mapping.get(c, " ")
+
+
+def make_lookup_model(tok, mapping: dict[str, str], seed: int = 0):
+    """A Qwen2ForCausalLM whose argmax after token c is mapping[c] (default: space), whatever the context."""
+    v = len(tok)
+    h = 128  # >= vocab so embeddings can be one-hot
+    model = make_qwen2(v, hidden_size=h, num_hidden_layers=1, seed=seed)
+    vocab = tok.get_vocab()
+    with torch.no_grad():
+        for layer in model.model.layers:  # blocks add nothing to the residual stream
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.get_input_embeddings().weight
+        emb.zero_()
+        emb[torch.arange(v), torch.arange(v)] = 1.0
+        model.model.norm.weight.fill_(1.0)
+        w = model.get_output_embeddings().weight  # (V, H)
+        w.zero_()
+        inv = {i: t for t, i in vocab.items()}
+        for i in range(v):
+            w[vocab[lookup_next(mapping, inv[i])], i] = 1.0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lookup_pair(char_tokenizer):
+    return make_lookup_model(char_tokenizer, SLM_MAP, 1), make_lookup_model(char_tokenizer, LLM_MAP, 2)
+
+
+ROWS = [
+    {"problem": "3+5", "solution": "3+5=8. \\boxed{8}"},
+    {"problem": "3+4", "solution": "3+4=7. \\boxed{7}"},
+    {"problem": "9+0", "solution": "9+0=9, \\boxed{9}"},
+]
+
+
+def expected_cases(tok, rows):
+    """(example, position, case, slm_char, llm_char) per target token, from the lookup tables alone."""
+    out = []
+    for i, e in enumerate(encode_rows(tok, rows, "math")):
+        seq = e.prompt + e.target
+        for t, ref in enumerate(e.target):
+            prev = tok.convert_ids_to_tokens(seq[len(e.prompt) - 1 + t])
+            s, m = lookup_next(SLM_MAP, prev), lookup_next(LLM_MAP, prev)
+            r = tok.convert_ids_to_tokens(ref)
+            case = "slm_correct" if s == r else "llm_correct" if m == r else "both_wrong"
+            out.append((i, t, case, s, m))
+    return out
+
+
+def simulate(tok, row_target: str, position: int, first: str, use_slm, max_new: int = 32) -> str:
+    """Greedy routed decoding with lookup models: after ``first``, each next char comes from SLM or LLM."""
+    text, c = row_target[:position] + ("" if first == EOS else first), first
+    for _ in range(max_new if c != EOS else 0):
+        c = lookup_next(SLM_MAP if use_slm(c) else LLM_MAP, c)
+        if c == EOS:
+            break
+        text += c
+    return text
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_teacher_forced_matches_per_token_generate(tiny_pair):
+    slm, llm, tok = tiny_pair
+    rows = [
+        {"problem": "2+2", "solution": "4 \\boxed{4}"},
+        {"problem": "10-3 and more", "solution": "7 \\boxed{7}"},
+    ]
+    enc = encode_rows(tok, rows, "math")
+    # One padded batch holding examples of unequal length.
+    tf = teacher_forced(slm, llm, enc, batch_size=2, pad_id=tok.pad_token_id)
+    assert len(tf.ref) == sum(len(e.target) for e in enc)
+    assert tf.hidden.shape == (len(tf.ref), slm.config.hidden_size)
+    k = 0
+    for i, e in enumerate(enc):
+        assert e.target[-1] == tok.eos_token_id
+        for t in range(len(e.target)):
+            prefix = torch.tensor([e.prompt + e.target[:t]])
+            assert (int(tf.example_index[k]), int(tf.position[k]), int(tf.ref[k])) == (i, t, e.target[t])
+            for model, got in ((slm, tf.slm_token[k]), (llm, tf.llm_token[k])):
+                gen = model.generate(prefix, max_new_tokens=1, do_sample=False, pad_token_id=0)
+                assert int(gen[0, -1]) == int(got), (i, t)
+            with torch.no_grad():  # the engine's router input on the unpadded prefix
+                _, h = decoder_forward(
+                    slm, prefix, None, None, None, last_index=torch.tensor([prefix.shape[1] - 1])
+                )
+            h = h[0]
+            torch.testing.assert_close(tf.hidden[k], h, atol=1e-4, rtol=1e-4)
+            k += 1
+
+
+def test_iter1_cases_and_rollout_labels(lookup_pair, char_tokenizer):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    ls = collect_iter1(slm, llm, tok, ROWS, "math", LabelsParams(batch_size=2, max_new_tokens=32))
+    exp = expected_cases(tok, ROWS)
+    got = ls.tokens
+    assert list(got["case"]) == [c for _, _, c, _, _ in exp]
+    assert set(got["case"]) == {"slm_correct", "llm_correct", "both_wrong"}
+    assert list(got["position"]) == [t for _, t, _, _, _ in exp]
+    assert list(got["example_id"]) == [str(i) for i, *_ in exp]
+    targets = [f" {r['solution']}" for r in ROWS]
+    for (i, t, case, s, _), label in zip(exp, got["label"], strict=True):
+        if case == "both_wrong":  # SLM-only rollout from prefix + the SLM's token, graded
+            text = simulate(tok, targets[i], t, s, lambda c: True)
+            assert label == int(grade(text, ROWS[i], "math")), (i, t, text)
+        else:
+            assert label == (1 if case == "slm_correct" else 0)
+    # The SLM boxes 7: row 1 (answer 7) has SLM-preferred both_wrong tokens, row 0 (answer 8) none
+    bw = got[got["case"] == "both_wrong"]
+    assert 1 in set(bw[bw["example_id"] == "1"]["label"]) and set(bw[bw["example_id"] == "0"]["label"]) == {0}
+    assert ls.meta["n_rollouts"] == len(bw) and ls.meta["iteration"] == 1
+    assert ls.hidden.dtype == torch.float16 and ls.hidden.shape == (len(exp), 128)
+    assert validate_labels(ls, 128)["success"]
+
+
+def test_citer_s_labels_both_wrong_llm(lookup_pair, char_tokenizer):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    full = collect_iter1(slm, llm, tok, ROWS, "math", LabelsParams(batch_size=8))
+    direct = collect_iter1(slm, llm, tok, ROWS, "math", LabelsParams(citer_s=True))
+    derived = citer_s_labels(full)
+    for ls in (direct, derived):
+        bw = ls.tokens["case"] == "both_wrong"
+        assert (ls.tokens.loc[bw, "label"] == 0).all() and ls.meta["citer_s"] and ls.meta["n_rollouts"] == 0
+        assert (ls.tokens.loc[~bw, "label"] == full.tokens.loc[~bw, "label"]).all()
+    assert list(direct.tokens["label"]) == list(derived.tokens["label"])
+    assert (full.tokens.loc[full.tokens["case"] == "both_wrong", "label"] == 1).any()  # so CITER-S differs
+    with pytest.raises(LabelsError, match="one-step"):
+        collect_iter_k(derived, lambda h: torch.ones(h.shape[0]), slm, llm, tok, ROWS, "math", LabelsParams())
+
+
+def box_router(tok):
+    """Scores 0 (-> LLM) when the SLM's current token is "{" or "8": reads the one-hot hidden state.
+
+    The routed rollout then writes the LLM's box "{8}" instead of the SLM's "{7}", flipping iteration-1 labels.
+    """
+    ids = torch.tensor([tok.get_vocab()[c] for c in "{8"])
+
+    def route(hidden: torch.Tensor) -> torch.Tensor:  # (B, H) -> (B,)
+        return (~torch.isin(hidden.float().argmax(-1), ids.to(hidden.device))).float()
+
+    return route
+
+
+@pytest.mark.parametrize("rollout_llm_token", [False, True])
+def test_iter2_relabels_only_both_wrong(lookup_pair, char_tokenizer, rollout_llm_token):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    p = LabelsParams(batch_size=4, max_new_tokens=32, tau=0.5, rollout_llm_token=rollout_llm_token)
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", p)
+    nxt = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", p)
+    assert nxt.iteration == 2 and nxt.hidden is prev.hidden
+    bw = prev.tokens["case"] == "both_wrong"
+    for col in ("example_id", "position", "case", "row"):
+        assert list(nxt.tokens[col]) == list(prev.tokens[col])
+    assert (
+        (nxt.tokens.loc[~bw, ["label", "iteration"]] == prev.tokens.loc[~bw, ["label", "iteration"]])
+        .all()
+        .all()
+    )
+    assert (nxt.tokens.loc[bw, "iteration"] == 2).all()
+    targets = [f" {r['solution']}" for r in ROWS]
+    is_slm = lambda c: c not in "{8"  # noqa: E731 - the box router in char terms
+    for idx in prev.tokens.index[bw]:
+        r = prev.tokens.loc[idx]
+        i, t = int(r["example_id"]), int(r["position"])
+        s_ok = grade(
+            simulate(tok, targets[i], t, tok.convert_ids_to_tokens(int(r["slm_token"])), is_slm),
+            ROWS[i],
+            "math",
+        )
+        assert nxt.tokens.loc[idx, "label"] == int(s_ok), (i, t)
+    n_changed = int((nxt.tokens["label"] != prev.tokens["label"]).sum())
+    assert n_changed > 0 and nxt.meta["n_changed"] == n_changed
+    assert nxt.meta["n_rollouts"] == int(bw.sum()) * (2 if rollout_llm_token else 1)
+    if rollout_llm_token:
+        assert sum(nxt.meta["outcomes"][k] for k in ("both_ok", "only_llm_ok", "neither_ok")) <= int(bw.sum())
+
+
+def test_iter_k_refuses_other_rows(lookup_pair, char_tokenizer):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", LabelsParams(citer_s=True))
+    prev.meta["citer_s"] = False
+    other = [dict(ROWS[0], solution="3+5=8 \\boxed{8}")] + ROWS[1:]
+    with pytest.raises(LabelsError, match="rows_hash"):
+        collect_iter_k(prev, lambda h: torch.ones(h.shape[0]), slm, llm, tok, other, "math", LabelsParams())
+
+
+def test_mc_format_and_n_examples(tiny_pair):
+    slm, llm, tok = tiny_pair
+    rows = [
+        {
+            "question": f"Pick {k}?",
+            "choices": {"label": ["A", "B"], "text": ["x", "y"]},
+            "answerKey": "AB"[k % 2],
+        }
+        for k in range(5)
+    ]
+    ls = collect_iter1(slm, llm, tok, rows, "mc", LabelsParams(n_examples=3, batch_size=2, max_new_tokens=8))
+    assert sorted(set(ls.tokens["example_id"])) == ["0", "1", "2"]
+    enc = encode_rows(tok, rows[:3], "mc")
+    assert ls.n_tokens == sum(len(e.target) for e in enc)
+    assert ls.meta["fmt"] == "mc" and ls.meta["n_examples"] == 3
+    assert validate_labels(ls, slm.config.hidden_size)["success"]
+
+
+def test_bad_rows(tiny_pair):
+    slm, llm, tok = tiny_pair
+    with pytest.raises(LabelsError, match="row 1, field 'solution'"):
+        encode_rows(tok, [{"problem": "a", "solution": "\\boxed{1}"}, {"problem": "b"}], "math")
+    with pytest.raises(LabelsError, match="empty input"):
+        collect_iter1(slm, llm, tok, [], "math", LabelsParams())
+    long = [{"problem": "x" * 600, "solution": "\\boxed{1}"}]
+    with pytest.raises(LabelsError, match="row 0, field prompt\\+target has .* max_position_embeddings=512"):
+        collect_iter1(slm, llm, tok, long, "math", LabelsParams(citer_s=True))
+
+
+def test_branch_is_hashable_record():
+    assert Branch(0, 1, 2) == Branch(0, 1, 2)
+
+
+def test_iter2_with_trained_mlp_router(lookup_pair, tiny_pair, char_tokenizer, tmp_path):
+    """The MLP router drives the engine's rollouts (loaded back from disk); a mismatched SLM is refused."""
+    from citer.config import RouterParams
+    from citer.routing.mlp import load_router, router_meta, save_router, train_router
+
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    p = LabelsParams(batch_size=8, max_new_tokens=32)
+    rows = ROWS * 4  # enough examples for a split by example
+    prev = collect_iter1(slm, llm, tok, rows, "math", p)
+    router, metrics = train_router(prev, RouterParams(epochs=3, batch_size=16))
+    save_router(router, tmp_path / "r", router_meta(prev, metrics))
+    loaded, _ = load_router(tmp_path / "r", expected_hidden_size=128)
+    nxt = collect_iter_k(prev, loaded, slm, llm, tok, rows, "math", p)
+    assert nxt.iteration == 2 and validate_labels(nxt, 128)["success"]
+    assert nxt.meta["n_rollouts"] == int((prev.tokens["case"] == "both_wrong").sum())
+    other_slm = tiny_pair[0]  # hidden size 32, same tokenizer
+    with pytest.raises(LabelsError, match="hidden has size 128, the SLM's is 32"):
+        collect_iter_k(prev, loaded, other_slm, llm, tok, rows, "math", p)

@@ -1,0 +1,235 @@
+"""The OpenAI-compatible server, for real: uvicorn on loopback, tiny random models, the official ``openai`` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import spread_router
+
+from citer.decoding.engine import RoutedEngine
+from citer.serving.protocol import RequestError, stream_pieces, truncate_at_stop
+from citer.serving.server import build_app
+
+MODEL = "citer-test"
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    slm, llm, tok = tiny_pair
+    return RoutedEngine(
+        slm,
+        llm,
+        spread_router(slm.config.hidden_size),
+        tau=0.5,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def server(engine, tiny_pair):
+    """Base URL of the app served by uvicorn in a background thread on a socket bound to a free loopback port."""
+    import uvicorn
+
+    _, _, tok = tiny_pair
+    app = build_app(
+        engine, tok, model_name=MODEL, max_new_tokens=MAX_NEW, fmt="math", info={"router": "test/1"}
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+    assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=60, max_retries=0) as c:
+        yield c
+
+
+def _citer(obj) -> dict:
+    return obj.model_extra["citer"]
+
+
+def test_health_and_models(server, client):
+    h = httpx.get(f"{server}/health", timeout=10).json()
+    assert h["status"] == "ok" and h["model"] == MODEL and h["tau"] == 0.5 and h["router"] == "test/1"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_matches_engine(client, engine, tiny_pair):
+    _, _, tok = tiny_pair
+    prompt = "Question: 2 + 3\nAnswer:"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    ref = engine.generate_batch([ids], max_new_tokens=12)
+    body = [t for t in ref.tokens[0] if t != tok.eos_token_id]
+    assert r.choices[0].text == tok.decode(body, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == ("stop" if tok.eos_token_id in ref.tokens[0] else "length")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref.tokens[0])
+    stats = _citer(r)
+    n_llm = sum(ref.from_llm[0])
+    assert stats["tokens_by_model"] == {"slm": len(ref.tokens[0]) - n_llm, "llm": n_llm}
+    assert stats["llm_calls"] == ref.rows[0].llm_calls
+    assert stats["bytes_moved"] == pytest.approx(ref.rows[0].bytes_moved)
+    assert stats["tau"] == 0.5 and stats["router"] == "test/1"
+
+
+def test_completion_batch_of_prompts(client):
+    r = client.completions.create(
+        model=MODEL, prompt=["Question: 1\nAnswer:", "Question: 22\nAnswer:"], max_tokens=6
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    stats = _citer(r)
+    assert len(stats["per_choice"]) == 2
+    assert sum(c["tokens_by_model"]["llm"] for c in stats["per_choice"]) == stats["tokens_by_model"]["llm"]
+
+
+def test_chat_stream_equals_non_streamed(client):
+    msgs = [{"role": "system", "content": "ignored"}, {"role": "user", "content": "What is 7 + 5?"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_NEW, temperature=0)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant"
+    stats = _citer(full)
+    # The random router at tau 0.5 sends part of the answer to each model: routing really happened.
+    assert stats["tokens_by_model"]["slm"] > 0 and stats["tokens_by_model"]["llm"] > 0
+    assert stats["llm_calls"] >= 1 and stats["bytes_moved"] > 0
+    assert 0 < stats["llm_token_fraction"] < 1
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # token by token
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
+    assert {k: v for k, v in _citer(last).items() if k != "wall_seconds"} == {
+        k: v for k, v in stats.items() if k != "wall_seconds"
+    }
+
+
+def test_completion_stream(client):
+    kw = {"model": MODEL, "prompt": "Question: 9 - 4\nAnswer:", "max_tokens": 10}
+    text = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert "tokens_by_model" in _citer(chunks[-1])
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = {"model": MODEL, "prompt": "Question: 3\nAnswer:", "max_tokens": 16, "temperature": 1.0, "seed": 7}
+    a = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == a
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "Question: 1", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "Question: 1", "max_tokens": MAX_NEW + 1}, "max_tokens"),
+        ({"prompt": "Question: 1", "temperature": -0.5}, "temperature"),
+        ({"prompt": "Question: 1", "top_p": 0}, "top_p"),
+        ({"prompt": "Question: 1", "n": 2}, "n"),
+        ({"prompt": "x" * 600, "max_tokens": 4}, "max_tokens"),  # longer than the tiny models' context
+    ],
+)
+def test_bad_completion_is_400(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=MODEL, **kwargs)
+    err = ei.value.body
+    assert ei.value.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"]
+
+
+def test_bad_chat_and_unknown_model(client, server):
+    with pytest.raises(openai.BadRequestError, match="role 'user'"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "  "}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "1 + 1"}])
+    # A body of the wrong shape is a 400 in OpenAI's format too, not FastAPI's 422.
+    r = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": 5}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt")
+
+
+def test_api_key_required_when_set(engine, tiny_pair):
+    from fastapi.testclient import TestClient
+
+    app = build_app(engine, tiny_pair[2], model_name=MODEL, max_new_tokens=4, api_key="sekret")
+    with TestClient(app) as tc:
+        assert tc.get("/v1/models").status_code == 401
+        assert tc.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert tc.get("/health").status_code == 200
+
+
+def test_stop_and_stream_pieces(tiny_pair):
+    _, _, tok = tiny_pair
+    assert truncate_at_stop("a = 5. b", [".", " b"]) == ("a = 5", True)
+    assert truncate_at_stop("abc", ["x"]) == ("abc", False)
+    ids = tok.encode("12 + 30", add_special_tokens=False)
+    flags = [i % 2 == 0 for i in range(len(ids))]
+    pieces = stream_pieces(tok, ids, flags, "12 + 3")  # final text shorter than the tokens (a stop cut it)
+    assert "".join(p for p, _ in pieces) == "12 + 3"
+    assert [f for _, fl in pieces for f in fl] == flags[: len(pieces)]
+
+
+def test_mc_chat_prompt_uses_training_template():
+    from citer.data.prompts import build_prompt
+    from citer.serving.protocol import chat_prompt
+
+    row = {"question": "Which is even?", "choices": {"label": ["A", "B"], "text": ["3", "4"]}}
+    msg = [{"role": "user", "content": "Which is even?\nChoices: (A) 3 (B) 4"}]
+    assert chat_prompt(msg, "mc") == build_prompt(row, "mc")
+    assert chat_prompt([{"role": "user", "content": "2 + 2"}], "math") == build_prompt(
+        {"problem": "2 + 2"}, "math"
+    )
+    with pytest.raises(RequestError, match="Choices"):
+        chat_prompt([{"role": "user", "content": "no choices here"}], "mc")
+
+
+def test_stream_pieces_hold_back_split_characters():
+    """With a byte-level BPE a character can span tokens: no piece may carry half of one (U+FFFD)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["plain ascii words only"], vocab_size=270, min_frequency=1, show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer)
+    text = "café ü 猫!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # the non-ASCII characters really are split over several byte tokens
+    assert any("\ufffd" in tok.decode(ids[: i + 1]) for i in range(len(ids)))
+    pieces = stream_pieces(tok, ids, [True] * len(ids), text)
+    assert "".join(p for p, _ in pieces) == text
+    assert not any("\ufffd" in p for p, _ in pieces)
+    assert sum(len(f) for _, f in pieces) == len(ids)  # every token is accounted to exactly one piece
