@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Check the package layout: no import cycles, imports only downward, small modules, no tools in the math.
+
+    python scripts/check_layout.py          # prints the layers and exits 1 if any rule is broken
+
+Rules (every ``import`` counts, module level or inside a function, since a lazy import is still a dependency):
+1. No import cycle among ``citer`` and ``flows`` modules.
+2. A module imports only from its own layer or below (:data:`LAYERS`, bottom first).
+3. No module is longer than :data:`MAX_LINES` lines.
+4. Prefect is imported only by ``flows``; MLflow only by the registry, the router's pyfunc wrapper and ``flows``.
+5. Every top-level function of a stage flow module is a Prefect ``@flow`` or ``@task`` (flows compose, the
+   library decides); shared helpers live in ``flows/common.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Bottom first. A module belongs to the first entry that is its name or a package above it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("citer.config", "citer.io"),
+    ("citer.data",),
+    ("citer.models", "citer.decoding"),
+    ("citer.routing", "citer.evaluation"),
+    ("citer.project", "citer.registry", "citer.serving"),
+    ("flows",),
+    ("citer.cli",),
+)
+MAX_LINES = 400
+TOOL_IMPORTS = {
+    "prefect": ("flows",),
+    "mlflow": ("citer.registry", "citer.routing.pyfunc", "flows"),
+}
+FLOW_HELPERS = ("flows.common",)  # flows modules allowed to hold plain functions
+API_FACE = "citer"  # citer/__init__.py names the public API lazily and sits above every layer
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+    lines: int
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def load_modules(root: Path, packages: Iterable[str] = ("citer", "flows")) -> dict[str, Module]:
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            name = _module_name(root, path)
+            out[name] = Module(name, path, ast.parse(text, str(path)), text.count("\n"))
+    return out
+
+
+def _imported(node: ast.AST, mod: Module) -> list[str]:
+    """Module names an import statement names (``from a import b`` names ``a.b`` when that is a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level:  # relative: resolve against the importing package
+            base = mod.name.split(".")
+            if mod.path.name != "__init__.py":
+                base = base[:-1]
+            base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        return [target] + [f"{target}.{a.name}" for a in node.names]
+    return []
+
+
+def import_graph(mods: dict[str, Module]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``(edges, tools)``: project modules each module imports, and the top-level third-party names it imports."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    tools: dict[str, set[str]] = {m: set() for m in mods}
+    for m in mods.values():
+        for node in ast.walk(m.tree):
+            for name in _imported(node, m):
+                if name in mods and name != m.name:
+                    edges[m.name].add(name)
+                elif name and name.split(".")[0] not in ("citer", "flows"):
+                    tools[m.name].add(name.split(".")[0])
+    return edges, tools
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(name: str) -> int | None:
+    for i, group in enumerate(LAYERS):
+        if any(_under(name, p) for p in group):
+            return i
+    return None
+
+
+def check(root: Path) -> list[str]:
+    """Every broken rule, one line each (empty when the layout holds)."""
+    mods = load_modules(root)
+    edges, tools = import_graph(mods)
+    problems = [f"import cycle: {' <-> '.join(c)}" for c in cycles(edges)]
+    for name, m in sorted(mods.items()):
+        rel = m.path.relative_to(root)
+        if m.lines > MAX_LINES:
+            problems.append(f"{rel}: {m.lines} lines (more than {MAX_LINES}); split it by concept")
+        here = layer_of(name)
+        if name != API_FACE:
+            if here is None:
+                problems.append(f"{rel}: module {name} is in no layer of scripts/check_layout.py LAYERS")
+            else:
+                for dep in sorted(edges[name]):
+                    there = layer_of(dep)
+                    if there is not None and there > here:
+                        problems.append(
+                            f"{rel}: {name} (layer {here}) imports {dep} (layer {there}), a layer above it"
+                        )
+        for tool, allowed in TOOL_IMPORTS.items():
+            if tool in tools[name] and not any(_under(name, a) for a in allowed):
+                problems.append(f"{rel}: imports {tool}; only {', '.join(allowed)} may")
+        if _under(name, "flows") and name not in FLOW_HELPERS:
+            problems += _plain_flow_functions(m, rel)
+    return problems
+
+
+def _plain_flow_functions(m: Module, rel: Path) -> list[str]:
+    out = []
+    for node in m.tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names = {
+                (d.func if isinstance(d, ast.Call) else d).id
+                for d in node.decorator_list
+                if isinstance(d.func if isinstance(d, ast.Call) else d, ast.Name)
+            }
+            if not names & {"flow", "task"}:
+                out.append(
+                    f"{rel}: function {node.name} is neither a @flow nor a @task (library logic belongs in citer/)"
+                )
+    return out
+
+
+def describe(root: Path) -> str:
+    """The layers, top first, with each module's line count and the layers it imports from."""
+    mods = load_modules(root)
+    edges, _ = import_graph(mods)
+    lines = []
+    for i in reversed(range(len(LAYERS))):
+        names = [n for n in sorted(mods) if layer_of(n) == i and mods[n].path.name != "__init__.py"]
+        lines.append(f"layer {i}: {', '.join(LAYERS[i])}")
+        for n in names:
+            deps = sorted({layer_of(d) for d in edges[n]} - {None})
+            lines.append(f"  {n:<32} {mods[n].lines:>4} lines  imports layers {deps}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    root = Path(__file__).resolve().parents[1]
+    print(describe(root))
+    problems = check(root)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    print("layout holds" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

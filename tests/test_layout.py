@@ -1,0 +1,84 @@
+"""The package layout (scripts/check_layout.py) holds, and each of its rules catches the fault it names."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("check_layout", REPO / "scripts" / "check_layout.py")
+layout = importlib.util.module_from_spec(_spec)
+sys.modules["check_layout"] = layout  # dataclasses look their module up while the script loads
+_spec.loader.exec_module(layout)
+
+
+def test_the_layout_holds():
+    assert layout.check(REPO) == []
+
+
+def test_the_script_exits_0_and_names_every_layer():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "check_layout.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("layout holds")
+    for group in layout.LAYERS:
+        assert f"layer {layout.LAYERS.index(group)}: {', '.join(group)}" in out.stdout
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    """A copy of the package and flows to plant faults in."""
+    for d in ("citer", "flows"):
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def _append(path, text):
+    path.write_text(path.read_text(encoding="utf-8") + text, encoding="utf-8")
+
+
+def test_a_cycle_and_an_upward_import_are_caught(tree):
+    _append(
+        tree / "citer" / "data" / "formats.py", "\n\ndef _late():\n    from citer.data import jsonl  # noqa\n"
+    )
+    _append(tree / "citer" / "decoding" / "cost.py", "\nfrom citer.evaluation.rows import SweepRow  # noqa\n")
+    problems = layout.check(tree)
+    assert "import cycle: citer.data.answers <-> citer.data.formats <-> citer.data.jsonl" in problems
+    assert any(
+        "citer.decoding.cost (layer 2) imports citer.evaluation.rows (layer 3), a layer above it" in p
+        for p in problems
+    )
+
+
+def test_size_tools_unknown_modules_and_plain_flow_functions_are_caught(tree):
+    _append(tree / "citer" / "io.py", "\n" * 400)
+    _append(tree / "citer" / "decoding" / "engine.py", "\nimport mlflow  # noqa\n")
+    _append(tree / "citer" / "routing" / "mlp.py", "\n\ndef _f():\n    import prefect  # noqa\n")
+    (tree / "citer" / "misc.py").write_text("X = 1\n")
+    _append(tree / "flows" / "synth.py", "\n\ndef choose_things(p):\n    return p\n")
+    problems = "\n".join(layout.check(tree))
+    assert re.search(r"citer/io\.py: \d+ lines \(more than 400\)", problems)
+    assert (
+        "citer/decoding/engine.py: imports mlflow; only citer.registry, citer.routing.pyfunc, flows may"
+        in problems
+    )
+    assert "citer/routing/mlp.py: imports prefect; only flows may" in problems
+    assert "citer/misc.py: module citer.misc is in no layer" in problems
+    assert "flows/synth.py: function choose_things is neither a @flow nor a @task" in problems
+
+
+def test_dvc_code_dependencies_exist():
+    """Every ``citer/...`` or ``flows/...`` dependency of a dvc stage names a file or folder that exists."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    deps = [d for s in stages.values() for d in s.get("deps", []) if d.startswith(("citer/", "flows/"))]
+    assert deps and [d for d in deps if not (REPO / d).exists()] == []
