@@ -140,6 +140,44 @@ def embedded_tok(synth_rows):
     return build_tokenizer(corpus_texts(synth_rows["math_train"], "math"), 512)
 
 
+@pytest.fixture()
+def champion_project(tiny_pair_dirs, tmp_path, monkeypatch):
+    """A project as the pipeline leaves it: params.yaml, models/{slm,llm}, artifacts/routers/iter2, and that router
+    registered in the project's own MLflow store as version 1 holding the champion alias (tau 0.5). The current
+    directory is the project; returns its path."""
+    import shutil
+
+    import mlflow
+
+    from citer.project import load_project
+    from citer.registry import publish_router
+    from citer.routing.mlp import MLPRouter, save_router
+
+    root = tmp_path / "project"
+    for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):
+        shutil.copytree(src, root / "models" / role)
+    torch.manual_seed(0)
+    meta = {"slm": "models/slm", "llm": "models/llm", "iteration": 2}
+    save_router(MLPRouter(32).eval(), root / "artifacts" / "routers" / "iter2", meta)
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("CITER_ROOT", raising=False)
+    monkeypatch.chdir(root)
+    proj = load_project()
+    client = mlflow.MlflowClient(tracking_uri=proj.tracking_uri)
+    exp = client.create_experiment("api", artifact_location=(root / "mlartifacts").as_uri())
+    publish_router(
+        proj.router_dir(2),
+        model_name=proj.params.registry.model_name,
+        alias=proj.params.registry.alias,
+        run_id=client.create_run(exp).info.run_id,
+        tags={"slm": "models/slm", "llm": "models/llm", "tau": 0.5},
+        promote=True,
+        tracking_uri=proj.tracking_uri,
+    )
+    return root
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """One temporary Prefect server (sqlite) for the whole session; flows run against it for real."""

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import REPO
 
 import citer
@@ -37,38 +35,8 @@ def _readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-def test_readme_snippets_run(tiny_pair_dirs, tmp_path, monkeypatch, capsys):
+def test_readme_snippets_run(champion_project, capsys):
     """In a project whose models, router and registered champion are where the README says, both snippets run."""
-    from citer.project import load_project
-    from citer.registry import publish_router
-    from citer.routing.mlp import MLPRouter, save_router
-
-    proj_dir = tmp_path / "project"
-    for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):
-        shutil.copytree(src, proj_dir / "models" / role)
-    torch.manual_seed(0)
-    meta = {"slm": "models/slm", "llm": "models/llm", "iteration": 2}
-    save_router(MLPRouter(32).eval(), proj_dir / "artifacts" / "routers" / "iter2", meta)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("CITER_ROOT", raising=False)
-    shutil.copy(REPO / "params.yaml", proj_dir / "params.yaml")
-    monkeypatch.chdir(proj_dir)
-    proj = load_project()
-
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=proj.tracking_uri)
-    exp = client.create_experiment("api", artifact_location=(proj_dir / "mlartifacts").as_uri())
-    publish_router(
-        proj.router_dir(2),
-        model_name=proj.params.registry.model_name,
-        alias=proj.params.registry.alias,
-        run_id=client.create_run(exp).info.run_id,
-        tags={"slm": "models/slm", "llm": "models/llm", "tau": 0.5},
-        promote=True,
-        tracking_uri=proj.tracking_uri,
-    )
-
     blocks = _readme_python_blocks()
     assert len(blocks) == 2
     champion_lines = [ln for ln in blocks[0].splitlines() if ln.strip() and not ln.startswith("import")]

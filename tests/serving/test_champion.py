@@ -52,3 +52,48 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     register(16, 0.5)  # a champion whose router was trained for another SLM
     with pytest.raises(ChampionError, match="hidden_size=16"):
         load_champion(proj)
+
+
+@pytest.mark.slow  # a `citer serve` process: imports, model loads and uvicorn start, ~15 s
+def test_citer_serve_serves_the_projects_champion(champion_project, tmp_path):
+    """`citer serve` in a project: the champion's router and tau behind /health and /v1/completions on loopback."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect"), HF_HUB_OFFLINE="1")
+    citer = Path(sys.executable).parent / "citer"
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [str(citer), "serve", "--port", str(port)], cwd=champion_project, env=env, stdout=log, stderr=log
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "citer serve did not start"
+                time.sleep(0.5)
+        assert health["status"] == "ok" and health["router"] == "citer-router/1" and health["tau"] == 0.5
+        body = {"model": "citer", "prompt": "Question: 1+2\nAnswer:", "max_tokens": 8}
+        done = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert done["choices"][0]["text"] is not None and done["citer"]["version"] == "1"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
