@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from citer.config import ConfigError, Params
-from citer.project import Project, git_commit, load_project, project_root
+from citer.project import Project, as_project, git_commit, load_project, project_root
 
 
 def _project(root, **blocks) -> Project:
@@ -77,3 +77,10 @@ def test_git_commit(tmp_path):
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], **run)
     head = subprocess.run(["git", "rev-parse", "HEAD"], text=True, **run).stdout.strip()
     assert git_commit(tmp_path) == head and len(head) == 40
+
+
+def test_as_project_takes_a_project_or_its_directory(tmp_path):
+    (tmp_path / "params.yaml").write_text("registry:\n  alias: best\n")
+    proj = _project(tmp_path)
+    assert as_project(proj) is proj
+    assert as_project(tmp_path).params.registry.alias == "best" and as_project(str(tmp_path)).root == tmp_path

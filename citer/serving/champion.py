@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from citer.decoding.engine import RoutedEngine
 from citer.models.loading import load_pair
-from citer.project import Project, load_project
+from citer.project import Project, as_project
 from citer.registry import RegistryError, load_router_version, require_champion
 
 
@@ -36,7 +36,7 @@ def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | 
     are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
     and :class:`ChampionError` when its router does not fit its SLM.
     """
-    proj = project if isinstance(project, Project) else load_project(root=project)
+    proj = as_project(project)
     params = proj.params
     reg = params.registry
     rv = require_champion(reg.model_name, reg.alias, proj.tracking_uri)

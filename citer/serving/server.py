@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from citer.decoding.engine import EngineInputError
-from citer.project import Project, load_project
+from citer.project import Project, as_project
 from citer.serving.champion import load_champion
 from citer.serving.protocol import (
     ChatRequest,
@@ -363,7 +363,7 @@ def serve_champion(
     override). ``CITER_API_KEY`` in the environment, when set, becomes the bearer key the server requires.
     """
     _setup_logging("info")
-    proj = project if isinstance(project, Project) else load_project(root=project)
+    proj = as_project(project)
     engine, tok, info = load_champion(proj)
     s = proj.params.serve
     fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
