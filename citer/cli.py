@@ -191,7 +191,7 @@ def eval_sweep(params: ParamsOpt = "params.yaml") -> None:
 @friendly
 def route(
     input: Annotated[
-        str | None, typer.Option(help="JSONL of questions (default: params inference.input)")
+        str | None, typer.Option(help="JSONL of questions (default: inference.input, else data.test)")
     ] = None,
     output: Annotated[
         str | None, typer.Option(help="JSONL of answers (default: params inference.output)")

@@ -66,6 +66,9 @@ class ValidateParams(_Block):
 
     files: list[tuple[str, Literal["math", "mc"]]] = []
     max_chars_warning: int = 20000
+    # Share of rows with a defect (e.g. an empty \boxed{}) tolerated as warnings; above it the file is refused.
+    # Great Expectations' ``mostly`` is 1 - this.
+    max_bad_row_fraction: float = Field(0.001, ge=0.0, le=1.0)
 
 
 class ArchParams(_Block):
@@ -152,6 +155,8 @@ class FinetuneParams(_Block):
     deepspeed_config: str = "infra/deepspeed/zero2.json"
     lora: LoraParams = LoraParams()
     eval_examples: int = 300
+    # Refuse to train when more than this share of rows would be cut at max_length (the cut rows teach no answer).
+    max_truncated_fraction: float = Field(0.05, ge=0.0, le=1.0)
 
 
 class EvalParams(_Block):
@@ -241,7 +246,7 @@ class RegistryParams(_Block):
 class InferenceParams(_Block):
     """``citer route``: the champion router over a JSONL of questions; rerunning resumes where it stopped."""
 
-    input: str = "data/embedded/math_test.jsonl"
+    input: str | None = None  # None: data.test, the split the sweep routed
     output: str = "outputs/predictions.jsonl"
     format: Literal["math", "mc"] | None = None  # None: data.format
     tau: float | None = Field(None, ge=0.0, le=1.0)  # None: the champion's tau tag

@@ -26,7 +26,7 @@ def batch_inference_flow(
     rv = require_champion(reg.model_name, reg.alias, proj.tracking_uri)
     tau = inf.tau if inf.tau is not None else rv.tau
     fmt = inf.format or p.data.format
-    src = proj.path(input or inf.input)
+    src = proj.path(input or inf.input or p.data.test)
     dst = proj.path(output or inf.output)
 
     def engine():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # Bottom first. A module belongs to the first entry that is its name or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("citer.config", "citer.io"),
+    ("citer.config", "citer.io", "citer.progress"),
     ("citer.data",),
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),
