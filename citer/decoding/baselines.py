@@ -66,26 +66,35 @@ class ConfidenceRouter(nn.Module):
     """BiLD-style: the SLM's own confidence as the score, so low-confidence tokens go to the LLM.
 
     Holds the SLM's output head to turn hidden states into a distribution, which keeps the (B, H) interface.
-    ``kind="max_prob"``: the top probability; ``kind="entropy"``: 1 - H(p) / log(V).
+    ``kind="max_prob"``: the top probability; ``kind="entropy"``: 1 - H(p) / log(V). ``vocab_size`` (the
+    tokenizer's) cuts a padded head's extra rows out of the distribution; None keeps the head's width.
     """
 
-    def __init__(self, lm_head: nn.Module, kind: Literal["max_prob", "entropy"] = "max_prob") -> None:
+    def __init__(
+        self,
+        lm_head: nn.Module,
+        kind: Literal["max_prob", "entropy"] = "max_prob",
+        vocab_size: int | None = None,
+    ) -> None:
         super().__init__()
         if kind not in ("max_prob", "entropy"):
             raise ValueError(f"ConfidenceRouter: kind must be 'max_prob' or 'entropy', got {kind!r}")
         self.lm_head = lm_head
         self.kind = kind
+        self.vocab_size = vocab_size
 
     @classmethod
     def from_model(
-        cls, slm: nn.Module, kind: Literal["max_prob", "entropy"] = "max_prob"
+        cls, slm: nn.Module, kind: Literal["max_prob", "entropy"] = "max_prob", vocab_size: int | None = None
     ) -> ConfidenceRouter:
-        return cls(slm.get_output_embeddings(), kind)
+        return cls(slm.get_output_embeddings(), kind, vocab_size)
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.lm_head.weight
-        logits = self.lm_head(hidden.to(device=w.device, dtype=w.dtype)).float()  # (B, V)
+        logits = self.lm_head(hidden.to(device=w.device, dtype=w.dtype)).float()[
+            :, : self.vocab_size
+        ]  # (B, V)
         logp = torch.log_softmax(logits, dim=-1)
         if self.kind == "max_prob":
             return logp.max(dim=-1).values.exp()  # (B,)

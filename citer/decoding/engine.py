@@ -6,7 +6,8 @@ token of the row it has not yet seen -- all selected rows in ONE forward call --
 The emitted token is then fed to the SLM. Rows stop at EOS or ``max_new_tokens`` and leave the batch.
 
 Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call.
-Shapes: b = rows in a call, V = vocab, H = hidden.
+Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
+chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded to different sizes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from torch import nn
 from citer.decoding.baselines import AlwaysSLM, Router, wants_row_ids
 from citer.decoding.cost import BatchStats, CostMeter, ModelCost, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.pairing import (
+    PairingError,
+    check_full_attention,
+    cut_logits,
+    model_label,
+    shared_vocab_size,
+)
 from citer.decoding.sampling import select_tokens
 
 
@@ -37,10 +45,6 @@ class GenerationResult:
     batch: BatchStats
 
 
-def _vocab(model: nn.Module) -> int:
-    return int(model.config.get_text_config(decoder=True).vocab_size)
-
-
 def _max_positions(model: nn.Module) -> int:
     return int(model.config.get_text_config(decoder=True).max_position_embeddings)
 
@@ -50,7 +54,9 @@ class RoutedEngine:
 
     ``eos_token_id``: one id or several (None: stop at ``max_new_tokens`` only). ``pad_token_id`` is accepted for
     symmetry with HF; the engine never needs it (pad slots repeat a real token and are masked). ``gpu`` names the
-    bandwidth used for the projected time (:data:`citer.decoding.cost.GPU_BANDWIDTH`).
+    bandwidth used for the projected time (:data:`citer.decoding.cost.GPU_BANDWIDTH`). ``vocab_size``: the token ids
+    the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
+    models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
     """
 
     def __init__(
@@ -62,30 +68,28 @@ class RoutedEngine:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         gpu: str = "H100",
+        vocab_size: int | None = None,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
         if llm is None and not isinstance(router, AlwaysSLM):
             raise EngineInputError("llm=None needs an AlwaysSLM router (no LLM to route to)")
-        if llm is not None and _vocab(slm) != _vocab(llm):
-            raise EngineInputError(
-                f"models have different vocabularies: slm vocab_size={_vocab(slm)}, llm vocab_size={_vocab(llm)}"
-            )
-        for name, m in (("slm", slm), ("llm", llm)):
+        for m in (slm, llm):
             if m is None:
                 continue
             impl = m.config._attn_implementation
             if impl not in ("sdpa", "eager"):
                 raise EngineInputError(
-                    f"{name}: attention implementation {impl!r} unsupported; use sdpa or eager"
+                    f"{model_label(m)}: attention implementation {impl!r} unsupported; use sdpa or eager"
                 )
-            kinds = set(
-                getattr(m.config.get_text_config(decoder=True), "layer_types", None) or ["full_attention"]
-            )
-            if kinds != {"full_attention"}:
-                raise EngineInputError(
-                    f"{name}: only full-attention layers are supported, got {sorted(kinds)}"
-                )
+        try:
+            for m in (slm, llm):
+                if m is not None:
+                    check_full_attention(m.config, model_label(m))
+            # Embedding sizes may differ (padded rows); the token ids both may emit are the tokenizer's.
+            self.vocab_size = shared_vocab_size(slm, llm, vocab_size)
+        except PairingError as exc:
+            raise EngineInputError(str(exc)) from exc
         self.slm, self.llm, self.router, self.tau = slm, llm, router, float(tau)
         eos = (
             [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
@@ -106,7 +110,7 @@ class RoutedEngine:
             raise EngineInputError("prompts: empty list, nothing to generate")
         if row_ids is not None and (len(row_ids) != len(prompts) or len(set(row_ids)) != len(row_ids)):
             raise EngineInputError(f"row_ids: need {len(prompts)} distinct ids, got {list(row_ids)[:8]}...")
-        vocab = _vocab(self.slm)
+        vocab = self.vocab_size
         limits = [("slm", _max_positions(self.slm))]
         if self.llm is not None:
             limits.append(("llm", _max_positions(self.llm)))
@@ -148,7 +152,6 @@ class RoutedEngine:
         seqs = [list(map(int, p)) for p in prompts]
         plen = [len(p) for p in prompts]
         cap = max(plen) + max_new_tokens
-        dev = next(self.slm.parameters()).device
         meter = CostMeter(self._cost_slm, self._cost_llm, n, self.gpu)
         out_tok: list[list[int]] = [[] for _ in range(n)]
         out_llm: list[list[bool]] = [[] for _ in range(n)]
@@ -158,7 +161,7 @@ class RoutedEngine:
         llm_seen = [0] * n  # tokens of row r in the LLM cache
         active = list(range(n))  # slot -> row
 
-        logits, hidden = ragged_append(self.slm, slm_cache, seqs)  # prefill: (n, V), (n, H)
+        logits, hidden = ragged_append(self.slm, slm_cache, seqs)  # prefill: (n, V_slm), (n, H)
         meter.forward("slm", active, plen, plen)
         step = 0
         while active:
@@ -166,13 +169,16 @@ class RoutedEngine:
             rid = torch.tensor([ids[r] for r in active], dtype=torch.long)  # (b,) on CPU: keys for the noise
             steps = torch.full((b,), step, dtype=torch.long)
             if self._router_ctx:
+                dev = hidden.device
                 scores = self.router(hidden.float(), row_ids=rid.to(dev), steps=steps.to(dev))
             else:
                 scores = self.router(hidden.float())
             scores = scores.reshape(-1)
             if scores.shape[0] != b:
                 raise ValueError(f"router returned {tuple(scores.shape)} scores for {b} rows")
-            tok = select_tokens(logits, temperature, top_p, seed, rid, steps)  # (b,)
+            tok = select_tokens(
+                cut_logits(logits, self.vocab_size), temperature, top_p, seed, rid, steps
+            )  # (b,)
             to_llm = (scores < self.tau).tolist()
             sel = [s for s in range(b) if to_llm[s]]
             if sel:
@@ -189,7 +195,9 @@ class RoutedEngine:
                 )
                 for r in rows:
                     llm_seen[r] = len(seqs[r])
-                llm_tok = select_tokens(llm_logits, temperature, top_p, seed, rid[sel], steps[sel])
+                llm_tok = select_tokens(
+                    cut_logits(llm_logits, self.vocab_size), temperature, top_p, seed, rid[sel], steps[sel]
+                )
                 tok[torch.tensor(sel, device=tok.device)] = llm_tok.to(tok.device)
             toks = tok.tolist()
             meter.emitted(active, to_llm)

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from citer.decoding.forward import decoder_forward
+from citer.decoding.pairing import input_device
 
 
 class RaggedKVCache(Cache):
@@ -32,12 +33,12 @@ class RaggedKVCache(Cache):
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        p = next(model.parameters())
-        shape = (n_rows, kv_heads, capacity + 1, head_dim)
-        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)]
-        self.values = [
-            torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(cfg.num_hidden_layers)
-        ]
+        self._row_shape = (kv_heads, capacity + 1, head_dim)
+        # Allocated by a layer's first update, on the device and in the dtype its keys arrive in: a model split by a
+        # device_map keeps each layer's cache beside the layer.
+        self.keys: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
+        self.values: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
+        self.device = input_device(model)  # where ids, positions, masks and index tensors are built
         self.capacity = capacity
         self.lengths = [0] * n_rows  # valid columns per slot
         # Set by `append` for the duration of one forward call.
@@ -51,19 +52,31 @@ class RaggedKVCache(Cache):
 
     def keep(self, slots: Sequence[int]) -> None:
         """Keep only ``slots`` (in that order) -- rows that finished are dropped."""
-        idx = torch.tensor(list(slots), dtype=torch.long, device=self.keys[0].device)
-        self.keys = [k.index_select(0, idx) for k in self.keys]
-        self.values = [v.index_select(0, idx) for v in self.values]
+        idx = torch.tensor(list(slots), dtype=torch.long)
+
+        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, idx.to(t.device))
+
+        self.keys = [sel(k) for k in self.keys]
+        self.values = [sel(v) for v in self.values]
         self.lengths = [self.lengths[s] for s in slots]
+
+    def _buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer_idx] is None:
+            shape = (len(self.lengths), *self._row_shape)
+            self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+            self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self.keys[layer_idx], self.values[layer_idx]  # type: ignore[return-value]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: (b, kv_heads, Q, head_dim) -> cache keys/values (b, kv_heads, kv_len, head_dim)
-        kbuf, vbuf = self.keys[layer_idx], self.values[layer_idx]
+        kbuf, vbuf = self._buffers(layer_idx, key_states)
+        dev = kbuf.device  # the layer's device; index tensors were built on the input device
         if self._packed is not None:
             # Packed call: key_states (1, kv_heads, N, head_dim), N new tokens of several rows in one sequence.
-            tok_slot, tok_col, key_slot, key_col = self._packed
+            tok_slot, tok_col, key_slot, key_col = (t.to(dev) for t in self._packed)
             kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
             vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
             # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
@@ -72,19 +85,20 @@ class RaggedKVCache(Cache):
                 vbuf[key_slot, :, key_col].transpose(0, 1)[None],
             )
         b = key_states.shape[0]
-        cols = self._cols  # (b, Q)
+        cols = self._cols.to(dev)  # (b, Q)
         if self._slots is None:
-            rows = torch.arange(b, device=cols.device)[:, None]  # (b, 1)
+            rows = torch.arange(b, device=dev)[:, None]  # (b, 1)
             kbuf[rows, :, cols] = key_states.transpose(1, 2)  # indexed dims first: (b, Q, kv_heads, head_dim)
             vbuf[rows, :, cols] = value_states.transpose(1, 2)
             return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
-        rows = self._slots[:, None]
+        slots = self._slots.to(dev)
+        rows = slots[:, None]
         kbuf[rows, :, cols] = key_states.transpose(1, 2)
         vbuf[rows, :, cols] = value_states.transpose(1, 2)
         # A gather: the selected rows' caches, cut to the longest (b, kv_heads, kv_len, head_dim).
         return (
-            kbuf[:, :, : self._kv_len].index_select(0, self._slots),
-            vbuf[:, :, : self._kv_len].index_select(0, self._slots),
+            kbuf[:, :, : self._kv_len].index_select(0, slots),
+            vbuf[:, :, : self._kv_len].index_select(0, slots),
         )
 
 
@@ -93,7 +107,7 @@ def _mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     impl = model.config._attn_implementation
     if impl == "sdpa":
         return allowed
-    dtype = next(model.parameters()).dtype
+    dtype = model.get_input_embeddings().weight.dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
         ~allowed, torch.finfo(dtype).min
     )
@@ -112,7 +126,7 @@ def ragged_append(
     mixed gaps) and the packed mask stays small, pad otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
     hidden (b, H) at each row's last fed token.
     """
-    dev = cache.keys[0].device
+    dev = cache.device
     b = len(chunks)
     sl = list(range(b)) if slots is None else list(slots)
     gaps = [len(c) for c in chunks]
@@ -138,9 +152,7 @@ def ragged_append(
     allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
     mask = _mask_for(model, allowed[:, None])  # (b, 1, Q, K)
     try:
-        logits, hidden = decoder_forward(
-            model, ids, {"full_attention": mask}, pos, cache, last_index=g - 1
-        )  # (b, V), (b, H)
+        logits, hidden = decoder_forward(model, ids, mask, pos, cache, last_index=g - 1)  # (b, V), (b, H)
     finally:
         cache._slots, cache._cols = None, None
     for s, n in zip(sl, gaps, strict=True):
@@ -151,7 +163,7 @@ def ragged_append(
 def _packed_append(
     model: nn.Module, cache: RaggedKVCache, chunks: Sequence[Sequence[int]], sl: list[int], gaps: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dev = cache.keys[0].device
+    dev = cache.device
     tok_row, tok_pos, key_row, key_col, key_slot = [], [], [], [], []
     for i, (s, n) in enumerate(zip(sl, gaps, strict=True)):
         start = cache.lengths[s]
@@ -175,7 +187,7 @@ def _packed_append(
         logits, hidden = decoder_forward(
             model,
             ids,
-            {"full_attention": mask},
+            mask,
             t["tok_pos"][None],
             cache,
             last_index=(torch.zeros_like(last), last),

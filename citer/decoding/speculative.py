@@ -3,7 +3,8 @@
 ``llm.generate(assistant_model=slm)`` is lossless under greedy decoding (its output is the LLM's), so what it adds to
 a comparison is cost: every forward call of either model is caught by a pre-hook and charged through
 :class:`citer.decoding.cost.CostMeter` exactly as the engine charges its own calls. Assisted generation takes batch
-size 1, so each prompt is decoded alone.
+size 1, so each prompt is decoded alone. Both models' tokens are chosen among the tokenizer's ids (``vocab_size``),
+so a pair whose embeddings are padded to different sizes decodes as one with equal embeddings would.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 from citer.decoding.cost import CostMeter, ModelCost
+from citer.decoding.pairing import VocabCut, embedding_rows, input_device
+from citer.progress import progress
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,12 @@ def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> I
         llm.register_forward_pre_hook(hook("llm"), with_kwargs=True),
     ]
     slm.generation_config = draft_cfg
+    # transformers takes different embedding sizes for different tokenizers and then wants both tokenizers
+    # (universal assisted decoding, which re-tokenizes text). Ours share one tokenizer and VocabCut keeps both models
+    # on its ids, so for the block the assistant reports the LLM's width; greedy verification compares ids only.
+    slm_text_cfg = slm.config.get_text_config(decoder=True)
+    slm_rows = embedding_rows(slm)
+    slm_text_cfg.vocab_size = embedding_rows(llm)
     verbosity = hf_logging.get_verbosity()
     # Assisted generation warns on every call about its internal generation_config; once is plenty.
     hf_logging.set_verbosity_error()
@@ -65,6 +74,7 @@ def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> I
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
+        slm_text_cfg.vocab_size = slm_rows
         slm.generation_config = gen_cfg
         for h in handles:
             h.remove()
@@ -81,14 +91,19 @@ def speculative_generate(
     eos_token_id: int,
     pad_token_id: int,
     gpu: str = "H100",
+    vocab_size: int | None = None,
 ) -> list[SpeculativeOutput]:
-    """``llm.generate(assistant_model=slm)`` greedily for each prompt alone, every call metered."""
-    dev = next(llm.parameters()).device
+    """``llm.generate(assistant_model=slm)`` greedily for each prompt alone, every call metered; tokens among the
+    first ``vocab_size`` ids (``len(tokenizer)``; default the smaller embedding)."""
+    from transformers import LogitsProcessorList
+
+    dev = input_device(llm)
+    cut = LogitsProcessorList([VocabCut(vocab_size or min(embedding_rows(slm), embedding_rows(llm)))])
     costs = (ModelCost.from_model(slm), ModelCost.from_model(llm))
     meter: list[CostMeter] = []
     out = []
     with _metered(slm, llm, draft_tokens, meter):
-        for p in prompts:
+        for p in progress(prompts, desc="speculative", total=len(prompts), unit="prompt"):
             meter[:] = [CostMeter(costs[0], costs[1], 1, gpu)]
             ids = torch.tensor([list(p)], dtype=torch.long, device=dev)  # (1, T)
             t0 = time.perf_counter()
@@ -100,6 +115,7 @@ def speculative_generate(
                 do_sample=False,
                 eos_token_id=eos_token_id,
                 pad_token_id=pad_token_id,
+                logits_processor=cut,
             )
             wall = time.perf_counter() - t0
             toks = gen[0, ids.shape[1] :].tolist()

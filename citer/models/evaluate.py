@@ -17,7 +17,9 @@ import torch
 from citer.data.answers import extract_answer, grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt
+from citer.decoding.pairing import VocabCut, input_device
 from citer.io import write_json
+from citer.progress import progress
 
 
 class EvalError(ValueError):
@@ -57,10 +59,6 @@ class ModelEval:
         return [asdict(p) for p in self.predictions]
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 @torch.no_grad()
 def generate_greedy(
     model, tokenizer, prompts: Sequence[str], batch_size: int, max_new_tokens: int
@@ -68,7 +66,10 @@ def generate_greedy(
     """New token ids per prompt (EOS included when emitted, nothing after it); greedy, left-padded batches.
 
     Prompts are processed in order of length so a batch carries little padding; results come back in input order.
+    Tokens are chosen among the tokenizer's ids only (a padded embedding's extra rows never win).
     """
+    from transformers import LogitsProcessorList
+
     if batch_size < 1:
         raise EvalError(f"batch_size must be >= 1, got {batch_size}")
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -78,8 +79,10 @@ def generate_greedy(
     encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     out: list[list[int]] = [[] for _ in encoded]
-    dev = _device(model)
-    for start in range(0, len(order), batch_size):
+    dev = input_device(model)
+    cut = LogitsProcessorList([VocabCut(len(tokenizer))])
+    starts = range(0, len(order), batch_size)
+    for start in progress(starts, desc="evaluate", total=len(starts), unit="batch"):
         idx = order[start : start + batch_size]
         width = max(len(encoded[i]) for i in idx)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)  # (B, T) left-padded
@@ -95,6 +98,7 @@ def generate_greedy(
             do_sample=False,
             pad_token_id=pad,
             eos_token_id=eos,
+            logits_processor=cut,
         )
         new = gen[:, width:].tolist()  # (B, <= max_new_tokens)
         for r, i in enumerate(idx):

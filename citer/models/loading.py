@@ -2,7 +2,8 @@
 
 Errors are raised before anything is built on a bad checkpoint: a missing directory, a truncated weights file, a
 config of a model that is not a causal LM, or an SLM/LLM pair whose token -> id maps differ (routing hands token ids
-from one model to the other, so the vocabularies must be identical).
+from one model to the other, so the tokenizers must be identical; the embedding sizes may differ) or whose layers
+are not all full attention (:mod:`citer.decoding.pairing`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from typing import Any
 
 import torch
 
+from citer.decoding.pairing import PairingError, check_full_attention
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE_MAPS = (
+    "auto",
+    "balanced",
+    "balanced_low_0",
+    "sequential",
+)  # accelerate's named device_map strategies
 
 
 class ModelLoadError(ValueError):
@@ -98,23 +107,11 @@ def load_tokenizer(name_or_path: str | os.PathLike[str], trust_remote_code: bool
     return tok
 
 
-def load_model(
-    name_or_path: str | os.PathLike[str],
-    dtype: str = "float32",
-    device: str | dict[str, Any] = "cpu",
-    trust_remote_code: bool = False,
-) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in eval mode from a local directory or a hub id.
-
-    ``device`` is a torch device string (``"cpu"``, ``"cuda:0"``) or a ``device_map`` (``"auto"`` or a dict) for
-    models split over several GPUs. Raises :class:`ModelLoadError` naming the model on any failure.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _causal_lm_config(name: str, trust_remote_code: bool) -> Any:
+    """The config of a causal LM at ``name``; refuses a missing or broken checkpoint or another kind of model."""
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    name = str(name_or_path)
-    if dtype not in _DTYPES:
-        raise ModelLoadError(f"{name}: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     if _looks_local(name) or (_hub_offline() and not _in_hub_cache(name)):
         # Offline, a name not in the hub cache can only be a local directory: say so, not "hub lookup failed".
         _check_local_dir(Path(name).expanduser())
@@ -132,7 +129,45 @@ def load_model(
     archs = list(getattr(config, "architectures", None) or [])
     if archs and not remote_causal and not any(a in causal_classes for a in archs):
         raise ModelLoadError(f"{name}: architectures {archs} is not a causal language model")
-    use_map = isinstance(device, dict) or device in ("auto", "balanced", "sequential")
+    return config
+
+
+def _check_placement(name: str, device: str | dict[str, Any]) -> None:
+    """Refuse, naming the model, a device torch cannot parse or does not have (a traceback deep in loading else)."""
+    if isinstance(device, str) and device in _DEVICE_MAPS:
+        return
+    where = device.items() if isinstance(device, dict) else [("models.device", device)]
+    for module, d in where:
+        if d == "disk":
+            continue
+        label = f"device {d!r}" + (f" (device_map entry {module!r})" if isinstance(device, dict) else "")
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ModelLoadError(f"{name}: {label} is not a torch device ({exc})") from exc
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise ModelLoadError(f"{name}: {label}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    dtype: str = "float32",
+    device: str | dict[str, Any] = "cpu",
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` in eval mode from a local directory or a hub id.
+
+    ``device`` is a torch device string (``"cpu"``, ``"cuda:0"``) or a ``device_map`` (``"auto"`` or a dict) for
+    models split over several GPUs. Raises :class:`ModelLoadError` naming the model on any failure.
+    """
+    from transformers import AutoModelForCausalLM
+
+    name = str(name_or_path)
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"{name}: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    _causal_lm_config(name, trust_remote_code)
+    _check_placement(name, device)
+    use_map = isinstance(device, dict) or device in _DEVICE_MAPS
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if use_map:
         kwargs["device_map"] = device
@@ -174,14 +209,23 @@ def load_pair(
     dtype: str = "float32",
     device: str | dict[str, Any] = "cpu",
     trust_remote_code: bool = False,
+    llm_device_map: str | dict[str, Any] | None = None,
 ) -> tuple[Any, Any, Any]:
-    """``(slm_model, llm_model, tokenizer)``; refuses a pair whose vocabularies differ, naming both models.
+    """``(slm_model, llm_model, tokenizer)``; refuses, naming the model(s), a pair whose tokenizers differ or a model
+    with any layer that is not full attention. Their embedding sizes may differ (see :mod:`citer.decoding.pairing`).
 
-    The tokenizers are compared before the (possibly large) LLM weights are loaded.
+    ``llm_device_map`` places the LLM with an accelerate ``device_map`` (a dict or ``"auto"``) while the SLM sits on
+    ``device``. Tokenizers and configs are all checked before any weights are loaded.
     """
     slm_tok = load_tokenizer(slm, trust_remote_code)
     llm_tok = load_tokenizer(llm, trust_remote_code)
     check_same_vocab(slm_tok, llm_tok, str(slm), str(llm))
+    for name in (slm, llm):
+        try:
+            check_full_attention(_causal_lm_config(str(name), trust_remote_code), str(name))
+        except PairingError as exc:
+            raise ModelLoadError(str(exc)) from exc
     slm_model, tok = load_model(slm, dtype, device, trust_remote_code)
-    llm_model, _ = load_model(llm, dtype, device, trust_remote_code)
+    llm_place = device if llm_device_map is None else llm_device_map
+    llm_model, _ = load_model(llm, dtype, llm_place, trust_remote_code)
     return slm_model, llm_model, tok

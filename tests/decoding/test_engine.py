@@ -206,11 +206,15 @@ def test_bad_input_raises_before_generating(pair, kwargs, call, match):
     assert counter.sizes == []
 
 
-def test_different_vocabularies_rejected(pair):
-    slm, _ = pair
-    other = make_qwen2(V + 5, hidden_size=64, num_hidden_layers=2, seed=2)
-    with pytest.raises(EngineInputError, match="different vocabularies"):
-        RoutedEngine(slm, other, AlwaysLLM())
+def test_padded_embeddings_pair_and_a_too_large_vocabulary_is_refused(pair):
+    slm, llm = pair
+    padded = make_qwen2(V + 5, hidden_size=64, num_hidden_layers=2, seed=2)
+    eng = RoutedEngine(slm, padded, AlwaysLLM(), tau=0.5, vocab_size=V)
+    assert RoutedEngine(slm, padded, AlwaysLLM()).vocab_size == V  # default: the smaller embedding
+    with pytest.raises(EngineInputError, match=r"token ids outside \[0, 97\)"):
+        eng.generate_batch([[1, V + 2]], 2)
+    with pytest.raises(EngineInputError, match=r"embeds 97 tokens, fewer than the tokenizer's 102"):
+        RoutedEngine(slm, padded, AlwaysLLM(), vocab_size=V + 5)
 
 
 @pytest.mark.slow

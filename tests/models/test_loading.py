@@ -82,3 +82,24 @@ def test_count_params_counts_tied_embeddings_once(embedded_tok):
     v, h = len(embedded_tok), TINY_ARCH.hidden_size
     assert count_params(untied) - count_params(tied) == v * h
     assert count_params(make_qwen2(v, hidden_size=16, num_hidden_layers=1)) > v * 16 * 2
+
+
+def test_project_places_the_llm_by_its_device_map(tiny_pair_dirs, tmp_path):
+    from citer.config import Params
+    from citer.project import Project
+
+    slm_dir, llm_dir = tiny_pair_dirs
+    dmap = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers": "cpu", "model.norm": "cpu",
+            "lm_head": "cpu"}  # fmt: skip
+    models = {"slm": str(slm_dir), "llm": str(llm_dir), "llm_device_map": dmap}
+    _, llm, _ = Project(tmp_path, Params(models=models, finetune={"enabled": False})).load_pair()
+    assert all(p.device.type == "cpu" for p in llm.parameters())
+    # A device the machine lacks is refused in one line naming the LLM and the map entry, before loading weights.
+    bad = {"": "cpu", "lm_head": "cuda:99"}
+    with pytest.raises(
+        ModelLoadError, match=rf"^{llm_dir}: device 'cuda:99' \(device_map entry 'lm_head'\)"
+    ) as err:
+        load_pair(slm_dir, llm_dir, llm_device_map=bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ModelLoadError, match=rf"^{slm_dir}: device 'gpu0' is not a torch device"):
+        load_model(slm_dir, device="gpu0")

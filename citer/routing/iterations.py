@@ -1,0 +1,111 @@
+"""Which label and router iterations on disk are current: fingerprints of their inputs, and stale iterations.
+
+Each label set and router records a ``fingerprint`` in its meta: a digest of everything it was made from (the
+models, the train file, the params, the previous iteration's artifacts and the code that makes it). A rerun whose
+inputs have the same fingerprint keeps the artifact instead of recollecting it, so a DVC stage that owns every
+iteration can rerun cheaply when only a later step's params changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from citer.io import file_digest
+
+# Model files above this size are sampled (head, tail, size) instead of read whole: a 144 GB LLM is not rehashed.
+_WHOLE_FILE_BYTES = 1 << 20
+_SAMPLE_BYTES = 1 << 20
+
+LABELS_CODE = (
+    "citer.routing.labels",
+    "citer.routing.label_store",
+    "citer.decoding",
+    "citer.data.answers",
+    "citer.data.prompts",
+    "citer.data.jsonl",
+)
+ROUTER_CODE = ("citer.routing.mlp", "citer.routing.label_store", "citer.routing.labels")
+
+
+def fingerprint(parts: Mapping[str, Any]) -> str:
+    """sha256 (first 24 hex digits) of ``parts`` as canonical JSON."""
+    text = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+def _sampled_digest(path: Path) -> str:
+    size = path.stat().st_size
+    if size <= _WHOLE_FILE_BYTES:
+        return file_digest(path)
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as fh:
+        h.update(fh.read(_SAMPLE_BYTES))
+        fh.seek(max(size - _SAMPLE_BYTES, 0))
+        h.update(fh.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def model_fingerprint(ref: str | os.PathLike[str]) -> str:
+    """A local model directory's files (names, sizes, small files whole, weight files sampled); a hub id as is."""
+    p = Path(ref)
+    if not p.is_dir():
+        return f"hub:{ref}"
+    files = sorted(f for f in p.rglob("*") if f.is_file())
+    return fingerprint({str(f.relative_to(p)): _sampled_digest(f) for f in files})
+
+
+def source_digest(modules: Iterable[str]) -> str:
+    """Digest of the source files of ``modules`` (a package counts every ``.py`` file under it)."""
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"source_digest: module {name!r} not found")
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
+        for f in files:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def dir_digest(directory: str | os.PathLike[str], files: Iterable[str]) -> str:
+    """Digest of the named files of an artifact directory (what a later iteration was built from)."""
+    d = Path(directory)
+    return fingerprint({name: file_digest(d / name) if (d / name).is_file() else None for name in files})
+
+
+def recorded_fingerprint(meta_path: str | os.PathLike[str]) -> str | None:
+    """The ``fingerprint`` an artifact's meta file records, or None (no artifact, unreadable, or none recorded)."""
+    try:
+        meta = json.loads(Path(meta_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = meta.get("fingerprint") if isinstance(meta, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def remove_stale_iterations(directory: str | os.PathLike[str], keep: int, prefix: str = "iter") -> list[Path]:
+    """Delete the ``{prefix}{k}`` subdirectories and ``{prefix}{k}.json`` files of ``directory`` with k > ``keep``."""
+    d = Path(directory)
+    removed: list[Path] = []
+    if not d.is_dir():
+        return removed
+    for child in sorted(d.iterdir()):
+        stem = child.name.removesuffix(".json")
+        k = stem[len(prefix) :]
+        if not (stem.startswith(prefix) and k.isdigit() and int(k) > keep):
+            continue
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+        removed.append(child)
+    return removed

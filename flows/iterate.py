@@ -1,0 +1,40 @@
+"""Stage ``iterate`` (``citer router iterate``): labels and router for k = 1..labels.iterations, plus CITER-S.
+
+One stage owns every iteration because the count is a param (DVC cannot make stages from an int). Each label set and
+router is kept when its recorded fingerprint matches its inputs (citer.routing.iterations), so a rerun caused by,
+say, a router param only retrains the routers; iterations above labels.iterations are removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from citer.project import load_project
+
+
+@flow(name="iterate")
+def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.routing.iterations import remove_stale_iterations
+    from flows.collect_preferences import labels_flow
+    from flows.train_router import router_flow
+
+    logger = get_run_logger()
+    proj = load_project(params_path)
+    p = proj.params
+    n = p.labels.iterations
+    out: dict[str, Any] = {}
+    for k in range(1, n + 1):
+        out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k, reuse=True)
+        out[f"router_iter{k}"] = router_flow(params_path, iteration=k, reuse=True)
+    out["router_citer_s"] = router_flow(params_path, citer_s=True, reuse=True)
+    removed = [
+        *remove_stale_iterations(proj.path(p.paths.labels_dir), n),
+        *remove_stale_iterations(proj.path(p.paths.routers_dir), n),
+        *remove_stale_iterations(proj.reports, n, prefix="router_iter"),
+    ]
+    for key, res in out.items():
+        logger.info("%s: %s", key, "unchanged, kept" if res.get("reused") else "made")
+    out["removed"] = [str(r) for r in removed]
+    return out
