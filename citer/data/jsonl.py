@@ -17,6 +17,7 @@ from typing import Any
 
 from citer.data.answers import box_problem, empty_box_problem, extract_answer
 from citer.data.formats import Format, Problem, check_format, structural_problems
+from citer.data.rows import Row
 
 # A JSONL line longer than this is refused (and skipped in chunks of this size, never held whole).
 MAX_LINE_BYTES = 8 * 1024 * 1024
@@ -242,16 +243,19 @@ def iter_lines(
         yield ParsedLine(raw.line, None if problems else obj, problems)
 
 
-def read_jsonl(path: str | os.PathLike[str], fmt: Format) -> list[dict[str, Any]]:
-    """All rows of a JSONL dataset in format ``fmt``; raises :class:`DataError` at the first bad line or field."""
-    rows: list[dict[str, Any]] = []
+def read_jsonl(path: str | os.PathLike[str], fmt: Format) -> list[Row]:
+    """All rows of a JSONL dataset in format ``fmt``; raises :class:`DataError` at the first bad line or field.
+
+    Each row remembers its file and 1-based line (:func:`citer.data.rows.origin`) for later error messages.
+    """
+    rows: list[Row] = []
     for parsed in iter_lines(path, fmt):
         problems = parsed.problems or rule_problems(parsed.row or {}, fmt)
         if problems:
             first = problems[0]
             raise DataError(path, parsed.line, first.field, first.reason)
         assert parsed.row is not None
-        rows.append(parsed.row)
+        rows.append(Row(parsed.row, str(path), parsed.line))
     if not rows:
         raise DataError(path, None, None, "no rows (the file is empty or holds only blank lines)")
     return rows

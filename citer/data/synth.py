@@ -149,6 +149,11 @@ def synthesize(params: SynthParams) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def split_paths(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """The files :func:`write_splits` writes for :func:`synthesize`'s six splits (``math_train.jsonl`` ...)."""
+    return [Path(out_dir) / f"{fmt}_{split}.jsonl" for fmt in ("math", "mc") for split in SPLITS]
+
+
 def write_splits(out_dir: str | os.PathLike[str], splits: dict[str, list[dict[str, Any]]]) -> list[Path]:
     """Write ``{name}.jsonl`` per split into ``out_dir`` in one atomic directory swap; returns the final paths."""
     if not splits:

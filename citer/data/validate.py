@@ -7,7 +7,12 @@ do parse go into a DataFrame and through a Great Expectations suite for the form
 - errors (the file is refused): not-null and type per column, and the row rules of ``formats.RULES`` (fewer than 2
   choices, text/label length mismatch, duplicate labels, answerKey not a label, cot not ending in the answerKey, a
   solution without a balanced non-empty final box), each evaluated as a bool column expected to be in ``[True]``;
-- warnings (the file passes): duplicate questions/problems and texts longer than ``max_chars_warning``.
+- warnings (the file passes): duplicate questions/problems and texts longer than ``max_chars_warning``;
+- tolerated defects (rules of severity "warning", e.g. MATH train's two empty ``\\boxed{}``): warnings while their
+  share of rows is at most ``max_bad_row_fraction`` (the expectation's ``mostly`` is 1 - that fraction), errors row by
+  row above it, plus one file-level error giving the count;
+- with a :class:`~citer.data.lengths.ContextBudget`: every row whose prompt + reference exceeds the models' context
+  (an error: labels cannot run on it and finetuning would cut it).
 
 ``result_format="COMPLETE"`` gives failing DataFrame indexes, mapped back to line numbers. Great Expectations is
 imported lazily (it takes seconds) and its ephemeral context is built once per process. Nothing is logged here: the
@@ -24,12 +29,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from citer.data.formats import Format
-from citer.data.jsonl import RULES, DataError, ParsedLine, iter_lines
+from citer.data.jsonl import RULES, DataError, ParsedLine, iter_lines, rule_problems
+from citer.data.lengths import ContextBudget, over_limit, sequence_lengths
 from citer.io import write_json
 
 Severity = Literal["error", "warning"]
 
 DEFAULT_MAX_CHARS_WARNING = 20000
+DEFAULT_MAX_BAD_ROW_FRACTION = 0.001
+LENGTH_FIELD = "prompt+target"
+_LIST_LINES = 20  # over-long lines named in the summary's one-line digest
 
 # Columns per format: (name, type checked by GE, whether it is required and gets length/duplicate checks).
 _TEXT_COLUMNS: dict[str, tuple[str, ...]] = {"mc": ("question", "answerKey"), "math": ("problem", "solution")}
@@ -51,6 +60,8 @@ class ValidationReport:
     fmt: str
     n_rows: int
     findings: list[Finding] = field(default_factory=list)
+    # The context check: {"limit", "source", "n_over", "lines"} when it ran, {"skipped": why} when it could not.
+    context: dict[str, Any] | None = None
 
     @property
     def n_errors(self) -> int:
@@ -75,6 +86,7 @@ class ValidationReport:
             "n_rows": self.n_rows,
             "n_errors": self.n_errors,
             "n_warnings": self.n_warnings,
+            "context": self.context,
             "findings": [asdict(f) for f in self.findings],
         }
 
@@ -85,6 +97,16 @@ class ValidationReport:
             f"{self.n_warnings} warnings -> {verdict}"
         )
         lines = [head]
+        ctx = self.context or {}
+        if ctx.get("n_over"):
+            shown = ", ".join(str(n) for n in ctx["lines"][:_LIST_LINES])
+            more = f" and {ctx['n_over'] - _LIST_LINES} more" if ctx["n_over"] > _LIST_LINES else ""
+            lines.append(
+                f"  {ctx['n_over']} row(s) longer than the context of {ctx['limit']} tokens ({ctx['source']}): "
+                f"lines {shown}{more}"
+            )
+        elif "skipped" in ctx:
+            lines.append(f"  context length not checked: {ctx['skipped']}")
         for f in self.findings[:max_findings]:
             where = "file" if f.line is None else f"line {f.line}"
             what = f"{f.field}: " if f.field else ""
@@ -117,7 +139,9 @@ def _rule_column(name: str) -> str:
     return f"rule__{name}"
 
 
-def _build_suite(fmt: Format, max_chars_warning: int, columns: Sequence[str]) -> Any:
+def _build_suite(
+    fmt: Format, max_chars_warning: int, columns: Sequence[str], max_bad_row_fraction: float
+) -> Any:
     import great_expectations as gx
     from great_expectations import expectations as gxe
 
@@ -134,14 +158,16 @@ def _build_suite(fmt: Format, max_chars_warning: int, columns: Sequence[str]) ->
         add(gxe.ExpectColumnValuesToNotBeNull, "not_null", "choices")
         add(gxe.ExpectColumnValuesToBeOfType, "type", "choices", type_="dict")
     for rule in RULES[fmt]:
-        severity = "warning" if rule.severity == "warning" else "critical"
-        add(
-            gxe.ExpectColumnValuesToBeInSet,
-            "rule",
-            _rule_column(rule.name),
-            value_set=[True],
-            severity=severity,
-        )
+        if rule.severity == "warning":  # a tolerated defect: GE's mostly decides whether the file passes
+            add(
+                gxe.ExpectColumnValuesToBeInSet,
+                "tolerated",
+                _rule_column(rule.name),
+                value_set=[True],
+                mostly=1.0 - max_bad_row_fraction,
+            )
+        else:
+            add(gxe.ExpectColumnValuesToBeInSet, "rule", _rule_column(rule.name), value_set=[True])
     add(gxe.ExpectColumnValuesToBeUnique, "unique", _UNIQUE_COLUMN[fmt], severity="warning")
     for col in _LONG_COLUMNS[fmt]:
         if col in columns:
@@ -176,11 +202,15 @@ def _frame(parsed: list[ParsedLine], fmt: Format) -> tuple[Any, dict[str, list[s
 
 
 def _ge_findings(
-    df: Any, reasons: dict[str, list[str | None]], fmt: Format, max_chars_warning: int
+    df: Any,
+    reasons: dict[str, list[str | None]],
+    fmt: Format,
+    max_chars_warning: int,
+    max_bad_row_fraction: float,
 ) -> list[Finding]:
     batch_def = _gx_batch_definition()  # first: a suite can only be built once a context exists
     with _GX_LOCK:  # one shared context: Prefect may validate several files from worker threads at once
-        suite = _build_suite(fmt, max_chars_warning, list(df.columns))
+        suite = _build_suite(fmt, max_chars_warning, list(df.columns), max_bad_row_fraction)
         batch = batch_def.get_batch(batch_parameters={"dataframe": df})
         result = batch.validate(suite, result_format="COMPLETE")
     rule_fields = {_rule_column(r.name): r.field for r in RULES[fmt]}
@@ -193,6 +223,9 @@ def _ge_findings(
         if res.exception_info and res.exception_info.get("raised_exception"):
             msg = res.exception_info.get("exception_message")
             out.append(Finding(None, column, "error", f"expectation {cfg.type} could not run: {msg}"))
+            continue
+        if kind == "tolerated":
+            out.extend(_tolerated(res, df, reasons, rule_fields[column], column, max_bad_row_fraction))
             continue
         if res.success:
             continue
@@ -226,10 +259,61 @@ def _ge_findings(
     return out
 
 
+def _tolerated(
+    res: Any, df: Any, reasons: dict[str, list[str | None]], field: str, column: str, fraction: float
+) -> list[Finding]:
+    """A ``mostly`` rule's rows: warnings when the share passed, else errors and one file-level error."""
+    idx = [int(i) for i in res.result.get("unexpected_index_list") or []]
+    if not idx:
+        return []
+    lines = df["line"].tolist()
+    severity: Severity = "warning" if res.success else "error"
+    out = [Finding(lines[i], field, severity, reasons[column][i] or "rule failed") for i in idx]
+    if not res.success:
+        n = len(df)
+        out.append(
+            Finding(
+                None,
+                field,
+                "error",
+                f"{len(idx)} of {n} rows ({len(idx) / n:.2%}) break rule {column.removeprefix('rule__')!r}, "
+                f"more than validate.max_bad_row_fraction={fraction} tolerates (each row is listed)",
+            )
+        )
+    return out
+
+
+def _context_findings(
+    parsed: list[ParsedLine], fmt: Format, budget: ContextBudget
+) -> tuple[list[Finding], dict]:
+    usable = [p for p in parsed if p.row is not None and not rule_problems(p.row, fmt)]
+    lengths = sequence_lengths([p.row for p in usable if p.row is not None], fmt, budget.tokenizer)
+    over = over_limit(lengths, budget.limit)
+    findings = [
+        Finding(
+            usable[i].line,
+            LENGTH_FIELD,
+            "error",
+            f"{lengths[i]} tokens (prompt + reference + EOS), more than the context of {budget.describe()}",
+        )
+        for i in over
+    ]
+    lines = [usable[i].line for i in over]
+    summary = {"limit": budget.limit, "source": budget.source, "n_over": len(over), "lines": lines}
+    return findings, summary
+
+
 def validate_file(
-    path: str | os.PathLike[str], fmt: Format, max_chars_warning: int = DEFAULT_MAX_CHARS_WARNING
+    path: str | os.PathLike[str],
+    fmt: Format,
+    max_chars_warning: int = DEFAULT_MAX_CHARS_WARNING,
+    max_bad_row_fraction: float = DEFAULT_MAX_BAD_ROW_FRACTION,
+    budget: ContextBudget | None = None,
 ) -> ValidationReport:
-    """Check a JSONL dataset in format ``fmt``; the report lists every finding (it never raises on bad content)."""
+    """Check a JSONL dataset in format ``fmt``; the report lists every finding (it never raises on bad content).
+
+    With ``budget`` every row whose prompt + reference exceeds the context is an error, all of them reported.
+    """
     if fmt not in RULES:
         raise ValueError(f"unknown format {fmt!r}; expected one of {sorted(RULES)}")
     report = ValidationReport(path=str(path), fmt=fmt, n_rows=0)
@@ -248,7 +332,10 @@ def validate_file(
         return report
     if any(p.row is not None for p in parsed):
         df, reasons = _frame(parsed, fmt)
-        report.findings.extend(_ge_findings(df, reasons, fmt, max_chars_warning))
+        report.findings.extend(_ge_findings(df, reasons, fmt, max_chars_warning, max_bad_row_fraction))
+        if budget is not None:
+            found, report.context = _context_findings(parsed, fmt, budget)
+            report.findings.extend(found)
     report.findings.sort(key=lambda f: (f.line or 0, f.severity != "error", f.field or ""))
     return report
 

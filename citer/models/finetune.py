@@ -5,6 +5,9 @@ come from ``citer.data.prompts`` so the SLM is trained on exactly the text it la
 ``finetune.deepspeed`` the Trainer runs DeepSpeed ZeRO-2 from ``infra/deepspeed/zero2.json`` (its "auto" values are
 filled in by the Trainer from the same arguments); on CPU the same code path runs without it. LoRA (peft) is an
 option; the adapters are merged before saving so the output is an ordinary model directory.
+
+Rows longer than ``max_length`` are cut (their answer is lost, or the whole row when the prompt fills it). The count
+and share come back in the result; above ``max_truncated_fraction`` finetuning refuses before training.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from citer.config import FinetuneParams
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt, build_target
+from citer.data.rows import Row, source
 from citer.io import atomic_dir
 from citer.models.evaluate import evaluate_model
 from citer.models.loading import count_params, load_model
@@ -35,13 +39,14 @@ class FinetuneError(ValueError):
 class FinetuneResult:
     out_dir: str
     train_examples: int
-    truncated_examples: int  # examples whose target was cut at max_length
+    truncated_examples: int  # rows cut at max_length (dropped ones, whose prompt fills it, included)
     steps: int
     train_loss: float
     seconds: float
     trainable_params: int
     deepspeed: bool
     lora: bool
+    truncated_fraction: float = 0.0  # truncated_examples / rows given
     eval_accuracy: float | None = None
     eval_n: int = 0
     log_history: list[dict[str, float]] = field(default_factory=list)  # Trainer log_history: the loss curve
@@ -51,6 +56,7 @@ class FinetuneResult:
         out = {
             "train_examples": float(self.train_examples),
             "truncated_examples": float(self.truncated_examples),
+            "truncated_fraction": self.truncated_fraction,
             "steps": float(self.steps),
             "train_loss": self.train_loss,
             "seconds": self.seconds,
@@ -63,24 +69,40 @@ class FinetuneResult:
 
 def encode_sft(
     rows: Sequence[dict[str, Any]], fmt: Format, tokenizer, max_length: int
-) -> tuple[list[dict[str, list[int]]], int]:
-    """``({"input_ids", "labels"} per usable row, number truncated)``: prompt labels are -100, target + EOS kept.
+) -> tuple[list[dict[str, list[int]]], list[int]]:
+    """``({"input_ids", "labels"} per usable row, indexes of the rows cut)``: prompt labels -100, target + EOS kept.
 
-    A row whose prompt alone fills ``max_length`` has nothing to learn from and is dropped.
+    A row whose prompt alone fills ``max_length`` has nothing to learn from and is dropped (and counted as cut).
     """
     if tokenizer.eos_token_id is None:
         raise FinetuneError("tokenizer has no eos_token; the target could not end")
-    feats, truncated = [], 0
-    for r in rows:
+    feats, cut = [], []
+    for i, r in enumerate(rows):
         p = tokenizer.encode(build_prompt(r, fmt), add_special_tokens=False)
         t = tokenizer.encode(build_target(r, fmt), add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(p) + len(t) > max_length:
+            cut.append(i)
         ids = (p + t)[:max_length]
         if len(ids) <= len(p):
-            truncated += 1
             continue
-        truncated += len(p) + len(t) > max_length
         feats.append({"input_ids": ids, "labels": [-100] * len(p) + ids[len(p) :]})
-    return feats, truncated
+    return feats, cut
+
+
+def check_truncation(rows: Sequence[dict[str, Any]], cut: Sequence[int], params: FinetuneParams) -> float:
+    """The share of ``rows`` cut at ``max_length``; raises :class:`FinetuneError` above ``max_truncated_fraction``."""
+    frac = len(cut) / len(rows) if rows else 0.0
+    if frac <= params.max_truncated_fraction:
+        return frac
+    from_file = all(isinstance(rows[i], Row) for i in cut)
+    shown = [str(rows[i].line) if from_file else str(i + 1) for i in cut[:10]]
+    more = f" and {len(cut) - 10} more" if len(cut) > 10 else ""
+    raise FinetuneError(
+        f"{source(rows)}: {len(cut)} of {len(rows)} training rows ({frac:.1%}) are longer than "
+        f"finetune.max_length={params.max_length} tokens (prompt + target + EOS) and would be cut, more than "
+        f"finetune.max_truncated_fraction={params.max_truncated_fraction} allows ({'lines' if from_file else 'rows'} {', '.join(shown)}{more}); "
+        "raise finetune.max_length, drop those rows (citer data validate --model lists them) or raise the fraction"
+    )
 
 
 class SFTCollator:
@@ -170,12 +192,16 @@ def build_trainer(
     *,
     deepspeed: bool | None = None,
 ):
-    """``(trainer, truncated)`` ready to ``train()``; LoRA adapters are attached when ``params.lora.enabled``."""
+    """``(trainer, rows cut)`` ready to ``train()``; LoRA adapters are attached when ``params.lora.enabled``.
+
+    Refuses (:func:`check_truncation`) when too many rows would be cut at ``params.max_length``.
+    """
     from transformers import Trainer, set_seed
 
     if not train_rows:
         raise FinetuneError("finetune: no training rows")
-    feats, truncated = encode_sft(train_rows, fmt, tokenizer, params.max_length)
+    feats, cut = encode_sft(train_rows, fmt, tokenizer, params.max_length)
+    check_truncation(train_rows, cut, params)
     if not feats:
         raise FinetuneError(
             f"finetune: every training row's prompt is longer than max_length={params.max_length}"
@@ -196,7 +222,7 @@ def build_trainer(
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
-    return trainer, truncated
+    return trainer, len(cut)
 
 
 def finetune_slm(
@@ -237,6 +263,7 @@ def finetune_slm(
         out_dir=str(out_dir),
         train_examples=len(trainer.train_dataset),
         truncated_examples=truncated,
+        truncated_fraction=truncated / len(train_rows),
         steps=steps,
         train_loss=float(out.training_loss),
         seconds=seconds,

@@ -93,13 +93,24 @@ def test_load_budget_reads_a_model_directory(tiny_pair_dirs, tmp_path):
         load_budget([str(tmp_path / "absent")])
 
 
-def test_cli_model_option_lists_every_long_row(prefect_server, project, tiny_pair_dirs):
+def test_cli_model_option_lists_every_long_row(project, tiny_pair_dirs):
     long = [_math("q" * 600) for _ in range(3)]  # 600+ characters each, the tiny models hold 512 positions
     data = _write(project / "d.jsonl", [_math("1 + 1?"), long[0], "", long[1], _math("2 + 2?"), long[2]])
-    res = runner.invoke(app, ["data", "validate", str(data), "-f", "math", "--model", str(tiny_pair_dirs[0])])
+    args = [
+        "data",
+        "validate",
+        str(data),
+        "-f",
+        "math",
+        "--model",
+        str(tiny_pair_dirs[0]),
+        "--report",
+        "r.json",
+    ]
+    res = runner.invoke(app, args)
     assert res.exit_code == 1, res.output
     assert "3 row(s) longer than the context of 512 tokens" in res.output and "lines 2, 4, 6" in res.output
-    report = json.loads((project / "reports" / "validation.json").read_text())["files"][0]
+    report = json.loads((project / "r.json").read_text())["files"][0]
     assert report["context"]["lines"] == [2, 4, 6] and report["n_errors"] == 3
     # The same file without --model and without params: nothing to measure against, the file passes.
     assert runner.invoke(app, ["data", "validate", str(data), "-f", "math"]).exit_code == 0

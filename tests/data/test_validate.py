@@ -153,10 +153,17 @@ def test_validate_from_a_worker_thread():
     assert out and not out[0].ok and out[0].errors()[0].line == EXPECTED["math_no_boxed.jsonl"]["line"]
 
 
-def test_empty_box_is_a_warning():
-    report = validate_file(BAD_DIR.parent / "warn" / "math_empty_boxed.jsonl", "math")
+def test_empty_box_is_a_warning_only_under_the_bad_row_fraction():
+    # One empty box in two rows: a warning when half the rows may be bad, refused at the default share (0.001).
+    path = BAD_DIR.parent / "warn" / "math_empty_boxed.jsonl"
+    report = validate_file(path, "math", max_bad_row_fraction=0.5)
     assert report.ok
     assert [(f.line, f.severity) for f in report.findings if "empty" in f.reason] == [(3, "warning")]
+    refused = validate_file(path, "math")
+    assert not refused.ok
+    assert [(f.line, f.field) for f in refused.errors()] == [(None, "solution"), (3, "solution")]
+    assert "1 of 2 rows" in refused.errors()[0].reason
+    assert "validate.max_bad_row_fraction=0.001" in refused.errors()[0].reason
 
 
 MC_REAL = [

@@ -28,7 +28,7 @@ TINY = FinetuneParams(lr=3e-3, max_steps=12, batch_size=4, max_length=64, loggin
 def test_prompt_positions_are_masked_and_the_target_ends_in_eos(char_tokenizer):
     tok = char_tokenizer
     feats, truncated = encode_sft(ROWS[:2], "math", tok, max_length=64)
-    assert truncated == 0
+    assert truncated == []
     for f, row in zip(feats, ROWS, strict=False):
         n_prompt = len(build_prompt(row, "math"))  # the char tokenizer: one token per character
         assert f["labels"][:n_prompt] == [-100] * n_prompt
@@ -36,11 +36,11 @@ def test_prompt_positions_are_masked_and_the_target_ends_in_eos(char_tokenizer):
         assert f["input_ids"][-1] == tok.eos_token_id
         assert tok.decode(f["input_ids"][n_prompt:-1]) == " " + row["solution"]
     short, truncated = encode_sft(ROWS[:2], "math", tok, max_length=len(build_prompt(ROWS[0], "math")) + 3)
-    assert truncated == 2 and all(
+    assert truncated == [0, 1] and all(
         len(f["input_ids"]) == len(build_prompt(ROWS[0], "math")) + 3 for f in short
     )
     none, truncated = encode_sft(ROWS[:2], "math", tok, max_length=4)
-    assert none == [] and truncated == 2
+    assert none == [] and truncated == [0, 1]
     batch = SFTCollator(tok.pad_token_id)(feats)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
     pad_cols = batch["attention_mask"] == 0
@@ -84,7 +84,9 @@ def test_lora_finetune_saves_a_plain_merged_model(tiny_pair_dirs, tmp_path):
 def test_bad_input_fails_before_anything_is_written(tiny_pair_dirs, tmp_path):
     with pytest.raises(FinetuneError, match="no training rows"):
         finetune_slm(tiny_pair_dirs[0], [], "math", TINY, tmp_path / "out")
-    with pytest.raises(FinetuneError, match="longer than max_length=4"):
+    with pytest.raises(
+        FinetuneError, match=r"8 of 8 training rows \(100.0%\) are longer than finetune.max_length=4"
+    ):
         finetune_slm(
             tiny_pair_dirs[0], ROWS, "math", TINY.model_copy(update={"max_length": 4}), tmp_path / "out"
         )
