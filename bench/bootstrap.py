@@ -43,7 +43,9 @@ def run(params: Params, work: Path) -> dict:
     mark("synth", t, c)
 
     t, c = time.perf_counter(), time.process_time()
-    boot = bootstrap_models(params.bootstrap, work / "data", work / "models")
+    boot = bootstrap_models(
+        params.bootstrap, work / "data", work / "models" / "slm_base", work / "models" / "llm"
+    )
     mark("bootstrap", t, c)
 
     t, c = time.perf_counter(), time.process_time()

@@ -15,15 +15,13 @@ def batch_inference_flow(
     params_path: str = "params.yaml", input: str | None = None, output: str | None = None
 ) -> dict[str, Any]:
     from citer.models.loading import load_tokenizer
-    from citer.registry import require_champion
     from citer.serving.batch import route_file
-    from citer.serving.champion import load_champion
+    from citer.serving.champion import load_champion, project_champion
 
     proj = load_project(params_path)
     p = proj.params
     inf = p.inference
-    reg = p.registry
-    rv = require_champion(reg.model_name, reg.alias, proj.tracking_uri)
+    rv = project_champion(proj)  # its own store, and a pair that matches params, or one line saying both
     tau = inf.tau if inf.tau is not None else rv.tau
     fmt = inf.format or p.data.format
     src = proj.path(input or inf.input or p.data.test)
@@ -40,7 +38,8 @@ def batch_inference_flow(
         fmt,
         batch_size=inf.batch_size,
         max_new_tokens=inf.max_new_tokens,
-        meta={"router_version": rv.version, "tau": tau},
+        meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")},
+        restart_on_change=True,  # predictions for another input, champion or τ are never resumed
     )
     with stage_run(proj, "batch_inference") as run:
         run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})

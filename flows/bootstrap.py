@@ -1,4 +1,5 @@
-"""Stage ``bootstrap_models`` (embedded default only): tokenizer + SLM base + LLM trained from scratch."""
+"""Stage ``bootstrap_models`` (embedded default only): the SLM base and the LLM trained from scratch into
+``models.slm`` and ``models.llm``. Disabled, it only checks that your models are there and never touches them."""
 
 from __future__ import annotations
 
@@ -17,10 +18,24 @@ def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
 
     proj = load_project(params_path)
     p = proj.params
+    report = proj.reports / "bootstrap.json"
     if not p.bootstrap.enabled:
-        return {"skipped": True}
-    metrics = bootstrap_models(p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.paths.models_dir))
-    write_json(proj.path(p.paths.reports_dir) / "bootstrap.json", metrics)
+        for key in ("slm", "llm"):
+            ref = getattr(p.models, key)
+            if not proj.path(ref).is_dir():
+                raise FileNotFoundError(
+                    f"bootstrap.enabled is false but models.{key}={ref} is not a directory ({proj.path(ref)}); "
+                    f"put your model there or point models.{key} at it (DVC tracks local directories only)"
+                )
+        write_json(report, {"enabled": False, "slm": p.models.slm, "llm": p.models.llm})
+        return {
+            "disabled": f"bootstrap disabled (bootstrap.enabled: false): using your models, left untouched: "
+            f"models.slm={p.models.slm}, models.llm={p.models.llm} (both present)"
+        }
+    metrics = bootstrap_models(
+        p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.models.slm), proj.path(p.models.llm)
+    )
+    write_json(report, metrics)
     with stage_run(proj, "bootstrap_models") as run:
         run.params(p.bootstrap.model_dump(), prefix="bootstrap.")
         run.metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})

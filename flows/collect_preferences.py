@@ -31,18 +31,59 @@ def collect(proj, iteration: int):
     return collect_iter_k(prev, router, slm, llm, tok, rows, p.data.format, p.labels), hidden
 
 
+@task(name="labels-fingerprint")
+def labels_fingerprint(proj, iteration: int) -> str:
+    """What iteration ``iteration``'s labels are made from (see citer.routing.iterations)."""
+    from citer.io import file_digest
+    from citer.routing.iterations import (
+        LABELS_CODE,
+        dir_digest,
+        fingerprint,
+        model_fingerprint,
+        recorded_fingerprint,
+        source_digest,
+    )
+    from citer.routing.label_store import META_FILE
+    from citer.routing.mlp import META_FILE as ROUTER_META
+    from citer.routing.mlp import WEIGHTS_FILE
+
+    p = proj.params
+    parts = {
+        "iteration": iteration,
+        "slm": [proj.slm_name, model_fingerprint(proj.slm_ref)],
+        "llm": [p.models.llm, model_fingerprint(proj.llm_ref)],
+        "dtype": p.models.dtype,
+        "train": file_digest(proj.path(p.data.train)),
+        "format": p.data.format,
+        "labels": p.labels.model_dump(exclude={"iterations"}),
+        "code": source_digest(LABELS_CODE),
+    }
+    if iteration > 1:
+        prev_router = proj.router_dir(iteration - 1)
+        parts["previous_labels"] = recorded_fingerprint(proj.labels_dir(iteration - 1) / META_FILE)
+        parts["previous_router"] = dir_digest(prev_router, (WEIGHTS_FILE, ROUTER_META))
+    return fingerprint(parts)
+
+
 @flow(name="collect-preferences")
-def labels_flow(params_path: str = "params.yaml", iteration: int = 1) -> dict[str, Any]:
-    from citer.routing.label_store import save_labels, validate_labels
+def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: bool = False) -> dict[str, Any]:
+    """Collect one iteration's labels; with ``reuse``, keep the label set on disk when its inputs are unchanged."""
+    from citer.routing.iterations import recorded_fingerprint
+    from citer.routing.label_store import META_FILE, save_labels, validate_labels
 
     proj = load_project(params_path)
     if not 1 <= iteration <= proj.params.labels.iterations:
         raise ValueError(
             f"labels.iterations is {proj.params.labels.iterations}; iteration {iteration} is out of range"
         )
+    fp = labels_fingerprint(proj, iteration)
+    out_dir = proj.labels_dir(iteration)
+    if reuse and recorded_fingerprint(out_dir / META_FILE) == fp:
+        return {"dir": str(out_dir), "reused": True, "fingerprint": fp}
     labelset, hidden = collect(proj, iteration)
+    labelset.meta["fingerprint"] = fp
     report = validate_labels(labelset, hidden)
-    out = save_labels(labelset, proj.labels_dir(iteration))
+    out = save_labels(labelset, out_dir)
     counts = labelset.case_counts()
     with stage_run(proj, f"labels_iter{iteration}") as run:
         run.params(proj.params.labels.model_dump(), prefix="labels.")

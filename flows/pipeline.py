@@ -1,7 +1,10 @@
 """The whole CITER pipeline as one Prefect flow; each stage is a subflow and a nested MLflow run.
 
 validate -> [embedded: synth, bootstrap] -> finetune SLM -> eval models -> labels 1 -> router 1 -> ... -> labels K
--> router K (+ CITER-S router) -> sweep and promote -> batch inference on the test split.
+-> router K (+ CITER-S router) -> sweep and promote -> batch inference on data.test (or inference.input).
+
+Disabled stages are skipped (their models or data are the user's, used as params name them); label sets and routers
+whose inputs did not change since the last run are kept (flows/iterate.py).
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.registry import get_alias
     from flows.batch_inference import batch_inference_flow
     from flows.bootstrap import bootstrap_flow
-    from flows.collect_preferences import labels_flow
     from flows.evaluate_models import eval_models_flow
     from flows.finetune_slm import finetune_flow
+    from flows.iterate import iterate_flow
     from flows.sweep_and_promote import sweep_flow
     from flows.synth import synth_flow
-    from flows.train_router import router_flow
     from flows.validate import validate_flow
 
     proj = load_project(params_path)  # a bad params.yaml stops here, before any work
@@ -46,10 +48,7 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
             if p.finetune.enabled:
                 out["finetune"] = finetune_flow(params_path)
             out["models"] = eval_models_flow(params_path)
-            for k in range(1, p.labels.iterations + 1):
-                out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k)
-                out[f"router_iter{k}"] = router_flow(params_path, iteration=k)
-            out["router_citer_s"] = router_flow(params_path, citer_s=True)
+            out.update(iterate_flow(params_path))  # labels + router k = 1..labels.iterations, CITER-S
             out["sweep"] = sweep_flow(params_path)
             if get_alias(p.registry.model_name, p.registry.alias, proj.tracking_uri) is not None:
                 out["inference"] = batch_inference_flow(params_path)

@@ -1,46 +1,96 @@
-"""Stages ``router_iter{k}`` and ``router_citer_s``: train the MLP router on a label set, keep the best epoch."""
+"""Routers of the ``iterate`` stage (``citer router train``): the MLP router on a label set, best epoch kept."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
+from prefect import flow, task
 
 from citer.project import load_project
 from flows.common import stage_run
 
 
+@task(name="router-fingerprint")
+def router_fingerprint(proj, labels_dir) -> str:
+    """What a router is made from: its label set (files and inputs), the router params and the code."""
+    from citer.routing.iterations import (
+        ROUTER_CODE,
+        dir_digest,
+        fingerprint,
+        recorded_fingerprint,
+        source_digest,
+    )
+    from citer.routing.label_store import HIDDEN_FILE, META_FILE, TOKENS_FILE
+
+    return fingerprint(
+        {
+            "labels": recorded_fingerprint(labels_dir / META_FILE),
+            "labels_files": dir_digest(labels_dir, (HIDDEN_FILE, TOKENS_FILE)),
+            "router": proj.params.router.model_dump(),
+            "code": source_digest(ROUTER_CODE),
+        }
+    )
+
+
+@task(name="router-report")
+def router_report(proj, iterations: int) -> None:
+    """``reports/router.json`` from the summaries the routers of iterations 1..K record in their meta."""
+    from citer.io import read_json
+    from citer.routing.mlp import META_FILE, write_router_report
+
+    done = []
+    for k in range(1, iterations + 1):
+        meta = read_json(proj.router_dir(k) / META_FILE)
+        # Routers saved before summaries lived in their meta: the per-iteration report beside it.
+        done.append(meta.get("summary") or read_json(proj.reports / f"router_iter{k}.json"))
+    write_router_report(proj.reports / "router.json", done)
+
+
 @flow(name="train-router")
 def router_flow(
-    params_path: str = "params.yaml", iteration: int = 1, citer_s: bool = False
+    params_path: str = "params.yaml", iteration: int = 1, citer_s: bool = False, reuse: bool = False
 ) -> dict[str, Any]:
-    from citer.io import read_json, write_json
+    """Train one router; with ``reuse``, keep the router on disk when its fingerprint is unchanged."""
+    from citer.io import write_json
+    from citer.routing.iterations import recorded_fingerprint
     from citer.routing.label_store import load_labels
     from citer.routing.labels import citer_s_labels
     from citer.routing.mlp import (
+        META_FILE,
         iteration_summary,
         router_meta,
         save_router,
         train_router,
-        write_router_report,
     )
 
     proj = load_project(params_path)
     p = proj.params
-    labelset = load_labels(proj.labels_dir(1 if citer_s else iteration))
+    name: int | str = "citer_s" if citer_s else iteration
+    report_name = f"router_{'citer_s' if citer_s else f'iter{iteration}'}"
+    labels_dir = proj.labels_dir(1 if citer_s else iteration)
+    out = proj.router_dir(name)
+    fp = router_fingerprint(proj, labels_dir)
+    last = not citer_s and iteration == p.labels.iterations
+    if reuse and recorded_fingerprint(out / META_FILE) == fp:
+        from citer.io import read_json
+
+        summary = read_json(out / META_FILE).get("summary")
+        if summary is not None:  # a router from before summaries were recorded is retrained
+            write_json(proj.reports / f"{report_name}.json", summary)
+            if last:
+                router_report(proj, iteration)
+            return {"dir": str(out), "reused": True, **summary}
+    labelset = load_labels(labels_dir)
     if citer_s:
         labelset = citer_s_labels(labelset)
     router, metrics = train_router(labelset, p.router)
-    name: int | str = "citer_s" if citer_s else iteration
-    out = save_router(
-        router, proj.router_dir(name), router_meta(labelset, metrics, slm=proj.slm_name, llm=p.models.llm)
-    )
     summary = iteration_summary(labelset, metrics)
-    write_json(proj.reports / f"router_{'citer_s' if citer_s else f'iter{iteration}'}.json", summary)
-    if not citer_s and iteration == p.labels.iterations:
-        done = [read_json(proj.reports / f"router_iter{k}.json") for k in range(1, iteration + 1)]
-        write_router_report(proj.reports / "router.json", done)
-    with stage_run(proj, f"router_{name if citer_s else f'iter{iteration}'}") as run:
+    meta = router_meta(labelset, metrics, slm=proj.slm_name, llm=p.models.llm)
+    save_router(router, out, meta | {"fingerprint": fp, "summary": summary})
+    write_json(proj.reports / f"{report_name}.json", summary)
+    if last:
+        router_report(proj, iteration)
+    with stage_run(proj, report_name) as run:
         run.params(p.router.model_dump(), prefix="router.")
         run.metrics(metrics.scalars())
         for epoch, row in enumerate(metrics.curves):

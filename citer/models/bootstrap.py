@@ -24,6 +24,7 @@ from citer.data.jsonl import read_jsonl
 from citer.data.prompts import build_prompt, build_target
 from citer.io import atomic_dir
 from citer.models.loading import count_params
+from citer.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -153,7 +154,7 @@ def pretrain(
     order = torch.randperm(len(seqs), generator=gen)
     cursor, window, losses = 0, [], []
     t0 = time.perf_counter()
-    for step in range(params.steps):
+    for step in progress(range(params.steps), desc="pretrain", total=params.steps, unit="step"):
         if cursor + params.batch_size > len(order):
             order, cursor = torch.randperm(len(seqs), generator=gen), 0
         batch = [seqs[i] for i in order[cursor : cursor + params.batch_size].tolist()]
@@ -190,30 +191,32 @@ def _read_rows(data_dir: Path, fmt: Format) -> list[dict[str, Any]]:
 
 
 def bootstrap_models(
-    params: BootstrapParams, data_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]
+    params: BootstrapParams,
+    data_dir: str | os.PathLike[str],
+    slm_dir: str | os.PathLike[str],
+    llm_dir: str | os.PathLike[str],
 ) -> dict[str, Any]:
-    """Build ``out_dir/tokenizer``, ``out_dir/slm_base`` and ``out_dir/llm`` from the synthetic train split(s).
+    """Build the SLM base into ``slm_dir`` and the LLM into ``llm_dir`` (each with the shared tokenizer) from the
+    synthetic train split(s) in ``data_dir``.
 
     Returns flat metrics (parameter counts, seconds, final losses) for the flow to log. Each directory is written
     atomically, so a crash leaves the previous version or nothing.
     """
-    data, out = Path(data_dir), Path(out_dir)
+    data = Path(data_dir)
     texts: list[str] = []
     for fmt in params.formats:
         texts += corpus_texts(_read_rows(data, fmt), fmt)
     t0 = time.perf_counter()
     tok = build_tokenizer(texts, params.vocab_size)
-    with atomic_dir(out / "tokenizer") as tmp:
-        tok.save_pretrained(tmp)
     metrics: dict[str, Any] = {"vocab_size": len(tok), "n_train_texts": len(texts)}
-    for name, arch, pre, seed_off in (
-        ("slm_base", params.slm, params.slm_pretrain, 1),
-        ("llm", params.llm, params.llm_pretrain, 2),
+    for name, out_dir, arch, pre, seed_off in (
+        ("slm_base", slm_dir, params.slm, params.slm_pretrain, 1),
+        ("llm", llm_dir, params.llm, params.llm_pretrain, 2),
     ):
         seqs = encode_corpus(texts, tok, max(arch.max_position_embeddings, 1))
         model = build_model(arch, tok, params.seed + seed_off)
         res = pretrain(model, seqs, tok.pad_token_id, pre, params.seed + seed_off)
-        with atomic_dir(out / name) as tmp:
+        with atomic_dir(out_dir) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
         key = "slm" if name == "slm_base" else "llm"

@@ -26,8 +26,11 @@ from citer.config import LabelsParams
 from citer.data.answers import grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt, build_target
+from citer.data.rows import origin
 from citer.decoding.baselines import AlwaysSLM, Router
 from citer.decoding.engine import RoutedEngine
+from citer.decoding.pairing import cut_logits, input_device
+from citer.progress import progress
 from citer.routing.label_store import LLM_PREFERRED, SLM_PREFERRED, LabelsError, LabelSet, make_tokens_table
 
 
@@ -38,6 +41,7 @@ class Encoded:
     example_id: str
     prompt: list[int]
     target: list[int]
+    origin: str = ""  # "file:line" (or "row N") for error messages
 
 
 def encode_rows(
@@ -53,10 +57,11 @@ def encode_rows(
             prompt = tokenizer.encode(build_prompt(row, fmt), add_special_tokens=False)
             target = tokenizer.encode(build_target(row, fmt), add_special_tokens=False)
         except KeyError as exc:
-            raise LabelsError(f"rows: row {i}, field {exc.args[0]!r} missing for format {fmt!r}") from exc
+            raise LabelsError(f"{origin(row, i)}: field {exc.args[0]!r} missing for format {fmt!r}") from exc
         if not prompt:
-            raise LabelsError(f"rows: row {i}, field prompt encodes to no tokens")
-        out.append(Encoded(str(i), list(prompt), list(target) + [int(tokenizer.eos_token_id)]))
+            raise LabelsError(f"{origin(row, i)}: field prompt encodes to no tokens")
+        eos = [int(tokenizer.eos_token_id)]
+        out.append(Encoded(str(i), list(prompt), list(target) + eos, origin(row, i)))
     if not out:
         raise LabelsError("rows: no examples to label (empty input)")
     return out
@@ -98,17 +103,17 @@ def _decoder_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.
 
 
 @torch.inference_mode()
-def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hidden: bool):
-    """Argmax (n,) and optionally hidden (n, H) at each target position of a batch of examples."""
-    device = next(model.parameters()).device
+def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hidden: bool, vocab_size: int):
+    """Argmax over the tokenizer's ``vocab_size`` ids (n,) and optionally hidden (n, H) at each target position."""
+    device = input_device(model)
     seqs = [e.prompt + e.target[:-1] for e in batch]  # the last target token (EOS) predicts nothing we need
     max_pos = getattr(model.config, "max_position_embeddings", None)
     L = max(len(s) for s in seqs)
     if max_pos is not None and L > max_pos:
         i = max(range(len(seqs)), key=lambda j: len(seqs[j]))
         raise LabelsError(
-            f"rows: row {batch[i].example_id}, field prompt+target has {len(seqs[i])} tokens, more than the "
-            f"model's max_position_embeddings={max_pos}"
+            f"{batch[i].origin}: field prompt+target has {len(seqs[i])} tokens, more than the "
+            f"model's max_position_embeddings={max_pos} (citer data validate --model lists every such row)"
         )
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -119,22 +124,32 @@ def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hid
     # Target token t of example b is predicted at sequence position len(prompt) - 1 + t.
     b_idx = torch.cat([torch.full((len(e.target),), b) for b, e in enumerate(batch)])
     p_idx = torch.cat([torch.arange(len(e.target)) + len(e.prompt) - 1 for e in batch])
-    ht = h[b_idx.to(device), p_idx.to(device)]  # (n, H)
-    logits = model.get_output_embeddings()(ht)  # (n, V)
+    ht = h[b_idx.to(h.device), p_idx.to(h.device)]  # (n, H)
+    logits = cut_logits(
+        model.get_output_embeddings()(ht), vocab_size
+    )  # (n, V): padded embedding rows never win
     return logits.argmax(-1).cpu(), (ht.float().cpu() if want_hidden else None)
 
 
 def teacher_forced(
-    slm: Any, llm: Any, encoded: Sequence[Encoded], batch_size: int, pad_id: int
+    slm: Any,
+    llm: Any,
+    encoded: Sequence[Encoded],
+    batch_size: int,
+    pad_id: int,
+    vocab_size: int | None = None,
 ) -> TeacherForced:
-    """One forward pass per model per batch; batches group examples of similar length to cut padding."""
+    """One forward pass per model per batch (similar lengths together); greedy tokens among the tokenizer's
+    ``vocab_size`` ids (default: the smaller embedding), so embeddings padded to different sizes compare alike."""
+    vocab = vocab_size or min(int(m.get_output_embeddings().out_features) for m in (slm, llm))
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].prompt) + len(encoded[i].target))
     per_ex: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for s in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    for s in progress(starts, desc="labels: teacher-forced", total=len(starts), unit="batch"):
         idx = order[s : s + batch_size]
         batch = [encoded[i] for i in idx]
-        slm_tok, hid = _targets_forward(slm, batch, pad_id, want_hidden=True)
-        llm_tok, _ = _targets_forward(llm, batch, pad_id, want_hidden=False)
+        slm_tok, hid = _targets_forward(slm, batch, pad_id, want_hidden=True, vocab_size=vocab)
+        llm_tok, _ = _targets_forward(llm, batch, pad_id, want_hidden=False, vocab_size=vocab)
         off = 0
         for i, e in zip(idx, batch, strict=True):
             n = len(e.target)
@@ -188,7 +203,8 @@ def rollout_correct(
             todo.append(j)
     # Batches of similar prefix length keep the engine's ragged cache (capacity = longest prompt + new tokens) small.
     todo.sort(key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
-    for s in range(0, len(todo), batch_size):
+    starts = range(0, len(todo), batch_size)
+    for s in progress(starts, desc="labels: rollouts", total=len(starts), unit="batch"):
         chunk = todo[s : s + batch_size]
         prompts = []
         for j in chunk:
@@ -198,7 +214,7 @@ def rollout_correct(
         room = max_positions - max(len(q) for q in prompts)
         if room < 1:
             raise LabelsError(
-                f"rows: row {encoded[branches[chunk[-1]].ex].example_id}, field prompt+target fills the context "
+                f"{encoded[branches[chunk[-1]].ex].origin}: field prompt+target fills the context "
                 f"({max_positions} positions); no room to roll out"
             )
         res = engine.generate_batch(prompts, max_new_tokens=min(max_new_tokens, room), temperature=0.0)
@@ -216,9 +232,8 @@ def rollout_correct(
 def _engine(slm: Any, llm: Any, router: Router | None, tau: float, tokenizer: Any) -> Any:
     if router is None:  # SLM-only decoding: the engine accepts llm=None with an AlwaysSLM router
         router = AlwaysSLM()
-    return RoutedEngine(
-        slm, llm, router, tau=tau, eos_token_id=int(tokenizer.eos_token_id), pad_token_id=_pad_id(tokenizer)
-    )
+    eos, pad, vocab = int(tokenizer.eos_token_id), _pad_id(tokenizer), len(tokenizer)
+    return RoutedEngine(slm, llm, router, tau=tau, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -243,7 +258,7 @@ def collect_iter1(
 ) -> LabelSet:
     """Iteration-1 labels: teacher-forced cases, SLM-only rollouts for ``both_wrong`` (LLM label under CITER-S)."""
     enc = encode_rows(tokenizer, rows, fmt, params.n_examples)
-    tf = teacher_forced(slm, llm, enc, params.batch_size, _pad_id(tokenizer))
+    tf = teacher_forced(slm, llm, enc, params.batch_size, _pad_id(tokenizer), len(tokenizer))
     slm_ok = tf.slm_token == tf.ref  # (N,)
     llm_ok = tf.llm_token == tf.ref
     case = [

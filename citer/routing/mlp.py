@@ -23,6 +23,7 @@ from torch import nn
 
 from citer.config import RouterParams
 from citer.io import atomic_dir, read_artifact_meta, write_json
+from citer.progress import progress
 from citer.routing.label_store import CASES, LabelSet, labelset_hash
 
 WEIGHTS_FILE = "router.safetensors"
@@ -209,7 +210,7 @@ def train_router(ls: LabelSet, params: RouterParams) -> tuple[MLPRouter, RouterM
         best = (math.inf, 0, copy.deepcopy(model.state_dict()), {})
         curves: list[dict[str, float]] = []
         bad_epochs = 0
-        for epoch in range(1, params.epochs + 1):
+        for epoch in progress(range(1, params.epochs + 1), desc="router", total=params.epochs, unit="epoch"):
             model.train()
             perm = torch.randperm(len(x_tr), generator=gen)
             total, count = 0.0, 0

@@ -10,7 +10,8 @@ Output: one JSON line per non-blank input line, in input order::
 cut into chunks of ``batch_size`` (errors included) and each chunk is appended in one write followed by fsync. A
 rerun drops a torn last line and any chunk not written in full, then decodes the remaining chunks; with the same
 ``batch_size`` they line up with the first run's, so the final file is identical to an uninterrupted run's.
-A sidecar ``<output>.meta.json`` records the input's hash and the settings; resuming with another input is refused.
+A sidecar ``<output>.meta.json`` records the input's hash and the settings (router version, τ, models); an output
+written with other settings is refused, or started over with ``restart_on_change`` (what the pipeline does).
 """
 
 from __future__ import annotations
@@ -147,16 +148,15 @@ def _truncate(output: Path, size: int) -> None:
         os.fsync(fh.fileno())
 
 
-def _check_meta(meta_path: Path, meta: Mapping[str, Any], output: Path, resuming: bool) -> None:
-    if resuming and meta_path.exists():
+def _meta_changes(meta_path: Path, meta: Mapping[str, Any]) -> list[str]:
+    """The settings that differ from those the existing output was written with (none known without a sidecar)."""
+    if not meta_path.exists():
+        return []
+    try:
         old = json.loads(meta_path.read_text(encoding="utf-8"))
-        diff = [k for k in meta if old.get(k) != meta[k]]
-        if diff:
-            raise InferenceError(
-                f"{output}: was written for another run ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}; now "
-                f"{', '.join(f'{k}={meta[k]!r}' for k in diff)}); delete it or choose another output path"
-            )
-    write_json(meta_path, dict(meta))
+    except ValueError:
+        return [f"{meta_path.name}: not valid JSON"]
+    return [f"{k}: {old.get(k)!r} -> {meta[k]!r}" for k in meta if old.get(k) != meta[k]]
 
 
 def _stats_out(st: Any, n_tokens: int) -> dict[str, Any]:
@@ -261,11 +261,13 @@ def route_file(
     max_new_tokens: int = 96,
     progress: bool = True,
     meta: Mapping[str, Any] | None = None,
+    restart_on_change: bool = False,
 ) -> InferenceSummary:
     """Route every question of ``input_path`` through ``engine`` into ``output_path`` (see the module docstring).
 
     ``engine`` is a RoutedEngine, or a zero-argument factory called only when something is left to decode (so a
-    finished file needs no models). ``meta`` (e.g. the router version and τ) joins the sidecar's resume check.
+    finished file needs no models). ``meta`` (e.g. the router version and τ) joins the sidecar's resume check: an
+    output written with other settings is refused, or with ``restart_on_change`` written again from the start.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {list(FORMATS)}")
@@ -284,7 +286,16 @@ def route_file(
         "max_new_tokens": max_new_tokens,
         **dict(meta or {}),
     }
-    _check_meta(output.with_name(output.name + ".meta.json"), run_meta, output, resuming=bool(written))
+    meta_path = output.with_name(output.name + ".meta.json")
+    changes = _meta_changes(meta_path, run_meta) if written else []
+    if changes and not restart_on_change:
+        raise InferenceError(
+            f"{output}: was written for another run ({'; '.join(changes)}); delete it or choose another output path"
+        )
+    if changes:  # another input, champion or τ: those rows answer other questions, so start over
+        written, ends = [], []
+        _truncate(output, 0)
+    write_json(meta_path, run_meta)
     # Keep whole chunks only: a chunk cut short is decoded again in full, so every row is decoded in the same
     # batch as in an uninterrupted run (bytes_moved shares each call's weight read among the rows of its batch).
     chunk_ends = [min(s + batch_size, len(items)) for s in range(0, len(items), batch_size)]

@@ -46,8 +46,8 @@ def status_stages(root: Path, env: dict[str, str]) -> set[str]:
 
 @pytest.fixture()
 def own_project(dvc_project, tiny_pair_dirs):  # noqa: F811
-    """The project with your own data (data/own/*.jsonl) and models where the embedded ones would be
-    (models/slm_base, models/llm): synth, bootstrap and finetune off."""
+    """The project with your own data (data/own/*.jsonl) and a padded-embedding pair where the embedded models would
+    be (models/slm_base, models/llm): synth, bootstrap and finetune off."""
     from citer.config import SynthParams
     from citer.data.synth import synthesize
     from citer.io import write_jsonl
@@ -60,6 +60,12 @@ def own_project(dvc_project, tiny_pair_dirs):  # noqa: F811
 
     for role, src in zip(("slm_base", "llm"), tiny_pair_dirs, strict=True):
         shutil.copytree(src, root / "models" / role)
+    # The paper's pair shape: one tokenizer, the LLM's embedding padded past it (Qwen2-72B: 152,064 vs 151,936 rows).
+    from transformers import AutoModelForCausalLM
+
+    llm = AutoModelForCausalLM.from_pretrained(root / "models" / "llm")
+    llm.resize_token_embeddings(llm.config.vocab_size + 61, mean_resizing=False)
+    llm.save_pretrained(root / "models" / "llm")
     set_params(
         root,
         **{

@@ -61,7 +61,9 @@ def test_bootstrap_writes_loadable_model_dirs(synth_rows, tmp_path):
         slm_pretrain=PretrainParams(steps=3, lr=1e-3, batch_size=8),
         llm_pretrain=PretrainParams(steps=3, lr=1e-3, batch_size=8),
     )
-    metrics = bootstrap_models(params, tmp_path / "data", tmp_path / "models")
+    metrics = bootstrap_models(
+        params, tmp_path / "data", tmp_path / "models" / "slm_base", tmp_path / "models" / "llm"
+    )
     assert metrics["llm_params"] > metrics["slm_params"] > 0
     for name in ("slm_base", "llm"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / name)
@@ -80,9 +82,9 @@ def test_bootstrap_writes_loadable_model_dirs(synth_rows, tmp_path):
         loaded.encode(t, add_special_tokens=False) == trained.encode(t, add_special_tokens=False)
         for t in texts
     )
-    assert (tmp_path / "models" / "tokenizer" / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["llm", "slm_base"]  # where params say
     # Same params, same weights.
-    bootstrap_models(params, tmp_path / "data", tmp_path / "again")
+    bootstrap_models(params, tmp_path / "data", tmp_path / "again" / "slm", tmp_path / "again" / "llm")
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "llm").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "again" / "llm").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -90,9 +92,9 @@ def test_bootstrap_writes_loadable_model_dirs(synth_rows, tmp_path):
 
 def test_bootstrap_without_data_fails_and_writes_nothing(tmp_path):
     with pytest.raises(BootstrapError, match="math_train.jsonl: training split not found"):
-        bootstrap_models(BootstrapParams(), tmp_path / "nodata", tmp_path / "models")
+        bootstrap_models(BootstrapParams(), tmp_path / "nodata", tmp_path / "models/s", tmp_path / "models/l")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "math_train.jsonl").write_text("")
     with pytest.raises(ValueError, match="math_train.jsonl"):
-        bootstrap_models(BootstrapParams(), tmp_path / "empty", tmp_path / "models")
+        bootstrap_models(BootstrapParams(), tmp_path / "empty", tmp_path / "models/s", tmp_path / "models/l")
     assert not (tmp_path / "models").exists()

@@ -255,12 +255,12 @@ def test_mc_format_and_n_examples(tiny_pair):
 
 def test_bad_rows(tiny_pair):
     slm, llm, tok = tiny_pair
-    with pytest.raises(LabelsError, match="row 1, field 'solution'"):
+    with pytest.raises(LabelsError, match="row 2: field 'solution'"):
         encode_rows(tok, [{"problem": "a", "solution": "\\boxed{1}"}, {"problem": "b"}], "math")
     with pytest.raises(LabelsError, match="empty input"):
         collect_iter1(slm, llm, tok, [], "math", LabelsParams())
     long = [{"problem": "x" * 600, "solution": "\\boxed{1}"}]
-    with pytest.raises(LabelsError, match="row 0, field prompt\\+target has .* max_position_embeddings=512"):
+    with pytest.raises(LabelsError, match="row 1: field prompt\\+target has .* max_position_embeddings=512"):
         collect_iter1(slm, llm, tok, long, "math", LabelsParams(citer_s=True))
 
 

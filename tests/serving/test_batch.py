@@ -135,6 +135,22 @@ def test_resume_refuses_another_input(engine, tiny_pair, tmp_path):
         route_file(engine, tok, a, out, "math", batch_size=4, max_new_tokens=5, progress=False)
 
 
+def test_restart_on_change_starts_over_for_another_champion(engine, tiny_pair, tmp_path):
+    """What the pipeline does: predictions made for another router version (or input, or τ) are never resumed."""
+    tok = tiny_pair[2]
+    inp = _write_input(tmp_path / "in.jsonl", with_bad=False)
+    out = tmp_path / "out.jsonl"
+    route_file(engine, tok, inp, out, "math", batch_size=2, max_new_tokens=4, progress=False, meta={"v": "1"})
+    ref = out.read_bytes()
+    out.write_bytes(ref.split(b"\n")[0] + b"\n")  # a partial file from version 1
+    again = dict(batch_size=2, max_new_tokens=4, progress=False, meta={"v": "2"}, restart_on_change=True)
+    s = route_file(engine, tok, inp, out, "math", **again)
+    assert s.n_skipped == 0 and s.n_processed == len(GOOD) and out.read_bytes() == ref
+    assert json.loads(out.with_name("out.jsonl.meta.json").read_text())["v"] == "2"
+    s = route_file(engine, tok, inp, out, "math", **again)  # same settings: resumed (nothing left)
+    assert s.n_skipped == len(GOOD) and s.n_processed == 0
+
+
 def test_corrupt_middle_line_is_refused(engine, tiny_pair, tmp_path):
     tok = tiny_pair[2]
     inp = _write_input(tmp_path / "in.jsonl", with_bad=False)
