@@ -37,6 +37,25 @@ class Project:
         local = self.path(name)
         return str(local) if local.exists() else name
 
+    def portable_ref(self, name: str | os.PathLike[str]) -> str:
+        """How the project records a model or file: relative to the root when it lies inside it (so a copied project
+        names its own copy), else absolute (a shared directory outside), else as given (a hub id)."""
+        p = Path(name)
+        local = self.path(str(p))
+        if not local.exists():
+            return str(name)
+        try:
+            return local.resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return str(local.resolve())
+
+    def same_ref(self, a: str, b: str) -> bool:
+        """Whether two recorded refs name the same model: the same directory once resolved, or the same hub id."""
+        la, lb = self.path(a), self.path(b)
+        if la.exists() and lb.exists():
+            return la.resolve() == lb.resolve()
+        return a == b
+
     @property
     def slm_name(self) -> str:
         """The SLM as params name it (project-relative), the identity routers and labels record."""
@@ -83,11 +102,18 @@ class Project:
         return [(str(self.path(s)), p.data.format) for s in (p.data.train, p.data.dev, p.data.test)]
 
     def load_pair(self) -> tuple[Any, Any, Any]:
-        """``(slm, llm, tokenizer)`` as params say (dtype, device, remote code)."""
+        """``(slm, llm, tokenizer)`` as params say (dtype, device, the LLM's device_map, remote code)."""
         from citer.models.loading import load_pair
 
         m = self.params.models
-        return load_pair(self.slm_ref, self.llm_ref, m.dtype, m.device, m.trust_remote_code)
+        return load_pair(
+            self.slm_ref,
+            self.llm_ref,
+            m.dtype,
+            m.device,
+            m.trust_remote_code,
+            llm_device_map=m.llm_device_map,
+        )
 
     def read_split(self, split: str) -> list[dict[str, Any]]:
         """The rows of ``data.<split>`` (train, dev or test) in ``data.format``."""

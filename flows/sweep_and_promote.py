@@ -12,11 +12,16 @@ from flows.common import stage_run
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
 def find_champion(proj, hidden_size: int):
-    from citer.registry import champion_to_compare
+    from citer.registry import champion_to_compare, open_store
 
     reg = proj.params.registry
     return champion_to_compare(
-        reg.model_name, reg.alias, slm=proj.slm_ref, hidden_size=hidden_size, tracking_uri=proj.tracking_uri
+        reg.model_name,
+        reg.alias,
+        slm=proj.portable_ref(proj.slm_name),
+        hidden_size=hidden_size,
+        tracking_uri=open_store(proj),
+        root=proj.root,
     )
 
 
@@ -27,7 +32,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.sweep import run_sweep
     from citer.io import file_digest, write_json
     from citer.project import git_commit
-    from citer.registry import publish_router
+    from citer.registry import generator_config, publish_router
     from citer.routing.mlp import load_router
 
     logger = get_run_logger()
@@ -74,13 +79,18 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
             tags = version_tags(
                 plan.best,
                 p.sweep.rule,
-                slm=proj.slm_ref,
-                llm=proj.llm_ref,
+                slm=proj.portable_ref(proj.slm_name),  # relative to the root: a copied project names its own
+                llm=proj.portable_ref(p.models.llm),
                 hidden_size=hidden,
                 iteration=k,
                 labels_hash=rmeta.get("data_hash", ""),
                 data_version=file_digest(proj.path(p.data.train), "md5"),  # as DVC records it
                 git_commit=git_commit(proj.root),
+                files={
+                    "router_dir": proj.portable_ref(router_dir),
+                    "data_train": proj.portable_ref(p.data.train),
+                    "data_test": proj.portable_ref(p.data.test),
+                },
             )
             version = publish_router(
                 router_dir,
@@ -90,6 +100,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 tags=tags,
                 promote=plan.decision.promoted,
                 tracking_uri=proj.tracking_uri,
+                model_config=generator_config(proj, plan.best.tau, tags),
             ).version
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision

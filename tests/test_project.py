@@ -84,3 +84,17 @@ def test_as_project_takes_a_project_or_its_directory(tmp_path):
     proj = _project(tmp_path)
     assert as_project(proj) is proj
     assert as_project(tmp_path).params.registry.alias == "best" and as_project(str(tmp_path)).root == tmp_path
+
+
+def test_portable_refs_are_relative_inside_the_root(tmp_path):
+    """What the registry records: a path inside the project relative to it, one outside absolute, a hub id as is."""
+    (tmp_path / "proj" / "models" / "slm").mkdir(parents=True)
+    (tmp_path / "shared").mkdir()
+    proj = _project(tmp_path / "proj")
+    assert proj.portable_ref("models/slm") == "models/slm"
+    assert proj.portable_ref(str(tmp_path / "proj" / "models" / "slm")) == "models/slm"
+    assert proj.portable_ref(str(tmp_path / "shared")) == str(tmp_path / "shared")
+    assert proj.portable_ref("Qwen/Qwen2-1.5B") == "Qwen/Qwen2-1.5B"
+    assert proj.same_ref("models/slm", str(tmp_path / "proj" / "models" / "slm"))
+    assert not proj.same_ref("models/slm", str(tmp_path / "shared"))
+    assert proj.same_ref("Qwen/Qwen2-1.5B", "Qwen/Qwen2-1.5B") and not proj.same_ref("Qwen/a", "Qwen/b")

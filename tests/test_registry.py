@@ -122,3 +122,34 @@ def test_champion_to_compare_only_for_the_same_slm_and_hidden_size(store, tmp_pa
     assert "routes for SLM models/slm, not models/other" in other_slm.note
     other_size = champion_to_compare("c", "champion", slm="models/slm", hidden_size=16)
     assert other_size.router_and_tau is None and "hidden_size 8, the SLM 16" in other_size.note
+
+
+def test_rebase_store_moves_a_copied_store_onto_its_root(tmp_path):
+    """Every stored `<old root>/` prefix becomes the new root; a sibling sharing the name's prefix is untouched."""
+    import shutil
+    import sqlite3
+
+    import mlflow
+
+    from citer.registry import rebase_store
+
+    old = tmp_path / "proj"
+    old.mkdir()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{old}/mlflow.db")
+    exp = client.create_experiment("e", artifact_location=(old / "mlartifacts").as_uri())
+    run = client.create_run(exp).info.run_id
+    client.log_param(run, "input", f"{old}/data/x.jsonl")
+    client.log_param(run, "sibling", f"{old}2/data/x.jsonl")  # another project whose name starts the same
+    new = tmp_path / "copy with space"
+    shutil.copytree(old, new)
+    assert rebase_store(new / "mlflow.db", new, "mlartifacts") == [str(old)]
+    assert rebase_store(new / "mlflow.db", new, "mlartifacts") == []  # already home: nothing to do
+    con = sqlite3.connect(new / "mlflow.db")
+    (loc,) = con.execute("SELECT artifact_location FROM experiments WHERE name='e'").fetchone()
+    (uri,) = con.execute("SELECT artifact_uri FROM runs").fetchone()
+    params = dict(con.execute("SELECT key, value FROM params"))
+    con.close()
+    assert loc == (new / "mlartifacts").as_uri() and uri.startswith((new / "mlartifacts").as_uri())
+    assert params == {"input": f"{new}/data/x.jsonl", "sibling": f"{old}2/data/x.jsonl"}
+    data = (new / "mlflow.db").read_bytes()
+    assert f"{old}/".encode() not in data  # vacuumed: no stale page keeps the old path

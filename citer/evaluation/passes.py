@@ -16,9 +16,11 @@ from typing import Any
 from citer.data.answers import grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt
+from citer.data.rows import origin
 from citer.decoding.cost import GPU_BANDWIDTH
 from citer.decoding.speculative import SpeculativeOutput
 from citer.evaluation.rows import SweepError, SweepRow
+from citer.progress import progress
 
 
 @dataclass
@@ -54,9 +56,9 @@ def encode_prompts(tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Forma
         try:
             ids = tokenizer.encode(build_prompt(row, fmt), add_special_tokens=False)
         except KeyError as exc:
-            raise SweepError(f"rows: row {i}, field {exc.args[0]!r} missing for format {fmt!r}") from exc
+            raise SweepError(f"{origin(row, i)}: field {exc.args[0]!r} missing for format {fmt!r}") from exc
         if not ids:
-            raise SweepError(f"rows: row {i}, field prompt encodes to no tokens")
+            raise SweepError(f"{origin(row, i)}: field prompt encodes to no tokens")
         out.append(list(ids))
     return out
 
@@ -93,17 +95,20 @@ def decode_pass(
     max_new_tokens: int,
     solo_llm: bool = False,
     per_query: bool = True,
+    desc: str = "decode",
 ) -> PassResult:
     """Decode every prompt greedily through ``engine`` and grade it; time counts decoding only.
 
     ``solo_llm``: the engine is ``RoutedEngine(llm, None, AlwaysSLM())`` (plain LLM decoding, metered alike).
     ``per_query``: bytes as if each question were decoded alone (``RowStats.bytes_alone``), else the batch's share.
+    ``desc`` labels the progress bar.
     """
     n = len(prompts)
     res_tokens: list[list[int]] = [[] for _ in range(n)]
     llm_tokens, llm_calls, byts = [0] * n, [0] * n, [0.0] * n
     wall, gpu = 0.0, 0.0
-    for idx in batches(prompts, batch_size):
+    todo = batches(prompts, batch_size)
+    for idx in progress(todo, desc=desc, total=len(todo), unit="batch"):
         t0 = time.perf_counter()
         # row_ids = example indices: the random router's draws then do not depend on how rows are batched.
         res = engine.generate_batch(

@@ -150,9 +150,14 @@ def version_tags(
     labels_hash: str,
     data_version: str,
     git_commit: str,
+    files: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics."""
-    return {
+    """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics.
+
+    ``slm``, ``llm`` and the ``files`` refs (router directory, data files) are recorded as the project records them:
+    relative to its root, or hub ids, so a copied project's registry names the copy's own files.
+    """
+    return dict(files or {}) | {
         "slm": slm,
         "llm": llm,
         "tau": best.tau,

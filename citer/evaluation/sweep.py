@@ -66,9 +66,12 @@ def run_sweep(
     eos = int(tokenizer.eos_token_id)
     pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     gpu, bs, mnt = params.gpu, params.batch_size, params.max_new_tokens
+    vocab = len(tokenizer)  # the ids both models share; their embeddings may be padded past it
 
     def routed(router: Router, tau: float, a: Any = slm, b: Any = llm) -> Any:
-        return RoutedEngine(a, b, router, tau=tau, eos_token_id=eos, pad_token_id=pad, gpu=gpu)
+        return RoutedEngine(
+            a, b, router, tau=tau, eos_token_id=eos, pad_token_id=pad, gpu=gpu, vocab_size=vocab
+        )
 
     def run(name: str, engine: Any, solo_llm: bool = False) -> tuple[PassResult, float]:
         t0 = time.perf_counter()
@@ -82,6 +85,7 @@ def run_sweep(
             mnt,
             solo_llm=solo_llm,
             per_query=params.bytes_per == "query",
+            desc=f"sweep {name}",
         )
         secs = time.perf_counter() - t0
         say(f"sweep {name}: accuracy {sum(res.correct) / len(res.correct):.3f}, {secs:.1f}s")
@@ -108,7 +112,7 @@ def run_sweep(
             seen[p] = run(f"random p={p:.3f}", routed(RandomRouter(p, params.seed), 0.5))
         res, secs = seen[p]
         out.append(to_row("random", p, res, llm_res, ex_hash, pass_seconds=secs, matched_citer_tau=crow.tau))
-    conf = ConfidenceRouter.from_model(slm)
+    conf = ConfidenceRouter.from_model(slm, vocab_size=vocab)
     for thr in params.confidence_thresholds:
         res, secs = run(f"confidence thr={thr}", routed(conf, thr))
         out.append(to_row("confidence", thr, res, llm_res, ex_hash, pass_seconds=secs))
@@ -126,6 +130,7 @@ def run_sweep(
             eos_token_id=eos,
             pad_token_id=pad,
             gpu=gpu,
+            vocab_size=vocab,
         )
         share = 1 if params.bytes_per == "query" else min(bs, len(use))
         sp, totals = speculative_result(outputs, tokenizer, [use[i] for i in idx], fmt, gpu, share)

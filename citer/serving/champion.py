@@ -7,13 +7,12 @@ exactly what the sweep promoted.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from citer.decoding.engine import RoutedEngine
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
-from citer.registry import RegistryError, load_router_version, require_champion
+from citer.registry import RegistryError, RouterVersion, load_router_version, open_store, require_champion
 
 
 class ChampionError(RegistryError):
@@ -28,25 +27,44 @@ class Champion(NamedTuple):
     info: dict[str, Any]  # router name/version, alias, slm, llm, tau
 
 
+def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterVersion:
+    """The version holding the project's alias, once its pair is checked against params.
+
+    Opens the project's own store (rebased when the project was copied or moved, :func:`citer.registry.open_store`)
+    and refuses, in one line naming both, a champion trained for another SLM or LLM than params name: routing its
+    scores with other models would silently decode with a router that never saw them.
+    """
+    proj = as_project(project)
+    reg = proj.params.registry
+    rv = require_champion(reg.model_name, reg.alias, open_store(proj), proj.root)
+    for role in ("slm", "llm"):
+        if not rv.tags.get(role):
+            raise ChampionError(f"router '{rv.name}' v{rv.version} (@{reg.alias}): tag {role} missing")
+    champ = {"slm": rv.tags["slm"], "llm": rv.tags["llm"]}
+    named = {"slm": proj.portable_ref(proj.slm_name), "llm": proj.portable_ref(proj.params.models.llm)}
+    if not all(proj.same_ref(champ[r], named[r]) for r in ("slm", "llm")):
+        slm_key = "models.finetuned_slm" if proj.params.finetune.enabled else "models.slm"
+        raise ChampionError(
+            f"champion {rv.name} v{rv.version} was trained for slm={champ['slm']}, llm={champ['llm']}; params name "
+            f"slm={named['slm']} ({slm_key}), llm={named['llm']} (models.llm); rerun the sweep or point params at "
+            "the champion's pair"
+        )
+    return rv
+
+
 def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | None = None) -> Champion:
     """The router holding the project's registry alias, with its SLM and LLM, as a :class:`Champion`.
 
     ``project`` is a :class:`~citer.project.Project` or a project directory (its ``params.yaml`` is read). The
     version's tags name its SLM, LLM and τ; ``tau`` (else ``serve.tau`` in params) overrides τ. Relative model paths
     are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
-    and :class:`ChampionError` when its router does not fit its SLM.
+    and :class:`ChampionError` when its router does not fit its SLM or params name another pair
+    (:func:`project_champion`).
     """
     proj = as_project(project)
     params = proj.params
-    reg = params.registry
-    rv = require_champion(reg.model_name, reg.alias, proj.tracking_uri)
-    paths = {}
-    for role in ("slm", "llm"):
-        name = rv.tags.get(role)
-        if not name:
-            raise ChampionError(f"router '{rv.name}' v{rv.version} (@{reg.alias}): tag {role} missing")
-        local = proj.root / name
-        paths[role] = str(local) if not Path(name).is_absolute() and local.exists() else name
+    rv = project_champion(proj)
+    paths = {role: proj.model_ref(rv.tags[role]) for role in ("slm", "llm")}
     if tau is None:
         tau = params.serve.tau if params.serve.tau is not None else rv.tau
     slm, llm, tok = load_pair(paths["slm"], paths["llm"], params.models.dtype, params.models.device)
@@ -62,7 +80,7 @@ def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | 
     )
     info = {
         "router": f"{rv.name}/{rv.version}",
-        "alias": reg.alias,
+        "alias": params.registry.alias,
         "slm": paths["slm"],
         "llm": paths["llm"],
         "tau": tau,

@@ -142,7 +142,7 @@ def test_sweep_refuses_bad_input(tiny_pair):
         run_sweep(slm, llm, tok, _rows(2), "math", {}, SweepParams())
     with pytest.raises(SweepError, match="unknown keys"):
         run_sweep(slm, llm, tok, _rows(2), "math", {"citer": None, "bild": None}, SweepParams())
-    with pytest.raises(SweepError, match="row 1, field 'problem' missing"):
+    with pytest.raises(SweepError, match="row 2: field 'problem' missing"):
         run_sweep(
             slm,
             llm,

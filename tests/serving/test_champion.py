@@ -22,7 +22,9 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("serve", artifact_location=(tmp_path / "art").as_uri())
-    params = Params.model_validate({"registry": {"model_name": "router-serve"}})
+    # params name the champion's pair (outside the project: recorded and compared as absolute paths)
+    models = {"finetuned_slm": str(slm_dir), "llm": str(llm_dir)}
+    params = Params.model_validate({"registry": {"model_name": "router-serve"}, "models": models})
     proj = Project(root=tmp_path, params=params)
 
     def register(hidden: int, tau: float) -> str:
