@@ -6,7 +6,9 @@ Errors the user can fix (bad params, bad data, missing models) print one line an
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -15,7 +17,11 @@ import typer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__.splitlines()[0])
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="citer: token-level routed decoding between a small and a large language model.",
+)
 data_app = typer.Typer(no_args_is_help=True, help="Datasets: synthesise the embedded task, validate files.")
 models_app = typer.Typer(no_args_is_help=True, help="Models: bootstrap the embedded pair, finetune the SLM.")
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluation: models alone, the tau sweep with baselines.")
@@ -30,16 +36,43 @@ app.add_typer(router_app, name="router")
 ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
 
 
+@app.callback()
+def _global(
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="CITER_DEBUG", help="show tracebacks and the tools' own logs")
+    ] = False,
+) -> None:
+    """citer: token-level routed decoding between a small and a large language model."""
+    if debug:
+        os.environ["CITER_DEBUG"] = "1"
+
+
 def _setup() -> None:
     from flows.common import quiet_defaults
 
     quiet_defaults()
 
 
-def friendly(fn: F) -> F:
-    """Turn the library's user-facing errors into one line on stderr and exit code 1.
+# Errors a user causes and can fix (params, data, models, registry state): their message is the whole story.
+# Anything else is a bug or an environment problem: one line too, naming the exception type, and --debug for more.
+EXPECTED = (ValueError, OSError, KeyError, ImportError)
 
-    A command's params file is checked here, before any flow starts, so a bad key fails fast and quietly.
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, EXPECTED) and first:
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def friendly(fn: F) -> F:
+    """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
+
+    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file is checked before
+    any flow starts, so a bad key fails fast and quietly.
     """
 
     @functools.wraps(fn)
@@ -52,9 +85,16 @@ def friendly(fn: F) -> F:
 
                 load_params(params)
             return fn(*args, **kwargs)
-        except (ValueError, FileNotFoundError, KeyError) as exc:
-            msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            typer.echo(f"error: {msg}", err=True)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
+                traceback.print_exc()
+            hint = "" if isinstance(exc, EXPECTED) else " (rerun with --debug for the traceback)"
+            typer.echo(f"error: {_one_line(exc)}{hint}", err=True)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
@@ -69,21 +109,63 @@ def data_validate(
     fmt: Annotated[str | None, typer.Option("--format", "-f", help="mc or math (required with PATH)")] = None,
     params: ParamsOpt = "params.yaml",
     report: Annotated[str | None, typer.Option(help="where to write the JSON report")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="model dir or hub id (repeatable): report rows longer than its context"),
+    ] = None,
 ) -> None:
-    """Validate dataset files; exit 0 when no file has errors, 1 when one has."""
+    """Validate dataset files; exit 0 when no file has errors, 1 when one has.
+
+    Without PATH: the project's validate stage (a Prefect flow and an MLflow run; writes reports/validation.json).
+    With PATH: a quick check of those files in this process, tracked nowhere (the stage's report is left alone);
+    ``--report`` writes its JSON.
+    """
     if paths and fmt not in ("mc", "math"):
         typer.echo("error: --format mc|math is required when PATH is given", err=True)
         raise typer.Exit(2)
-    from flows.validate import validate_flow
+    models = [str(Path(m).resolve()) if Path(m).exists() else m for m in model] if model else None
+    if paths:
+        reports = _check_files([(str(p.resolve()), str(fmt)) for p in paths], params, models, report)
+    else:
+        from flows.validate import validate_flow
 
-    files = [(str(p.resolve()), fmt) for p in paths] if paths else None
-    reports = validate_flow(params_path=params, files=files, report_path=report)
+        reports = validate_flow(params_path=params, files=None, report_path=report, models=models)
     for r in reports:
         typer.echo(r["summary"])
     bad = [r for r in reports if not r["ok"]]
     if bad:
         typer.echo(f"{len(bad)} of {len(reports)} file(s) refused", err=True)
         raise typer.Exit(1)
+
+
+def _check_files(
+    files: list[tuple[str, str]], params: str, models: list[str] | None, report: str | None
+) -> list[dict[str, Any]]:
+    from citer.data.validate import validate_file
+    from citer.io import write_json
+    from citer.project import load_project
+
+    proj = load_project(params, optional=True)
+    vp = proj.params.validate_
+    budget = None
+    if models:
+        from citer.data.lengths import load_budget
+
+        budget = load_budget(models, proj.params.models.trust_remote_code)
+    out = []
+    for path, fmt in files:
+        r = validate_file(
+            path, fmt, max_chars_warning=vp.max_chars_warning, max_bad_row_fraction=vp.max_bad_row_fraction,
+            budget=budget,
+        )  # fmt: skip
+        if budget is None:
+            r.context = {"skipped": "pass --model DIR to check rows against a model's context"}
+        out.append(r.to_dict() | {"summary": r.summary()})
+    if report:
+        write_json(
+            proj.path(report), {"files": [{k: v for k, v in r.items() if k != "summary"} for r in out]}
+        )
+    return out
 
 
 @data_app.command("synth")
@@ -93,13 +175,18 @@ def data_synth(params: ParamsOpt = "params.yaml") -> None:
     from flows.synth import synth_flow
 
     out = synth_flow(params_path=params)
-    for name, n in out["rows"].items():
+    for name, n in out.get("rows", {}).items():
         typer.echo(f"{name}: {n} rows")
+    if "disabled" in out:
+        typer.echo(out["disabled"])
 
 
 def _show(result: Any) -> None:
     import json
 
+    if isinstance(result, dict) and "disabled" in result:  # a disabled stage says so in one line
+        typer.echo(result["disabled"])
+        return
     typer.echo(json.dumps(result, indent=2, default=str))
 
 
@@ -176,6 +263,20 @@ def router_train(
     from flows.train_router import router_flow
 
     _show(router_flow(params_path=params, iteration=iteration, citer_s=citer_s))
+
+
+@router_app.command("iterate")
+@friendly
+def router_iterate(params: ParamsOpt = "params.yaml") -> None:
+    """Labels and router for iterations 1..labels.iterations, plus CITER-S; unchanged ones are kept."""
+    from flows.iterate import iterate_flow
+
+    out = iterate_flow(params_path=params)
+    for key, res in out.items():
+        if key != "removed":
+            typer.echo(f"{key}: {'unchanged, kept' if res.get('reused') else 'made'} ({res['dir']})")
+    for path in out["removed"]:
+        typer.echo(f"removed stale {path}")
 
 
 @eval_app.command("sweep")

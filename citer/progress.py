@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def enabled() -> bool | None:
+def _disable() -> bool | None:
     """tqdm's ``disable`` argument: ``None`` (auto: only on a TTY), or forced by ``CITER_PROGRESS``."""
     flag = os.environ.get("CITER_PROGRESS", "").strip().lower()
     if flag in {"1", "true", "yes", "on"}:
@@ -27,11 +27,13 @@ def progress(iterable: Iterable[T], desc: str, total: int | None = None, unit: s
     """``iterable`` wrapped in a bar labelled ``desc`` showing count, rate and time left."""
     from tqdm.auto import tqdm
 
-    yield from tqdm(iterable, desc=desc, total=total, unit=unit, disable=enabled(), dynamic_ncols=True, leave=False)
+    yield from tqdm(
+        iterable, desc=desc, total=total, unit=unit, disable=_disable(), dynamic_ncols=True, leave=False
+    )
 
 
 def bar(desc: str, total: int | None = None, unit: str = "it") -> Any:
     """A bar advanced by hand (``with bar(...) as b: b.update(n)``), for loops whose unit is not an item."""
     from tqdm.auto import tqdm
 
-    return tqdm(desc=desc, total=total, unit=unit, disable=enabled(), dynamic_ncols=True, leave=False)
+    return tqdm(desc=desc, total=total, unit=unit, disable=_disable(), dynamic_ncols=True, leave=False)

@@ -7,8 +7,9 @@ MLflow's active-run stack is thread-local and Prefect runs tasks in worker threa
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ from citer.project import Project, git_commit, project_root
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..." on every new store
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "DVC_NO_ANALYTICS": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -27,27 +29,58 @@ QUIET_ENV = {
     "GX_ANALYTICS_ENABLED": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # model saves/loads; citer's own long loops keep their bars
     "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
 }
-QUIET_LOGGERS = ("mlflow", "great_expectations", "alembic", "DeepSpeed")
+# Loggers that speak at INFO about their own plumbing. A filter, not a level: some of them (Great Expectations'
+# data_context.types.base) set their own level to INFO when imported, which would undo a level set here.
+QUIET_LOGGERS = (
+    "mlflow",
+    "great_expectations",
+    "great_expectations.data_context.types.base",
+    "alembic",
+    "DeepSpeed",
+    "docket",
+    "httpx",
+)
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+def debug_enabled() -> bool:
+    """``--debug`` or ``CITER_DEBUG=1``: tracebacks and the tools' own logs are shown."""
+    return os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _at_least(level: int) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: record.levelno >= level
 
 
 def quiet_defaults(root: Path | None = None) -> None:
-    """Telemetry off and tool state inside the project unless the user set it (two projects never share it)."""
+    """Telemetry and tool chatter off, tool state inside the project unless the user set it (two projects never
+    share it). Cheap: nothing heavy is imported, so ``citer --help`` and quick commands start fast."""
+    debug = debug_enabled()
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    # A failed task or flow run logs its traceback (ERROR) before the exception reaches the CLI, which prints it
+    # once, in one line; --debug shows Prefect's account too.
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "CRITICAL")
+    for name in RUN_LOGGERS:  # when Prefect's logging was set up before this call (an embedding process)
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.CRITICAL)
     root = root or project_root()
     os.environ.setdefault("PREFECT_HOME", str(root / ".state" / "prefect"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".state" / "torch_extensions"))
     # Prefect creates its home without parents and then fails to start its temporary server.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    import logging
-
-    import torch
-
-    if not torch.cuda.is_available():  # else DeepSpeed (imported by transformers) warns on every start
+    if not Path(
+        "/proc/driver/nvidia"
+    ).exists():  # no NVIDIA driver: DeepSpeed (imported by transformers) warns
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in () if debug else QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        if not any(getattr(f, "citer_quiet", False) for f in logger.filters):
+            keep = _at_least(logging.WARNING)
+            keep.citer_quiet = True  # type: ignore[attr-defined]
+            logger.addFilter(keep)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -108,9 +141,16 @@ class StageRun:
 
 
 def ensure_experiment(proj: Project) -> str:
+    """The project's experiment id, created with its artifacts in the project's own ``mlartifacts``.
+
+    MLflow stores that location absolute; a copied or moved project's own store is rebased onto its new root first
+    (:func:`citer.registry.open_store`), so a copy never logs into the original's artifacts.
+    """
     import mlflow
 
-    mlflow.set_tracking_uri(proj.tracking_uri)
+    from citer.registry import open_store
+
+    mlflow.set_tracking_uri(open_store(proj))
     client = mlflow.MlflowClient()
     name = proj.params.registry.experiment
     exp = client.get_experiment_by_name(name)
