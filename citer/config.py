@@ -124,6 +124,11 @@ class ModelsParams(_Block):
     finetuned_slm: str = "models/slm"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
+    # Places the LLM with an accelerate device_map (module name -> device, or a strategy) while the SLM sits on
+    # `device`: a large LLM split over GPUs. None: the LLM sits on `device` too.
+    llm_device_map: (
+        dict[str, str | int] | Literal["auto", "balanced", "balanced_low_0", "sequential"] | None
+    ) = None
     trust_remote_code: bool = False
 
 
