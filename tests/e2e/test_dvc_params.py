@@ -101,7 +101,10 @@ def test_own_models_untouched_data_tracked_and_iterations_follow_params(own_proj
     assert tree_hashes(root / "data" / "own") == data
     assert not (root / "data" / "embedded").exists()
     assert not list((root / ".dvc" / "cache").rglob("*.safetensors"))  # cache: false, never copied
-    assert (root / "outputs" / "predictions.jsonl").exists() or (root / "reports" / "promotion.json").exists()
+    promotion = json.loads((root / "reports" / "promotion.json").read_text())
+    assert promotion["promoted"] == 1, promotion
+    predicted = (root / "outputs" / "predictions.jsonl").read_text().splitlines()
+    assert len(predicted) == 12, len(predicted)  # every row of your data.test, not the embedded test file
     assert status_stages(root, env) == set()
 
     # Three label iterations: params only. Iterations 1 and 2 are kept (their inputs did not change).
