@@ -30,6 +30,20 @@ def wants_row_ids(router: Callable[..., torch.Tensor]) -> bool:
         return False
 
 
+def router_read_bytes(router: Router, slm: nn.Module | None = None) -> int:
+    """Bytes a router reads per decoding step beyond the SLM's own weights: its ``weight_bytes`` attribute when it
+    declares one, else the bytes of its parameters that the SLM does not hold (a confidence router reads the SLM's
+    head, already read by the SLM step: 0). Callables without parameters read nothing."""
+    declared = getattr(router, "weight_bytes", None)
+    if declared is not None:
+        return int(declared)
+    if not isinstance(router, nn.Module):
+        return 0
+    shared = {p.data_ptr() for p in slm.parameters()} if slm is not None else set()
+    own = {p.data_ptr(): p for p in router.parameters() if p.data_ptr() not in shared}
+    return int(sum(p.numel() * p.element_size() for p in own.values()))
+
+
 class AlwaysSLM:
     """Every token from the SLM (score 1)."""
 

@@ -5,7 +5,8 @@ Decoding a few rows at a time is memory-bound on a GPU: a forward call costs abo
     bytes(call of model M over rows R) = W_M + sum_{r in R} kv_M * (ctx_r + new_r)
 
 - ``W_M``: weight bytes read once per forward call = bytes of every parameter of M, minus the input embedding table
-  when it is not tied to the output head (a lookup reads only the rows it needs, which we neglect).
+  when it is not tied to the output head (a lookup reads only the rows it needs, which we neglect). The SLM's ``W``
+  includes the router's reads (its MLP, any embedding row it looks up), since the router runs at every SLM step.
 - ``kv_M``: K and V bytes of one token over all layers = 2 * layers * kv_heads * head_dim * dtype_bytes.
 - ``ctx_r``: cache columns row r attends to after the call (its whole sequence so far, new tokens included) -- the
   KV read; ``new_r``: tokens fed for row r in this call -- the KV written.
@@ -59,6 +60,10 @@ class ModelCost:
         elt = next(iter(params.values())).element_size()
         kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elt
         return cls(weight_bytes=int(weight), kv_bytes_per_token=int(kv))
+
+    def plus(self, extra_weight_bytes: int) -> ModelCost:
+        """This model with ``extra_weight_bytes`` more read at every call (the router, run at every SLM step)."""
+        return ModelCost(self.weight_bytes + int(extra_weight_bytes), self.kv_bytes_per_token)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from citer.decoding.baselines import AlwaysSLM, Router, wants_row_ids
+from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.cost import BatchStats, CostMeter, ModelCost, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
 from citer.decoding.pairing import (
@@ -98,7 +98,9 @@ class RoutedEngine:
         self.pad_token_id = pad_token_id
         self.gpu = gpu
         self._router_ctx = wants_row_ids(router)
-        self._cost_slm = ModelCost.from_model(slm)
+        # The router runs at every SLM step, so its reads join the SLM's (docs/cost_model.md).
+        self.router_bytes = router_read_bytes(router, slm)
+        self._cost_slm = ModelCost.from_model(slm).plus(self.router_bytes)
         self._cost_llm = ModelCost.from_model(llm) if llm is not None else None
 
     def _check(
