@@ -26,7 +26,11 @@ def collect(proj, iteration: int):
         ), hidden
     prev = load_labels(proj.labels_dir(iteration - 1), expected_hidden_size=hidden)
     router, _ = load_router(
-        proj.router_dir(iteration - 1), expected_hidden_size=hidden, expected_slm=proj.slm_name
+        proj.router_dir(iteration - 1),
+        expected_hidden_size=hidden,
+        expected_slm=proj.slm_name,
+        slm=slm,  # used only by a router that reads features beyond the hidden state (router.features)
+        vocab_size=len(tok),
     )
     return collect_iter_k(prev, router, slm, llm, tok, rows, p.data.format, p.labels), hidden
 

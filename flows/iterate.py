@@ -1,8 +1,10 @@
-"""Stage ``iterate`` (``citer router iterate``): labels and router for k = 1..labels.iterations, plus CITER-S.
+"""Stage ``iterate`` (``citer router iterate``): labels and router for k = 1..labels.iterations, plus CITER-S and
+the feature ablations (``router.ablations``: routers on the last iteration's labels at ``routers_dir/ablation_{name}``).
 
 One stage owns every iteration because the count is a param (DVC cannot make stages from an int). Each label set and
 router is kept when its recorded fingerprint matches its inputs (citer.routing.iterations), so a rerun caused by,
-say, a router param only retrains the routers; iterations above labels.iterations are removed.
+say, a router param only retrains the routers; iterations above labels.iterations and ablations no longer listed are
+removed.
 """
 
 from __future__ import annotations
@@ -29,10 +31,15 @@ def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k, reuse=True)
         out[f"router_iter{k}"] = router_flow(params_path, iteration=k, reuse=True)
     out["router_citer_s"] = router_flow(params_path, citer_s=True, reuse=True)
+    ablations = list(p.router.ablations)
+    for name in ablations:
+        out[f"router_ablation_{name}"] = router_flow(params_path, ablation=name, reuse=True)
     removed = [
         *remove_stale_iterations(proj.path(p.paths.labels_dir), n),
-        *remove_stale_iterations(proj.path(p.paths.routers_dir), n),
-        *remove_stale_iterations(proj.reports, n, prefix="router_iter"),
+        *remove_stale_iterations(proj.path(p.paths.routers_dir), n, ablations=ablations),
+        *remove_stale_iterations(
+            proj.reports, n, prefix="router_iter", ablations=ablations, ablation_prefix="router_ablation_"
+        ),
     ]
     for key, res in out.items():
         logger.info("%s: %s", key, "unchanged, kept" if res.get("reused") else "made")

@@ -1,4 +1,9 @@
-"""Routers of the ``iterate`` stage (``citer router train``): the MLP router on a label set, best epoch kept."""
+"""Routers of the ``iterate`` stage (``citer router train``): the MLP router on a label set, best epoch kept.
+
+Besides the routers of each iteration and CITER-S, ``router.ablations`` names extra routers on the last
+iteration's labels that read more than the hidden state (``emb``: + the SLM's token embedding, ``logits``: + logit
+statistics, ``emb_logits``: both), saved at ``routers_dir/ablation_{name}``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from flows.common import stage_run
 
 
 @task(name="router-fingerprint")
-def router_fingerprint(proj, labels_dir) -> str:
+def router_fingerprint(proj, labels_dir, router_params=None) -> str:
     """What a router is made from: its label set (files and inputs), the router params and the code."""
     from citer.routing.iterations import (
         ROUTER_CODE,
@@ -22,14 +27,17 @@ def router_fingerprint(proj, labels_dir) -> str:
     )
     from citer.routing.label_store import HIDDEN_FILE, META_FILE, TOKENS_FILE
 
-    return fingerprint(
-        {
-            "labels": recorded_fingerprint(labels_dir / META_FILE),
-            "labels_files": dir_digest(labels_dir, (HIDDEN_FILE, TOKENS_FILE)),
-            "router": proj.params.router.model_dump(),
-            "code": source_digest(ROUTER_CODE),
-        }
-    )
+    rp = router_params if router_params is not None else proj.params.router
+    parts = {
+        "labels": recorded_fingerprint(labels_dir / META_FILE),  # covers the SLM whose head the features read
+        "labels_files": dir_digest(labels_dir, (HIDDEN_FILE, TOKENS_FILE)),
+        # Which ablations exist changes no router; logit_k matters only to routers that read logit_stats.
+        "router": rp.model_dump(exclude={"ablations", "logit_k"}),
+        "code": source_digest(ROUTER_CODE),
+    }
+    if "logit_stats" in rp.features:
+        parts["logit_k"] = rp.logit_k
+    return fingerprint(parts)
 
 
 @task(name="router-report")
@@ -46,12 +54,30 @@ def router_report(proj, iterations: int) -> None:
     write_router_report(proj.reports / "router.json", done)
 
 
+@task(name="load-slm")
+def load_slm(proj) -> tuple[Any, int]:
+    """The SLM alone (its head and embedding feed router features) and the tokenizer's vocabulary size."""
+    from citer.models.loading import load_model
+
+    m = proj.params.models
+    slm, tok = load_model(proj.slm_ref, m.dtype, m.device, m.trust_remote_code)
+    return slm, len(tok)
+
+
 @flow(name="train-router")
 def router_flow(
-    params_path: str = "params.yaml", iteration: int = 1, citer_s: bool = False, reuse: bool = False
+    params_path: str = "params.yaml",
+    iteration: int = 1,
+    citer_s: bool = False,
+    reuse: bool = False,
+    ablation: str | None = None,
 ) -> dict[str, Any]:
-    """Train one router; with ``reuse``, keep the router on disk when its fingerprint is unchanged."""
+    """Train one router; with ``reuse``, keep the router on disk when its fingerprint is unchanged.
+
+    ``ablation`` (a ``router.ablations`` name) trains that feature set on the last iteration's labels instead.
+    """
     from citer.io import write_json
+    from citer.routing.features import ABLATIONS, needs_slm
     from citer.routing.iterations import recorded_fingerprint
     from citer.routing.label_store import load_labels
     from citer.routing.labels import citer_s_labels
@@ -65,12 +91,20 @@ def router_flow(
 
     proj = load_project(params_path)
     p = proj.params
-    name: int | str = "citer_s" if citer_s else iteration
-    report_name = f"router_{'citer_s' if citer_s else f'iter{iteration}'}"
-    labels_dir = proj.labels_dir(1 if citer_s else iteration)
+    rp = p.router
+    if ablation is not None:
+        if ablation not in ABLATIONS:
+            raise ValueError(f"router ablation {ablation!r} unknown; expected one of {sorted(ABLATIONS)}")
+        rp = rp.model_copy(update={"features": list(ABLATIONS[ablation])})
+        name: int | str = f"ablation_{ablation}"
+        labels_dir = proj.labels_dir(p.labels.iterations)
+    else:
+        name = "citer_s" if citer_s else iteration
+        labels_dir = proj.labels_dir(1 if citer_s else iteration)
+    report_name = f"router_{name if isinstance(name, str) else f'iter{name}'}"
     out = proj.router_dir(name)
-    fp = router_fingerprint(proj, labels_dir)
-    last = not citer_s and iteration == p.labels.iterations
+    fp = router_fingerprint(proj, labels_dir, rp)
+    last = ablation is None and not citer_s and iteration == p.labels.iterations
     if reuse and recorded_fingerprint(out / META_FILE) == fp:
         from citer.io import read_json
 
@@ -81,17 +115,18 @@ def router_flow(
                 router_report(proj, iteration)
             return {"dir": str(out), "reused": True, **summary}
     labelset = load_labels(labels_dir)
-    if citer_s:
+    if citer_s and ablation is None:
         labelset = citer_s_labels(labelset)
-    router, metrics = train_router(labelset, p.router)
-    summary = iteration_summary(labelset, metrics)
+    slm, vocab = load_slm(proj) if needs_slm(rp.features) else (None, None)
+    router, metrics = train_router(labelset, rp, slm=slm, vocab_size=vocab)
+    summary = iteration_summary(labelset, metrics) | {"features": list(rp.features)}
     meta = router_meta(labelset, metrics, slm=proj.slm_name, llm=p.models.llm)
     save_router(router, out, meta | {"fingerprint": fp, "summary": summary})
     write_json(proj.reports / f"{report_name}.json", summary)
     if last:
         router_report(proj, iteration)
     with stage_run(proj, report_name) as run:
-        run.params(p.router.model_dump(), prefix="router.")
+        run.params(rp.model_dump(exclude={"ablations"}), prefix="router.")
         run.metrics(metrics.scalars())
         for epoch, row in enumerate(metrics.curves):
             run.metrics({f"epoch.{k}": v for k, v in row.items() if k != "epoch"}, step=epoch)

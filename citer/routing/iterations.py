@@ -25,13 +25,20 @@ _SAMPLE_BYTES = 1 << 20
 
 LABELS_CODE = (
     "citer.routing.labels",
+    "citer.routing.rollouts",
     "citer.routing.label_store",
     "citer.decoding",
     "citer.data.answers",
     "citer.data.prompts",
     "citer.data.jsonl",
 )
-ROUTER_CODE = ("citer.routing.mlp", "citer.routing.label_store", "citer.routing.labels")
+ROUTER_CODE = (
+    "citer.routing.mlp",
+    "citer.routing.features",
+    "citer.routing.metrics",
+    "citer.routing.label_store",
+    "citer.routing.labels",
+)
 
 
 def fingerprint(parts: Mapping[str, Any]) -> str:
@@ -92,16 +99,30 @@ def recorded_fingerprint(meta_path: str | os.PathLike[str]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def remove_stale_iterations(directory: str | os.PathLike[str], keep: int, prefix: str = "iter") -> list[Path]:
-    """Delete the ``{prefix}{k}`` subdirectories and ``{prefix}{k}.json`` files of ``directory`` with k > ``keep``."""
+def remove_stale_iterations(
+    directory: str | os.PathLike[str],
+    keep: int,
+    prefix: str = "iter",
+    ablations: Iterable[str] | None = None,
+    ablation_prefix: str = "ablation_",
+) -> list[Path]:
+    """Delete the ``{prefix}{k}`` subdirectories and ``{prefix}{k}.json`` files of ``directory`` with k > ``keep``.
+
+    With ``ablations`` (the names ``router.ablations`` lists), ``{ablation_prefix}{name}`` entries whose name is not
+    listed go too; listed ones are kept. Without it, ablation entries are left alone.
+    """
     d = Path(directory)
     removed: list[Path] = []
     if not d.is_dir():
         return removed
+    listed = None if ablations is None else set(ablations)
     for child in sorted(d.iterdir()):
         stem = child.name.removesuffix(".json")
         k = stem[len(prefix) :]
-        if not (stem.startswith(prefix) and k.isdigit() and int(k) > keep):
+        stale_iteration = stem.startswith(prefix) and k.isdigit() and int(k) > keep
+        name = stem[len(ablation_prefix) :]
+        stale_ablation = listed is not None and stem.startswith(ablation_prefix) and name not in listed
+        if not (stale_iteration or stale_ablation):
             continue
         if child.is_dir():
             shutil.rmtree(child)

@@ -8,8 +8,11 @@ gives, at every target position t, both models' greedy next token and the SLM's 
     else                           -> ``both_wrong``: decode the rest of the answer from prefix + the SLM's token
                                       (SLM only) and prefer the SLM iff the final answer is correct.
 
-Iteration k >= 2 relabels only the ``both_wrong`` tokens, rolling out through the routed engine with router k-1.
-CITER-S (``params.citer_s``) labels every ``both_wrong`` token LLM without a rollout.
+Iteration k >= 2 relabels only the ``both_wrong`` tokens, rolling out through the routed engine with router k-1:
+SLM iff the rollout from the SLM's token is right. With ``rollout_llm_token`` the LLM's token is rolled out too where
+the SLM's branch fails: only the LLM's right -> LLM; both wrong -> the previous label stands (see
+:func:`collect_iter_k`). CITER-S (``params.citer_s``) labels every ``both_wrong`` token LLM without a rollout.
+Rollouts themselves live in :mod:`citer.routing.rollouts`.
 """
 
 from __future__ import annotations
@@ -23,15 +26,27 @@ from typing import Any
 import torch
 
 from citer.config import LabelsParams
-from citer.data.answers import grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt, build_target
 from citer.data.rows import origin
-from citer.decoding.baselines import AlwaysSLM, Router
-from citer.decoding.engine import RoutedEngine
+from citer.decoding.baselines import Router
 from citer.decoding.pairing import cut_logits, input_device
 from citer.progress import progress
 from citer.routing.label_store import LLM_PREFERRED, SLM_PREFERRED, LabelsError, LabelSet, make_tokens_table
+from citer.routing.rollouts import Branch, pad_id, rollout_correct, rollout_engine
+
+__all__ = [
+    "Branch",
+    "Encoded",
+    "TeacherForced",
+    "citer_s_labels",
+    "collect_iter1",
+    "collect_iter_k",
+    "encode_rows",
+    "rollout_correct",
+    "rows_hash",
+    "teacher_forced",
+]
 
 
 @dataclass(frozen=True)
@@ -167,81 +182,6 @@ def teacher_forced(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rollouts
-
-
-@dataclass(frozen=True)
-class Branch:
-    """Continue example ``ex`` from target[:position] + [token] and grade the final answer."""
-
-    ex: int
-    position: int
-    token: int
-
-
-def rollout_correct(
-    engine: Any,
-    tokenizer: Any,
-    encoded: Sequence[Encoded],
-    rows: Sequence[Mapping[str, Any]],
-    fmt: Format,
-    branches: Sequence[Branch],
-    batch_size: int,
-    max_new_tokens: int,
-) -> list[bool]:
-    """Greedy-complete every branch through ``engine`` (many prefixes per batch) and grade each answer."""
-    eos = int(tokenizer.eos_token_id)
-    models = [m for m in (engine.slm, engine.llm) if m is not None]
-    max_positions = min(int(m.config.max_position_embeddings) for m in models)
-    texts: list[str | None] = [None] * len(branches)
-    todo = []
-    for j, br in enumerate(branches):
-        e = encoded[br.ex]
-        if br.token == eos:  # the branch ends the answer here: grade what is written, no decoding needed
-            texts[j] = tokenizer.decode(e.target[: br.position], skip_special_tokens=True)
-        else:
-            todo.append(j)
-    # Batches of similar prefix length keep the engine's ragged cache (capacity = longest prompt + new tokens) small.
-    todo.sort(key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
-    starts = range(0, len(todo), batch_size)
-    for s in progress(starts, desc="labels: rollouts", total=len(starts), unit="batch"):
-        chunk = todo[s : s + batch_size]
-        prompts = []
-        for j in chunk:
-            br, e = branches[j], encoded[branches[j].ex]
-            prompts.append(e.prompt + e.target[: br.position] + [br.token])
-        # The engine refuses prompts that leave no room for max_new_tokens; near the context limit, decode less.
-        room = max_positions - max(len(q) for q in prompts)
-        if room < 1:
-            raise LabelsError(
-                f"{encoded[branches[chunk[-1]].ex].origin}: field prompt+target fills the context "
-                f"({max_positions} positions); no room to roll out"
-            )
-        res = engine.generate_batch(prompts, max_new_tokens=min(max_new_tokens, room), temperature=0.0)
-        for j, new in zip(chunk, res.tokens, strict=True):
-            br, e = branches[j], encoded[branches[j].ex]
-            texts[j] = tokenizer.decode(
-                e.target[: br.position] + [br.token] + list(new), skip_special_tokens=True
-            )
-    return [
-        bool(grade(t or "", rows[br.ex], fmt))  # encoded[i] is rows[i]
-        for t, br in zip(texts, branches, strict=True)
-    ]
-
-
-def _engine(slm: Any, llm: Any, router: Router | None, tau: float, tokenizer: Any) -> Any:
-    if router is None:  # SLM-only decoding: the engine accepts llm=None with an AlwaysSLM router
-        router = AlwaysSLM()
-    eos, pad, vocab = int(tokenizer.eos_token_id), _pad_id(tokenizer), len(tokenizer)
-    return RoutedEngine(slm, llm, router, tau=tau, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
-
-
-def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return int(pad)
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Iterations
 
 
@@ -258,7 +198,7 @@ def collect_iter1(
 ) -> LabelSet:
     """Iteration-1 labels: teacher-forced cases, SLM-only rollouts for ``both_wrong`` (LLM label under CITER-S)."""
     enc = encode_rows(tokenizer, rows, fmt, params.n_examples)
-    tf = teacher_forced(slm, llm, enc, params.batch_size, _pad_id(tokenizer), len(tokenizer))
+    tf = teacher_forced(slm, llm, enc, params.batch_size, pad_id(tokenizer), len(tokenizer))
     slm_ok = tf.slm_token == tf.ref  # (N,)
     llm_ok = tf.llm_token == tf.ref
     case = [
@@ -269,7 +209,7 @@ def collect_iter1(
     both = torch.nonzero(~slm_ok & ~llm_ok).flatten().tolist()
     if both and not params.citer_s:
         branches = [Branch(int(tf.example_index[i]), int(tf.position[i]), int(tf.slm_token[i])) for i in both]
-        engine = _engine(slm, None, None, 1.0, tokenizer)
+        engine = rollout_engine(slm, None, None, 1.0, tokenizer)
         ok = rollout_correct(
             engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
         )
@@ -330,8 +270,11 @@ def collect_iter_k(
 ) -> LabelSet:
     """Relabel ``prev``'s ``both_wrong`` tokens by routed rollouts (router of iteration k-1, τ = params.tau).
 
-    With ``params.rollout_llm_token`` the LLM's token is rolled out too: both right -> SLM, one right -> that one,
-    both wrong -> LLM. Every other token, and every hidden state, is carried over unchanged.
+    The SLM's token is rolled out: right -> SLM, else LLM. With ``params.rollout_llm_token`` a failed SLM branch
+    is compared with the LLM's branch (rolled out only there, and only when the LLM's token differs): the LLM's
+    right -> LLM; both wrong -> neither token rescues the answer under the current router, so this token carries
+    no new evidence and ``prev``'s label stands (the flag off would label it LLM). Every other token, and every
+    hidden state, is carried over unchanged.
     """
     k = prev.iteration + 1
     if prev.meta.get("citer_s"):
@@ -354,43 +297,47 @@ def collect_iter_k(
     meta = dict(prev.meta, iteration=k, tau=params.tau, rollout_llm_token=params.rollout_llm_token)
     if not both:
         return LabelSet(prev.hidden, tokens, dict(meta, n_rollouts=0, n_changed=0))
-    exs = [int(x) for x in tokens.loc[both, "example_id"]]
-    pos = tokens.loc[both, "position"].tolist()
-    engine = _engine(slm, llm, router, params.tau, tokenizer)
+    engine = rollout_engine(slm, llm, router, params.tau, tokenizer)
 
-    def run(col: str) -> list[bool]:
-        toks = tokens.loc[both, col].tolist()
-        branches = [Branch(e, p, int(t)) for e, p, t in zip(exs, pos, toks, strict=True)]
+    def run(idx: list[int], col: str) -> list[bool]:
+        sel = tokens.loc[idx]
+        branches = [
+            Branch(int(e), int(p), int(t))
+            for e, p, t in zip(sel["example_id"], sel["position"], sel[col], strict=True)
+        ]
         return rollout_correct(
             engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
         )
 
-    slm_ok = run("slm_token")
-    outcomes: dict[str, int] = {"slm_ok": sum(slm_ok)}
-    if params.rollout_llm_token:
-        llm_ok = run("llm_token")
-        # both right -> SLM (cheaper); only one right -> that one; both wrong -> LLM. This reduces to "SLM iff its
-        # branch is right"; the LLM branch adds the outcome counts (how often neither continuation succeeds).
-        new = [_compare(s, m) for s, m in zip(slm_ok, llm_ok, strict=True)]
-        outcomes.update(
-            both_ok=sum(s and m for s, m in zip(slm_ok, llm_ok, strict=True)),
-            only_llm_ok=sum(m and not s for s, m in zip(slm_ok, llm_ok, strict=True)),
-            neither_ok=sum(not (s or m) for s, m in zip(slm_ok, llm_ok, strict=True)),
-        )
-    else:
-        new = [SLM_PREFERRED if s else LLM_PREFERRED for s in slm_ok]
     old = tokens.loc[both, "label"].tolist()
-    tokens.loc[both, "label"] = new
+    slm_ok = dict(zip(both, run(both, "slm_token"), strict=True))
+    new = {i: SLM_PREFERRED if ok else LLM_PREFERRED for i, ok in slm_ok.items()}
+    outcomes: dict[str, int] = {"slm_ok": sum(slm_ok.values())}
+    n_rollouts = len(both)
+    if params.rollout_llm_token:
+        failed = [i for i in both if not slm_ok[i]]
+        # Where both models chose the same token the LLM's branch is the SLM's: it fails too, no rollout needed.
+        differ = [i for i in failed if tokens.at[i, "llm_token"] != tokens.at[i, "slm_token"]]
+        llm_ok = dict.fromkeys(failed, False) | dict(zip(differ, run(differ, "llm_token"), strict=True))
+        for i in failed:
+            new[i] = _compare(False, llm_ok[i], int(tokens.at[i, "label"]))
+        n_rollouts += len(differ)
+        outcomes.update(
+            only_llm_ok=sum(llm_ok.values()),
+            neither_ok=sum(not v for v in llm_ok.values()),  # these keep the previous label
+        )
+    labels = [new[i] for i in both]
+    tokens.loc[both, "label"] = labels
     tokens.loc[both, "iteration"] = k
-    n_changed = sum(int(a != b) for a, b in zip(old, new, strict=True))
-    n_rollouts = len(both) * (2 if params.rollout_llm_token else 1)
+    n_changed = sum(int(a != b) for a, b in zip(old, labels, strict=True))
     return LabelSet(
         prev.hidden, tokens, dict(meta, n_rollouts=n_rollouts, n_changed=n_changed, outcomes=outcomes)
     )
 
 
-def _compare(slm_ok: bool, llm_ok: bool) -> int:
-    """Preference from the two branches' outcomes: ties go to the cheaper model, both-wrong to the LLM."""
+def _compare(slm_ok: bool, llm_ok: bool, previous: int) -> int:
+    """Preference from the two branches: the SLM's right -> SLM (the cheaper, also when both are right); only the
+    LLM's right -> LLM; both wrong -> ``previous`` (the token did not decide the outcome: no new evidence)."""
     if slm_ok:
         return SLM_PREFERRED
-    return LLM_PREFERRED
+    return LLM_PREFERRED if llm_ok else previous

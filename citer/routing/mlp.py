@@ -1,8 +1,11 @@
 """The MLP router of CITER: the SLM's hidden state -> P(the SLM's token is good enough).
 
 Architecture as in the paper: ``h -> 2h -> h -> 1`` with BatchNorm, ReLU and dropout after both hidden layers, then a
-sigmoid. Trained with BCE on "SLM preferred" labels, validation split by example (tokens of one example are highly
-correlated, so a token-level split would leak), early stopping on validation loss that keeps the best epoch.
+sigmoid; h is the SLM's hidden size. The input is the hidden state (D = h) or, with ``router.features``, the hidden
+state plus features computed from it (:mod:`citer.routing.features`, D > h). Trained with BCE on "SLM preferred"
+labels, validation split by example (tokens of one example are highly correlated, so a token-level split would leak),
+early stopping on validation loss that keeps the best epoch. Metrics and the report live in
+:mod:`citer.routing.metrics` (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,28 +24,63 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from citer.config import RouterParams
-from citer.io import atomic_dir, read_artifact_meta, write_json
+from citer.io import atomic_dir, read_artifact_meta
 from citer.progress import progress
-from citer.routing.label_store import CASES, LabelSet, labelset_hash
+from citer.routing.features import (
+    DEFAULT_LOGIT_K,
+    HIDDEN_ONLY,
+    FeatureRouter,
+    RouterError,
+    feature_matrix,
+    head_vocab,
+    input_dim,
+    normalize_features,
+    param_bytes,
+    slm_parts,
+)
+from citer.routing.label_store import LabelSet, labelset_hash
+from citer.routing.metrics import (
+    REPORT_KEYS,
+    RouterMetrics,
+    expected_calibration_error,
+    iteration_summary,
+    roc_auc,
+    write_router_report,
+)
+
+__all__ = [
+    "REPORT_KEYS",
+    "FeatureRouter",
+    "MLPRouter",
+    "RouterError",
+    "RouterMetrics",
+    "expected_calibration_error",
+    "iteration_summary",
+    "load_router",
+    "roc_auc",
+    "router_meta",
+    "save_router",
+    "split_by_example",
+    "train_router",
+    "write_router_report",
+]
 
 WEIGHTS_FILE = "router.safetensors"
 META_FILE = "router.json"
 
 
-class RouterError(ValueError):
-    """A router input or checkpoint that cannot be used; the message names the file or object and the field."""
-
-
 class MLPRouter(nn.Module):
-    """``forward(hidden (B, H)) -> scores (B,)`` in [0, 1]; the engine's router interface (docs/contracts.md)."""
+    """``forward(x (B, D)) -> scores (B,)`` in [0, 1]; with D = H (the default) this is the engine's router interface
+    (docs/contracts.md). A router on more features than the hidden state is a :class:`FeatureRouter` around one."""
 
-    def __init__(self, hidden_size: int, dropout: float = 0.1) -> None:
+    def __init__(self, hidden_size: int, dropout: float = 0.1, input_dim: int | None = None) -> None:
         super().__init__()
         h = hidden_size
         self.hidden_size = h
+        self.input_dim = h if input_dim is None else int(input_dim)
         self.dropout = dropout
         self.net = nn.Sequential(
-            nn.Linear(h, 2 * h),
+            nn.Linear(self.input_dim, 2 * h),
             nn.BatchNorm1d(2 * h),
             nn.ReLU(),
             nn.Dropout(dropout),
@@ -54,11 +91,16 @@ class MLPRouter(nn.Module):
             nn.Linear(h, 1),
         )
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes read per call: parameters and BatchNorm running statistics (the engine charges them per SLM step)."""
+        return param_bytes(self)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, H) any float dtype/device -> (B,) float32 logits on the module's device."""
-        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+        """(B, D) any float dtype/device -> (B,) float32 logits on the module's device."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.input_dim:
             raise RouterError(
-                f"router input: field hidden has shape {tuple(hidden.shape)}, expected (B, {self.hidden_size})"
+                f"router input: field hidden has shape {tuple(hidden.shape)}, expected (B, {self.input_dim})"
             )
         p = self.net[0].weight
         return self.net(hidden.to(device=p.device, dtype=p.dtype)).squeeze(-1)
@@ -67,69 +109,6 @@ class MLPRouter(nn.Module):
         # No autograd graph at inference; scores come back on the caller's device to be compared with τ in place.
         with torch.set_grad_enabled(self.training and torch.is_grad_enabled()):
             return torch.sigmoid(self.logits(hidden)).to(hidden.device)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Metrics
-
-
-def roc_auc(y: np.ndarray, score: np.ndarray) -> float:
-    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN when y has one class."""
-    y = np.asarray(y).astype(bool)
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(score, kind="mergesort")
-    s = np.asarray(score)[order]
-    ranks = np.empty(len(s), dtype=np.float64)
-    i = 0
-    while i < len(s):  # average ranks over runs of equal scores
-        j = i
-        while j + 1 < len(s) and s[j + 1] == s[i]:
-            j += 1
-        ranks[i : j + 1] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    r = np.empty_like(ranks)
-    r[order] = ranks
-    return float((r[y].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def expected_calibration_error(y: np.ndarray, prob: np.ndarray, n_bins: int = 10) -> float:
-    """Mean |accuracy - confidence| over equal-width probability bins, weighted by bin size."""
-    y, prob = np.asarray(y, dtype=np.float64), np.asarray(prob, dtype=np.float64)
-    bins = np.minimum((prob * n_bins).astype(int), n_bins - 1)
-    ece = 0.0
-    for b in range(n_bins):
-        m = bins == b
-        if m.any():
-            ece += m.mean() * abs(y[m].mean() - prob[m].mean())
-    return float(ece)
-
-
-@dataclass
-class RouterMetrics:
-    """What the flow logs: the best epoch's validation numbers plus per-epoch curves."""
-
-    val_loss: float
-    val_auc: float
-    val_accuracy: float
-    val_ece: float
-    label_balance: float  # fraction of training tokens labelled SLM-preferred
-    pos_weight: float
-    best_epoch: int
-    epochs_run: int
-    n_train: int
-    n_val: int
-    n_train_examples: int
-    n_val_examples: int
-    curves: list[dict[str, float]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def scalars(self) -> dict[str, float]:
-        """Flat numeric metrics (no curves) for ``mlflow.log_metrics``."""
-        return {k: float(v) for k, v in asdict(self).items() if k != "curves"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -170,10 +149,10 @@ def _check_trainable(ls: LabelSet) -> None:
 
 @torch.no_grad()
 def _evaluate(
-    model: MLPRouter, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, bs: int
+    model: MLPRouter, x: torch.Tensor, rows: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, bs: int
 ) -> dict[str, float]:
     model.eval()
-    logits = torch.cat([model.logits(x[s : s + bs]) for s in range(0, len(x), bs)])  # (n,)
+    logits = torch.cat([model.logits(x[rows[s : s + bs]]) for s in range(0, len(rows), bs)])  # (n,)
     loss = float(loss_fn(logits, y))
     prob = torch.sigmoid(logits).numpy()
     yn = y.numpy()
@@ -185,15 +164,48 @@ def _evaluate(
     }
 
 
-def train_router(ls: LabelSet, params: RouterParams) -> tuple[MLPRouter, RouterMetrics]:
-    """Fit an :class:`MLPRouter` on ``ls``; returns it in eval mode with the best epoch's weights."""
-    _check_trainable(ls)
-    x_all = ls.hidden_for_rows()  # (N, H) float32, table order
-    if not torch.isfinite(x_all).all():
+def _inputs(
+    ls: LabelSet, params: RouterParams, slm: Any, vocab_size: int | None
+) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+    """Training inputs (N, D) float32 in table order, and (head, embedding, features, k, vocab) for features."""
+    if not torch.isfinite(ls.hidden).all():
         raise RouterError("label set: field hidden contains NaN or inf")
+    feats = normalize_features(params.features)
+    if feats == HIDDEN_ONLY:
+        return ls.hidden_for_rows(), None
+    if slm is None:
+        raise RouterError(
+            f"router: field features={list(feats)} are computed with the SLM's head and embedding; pass slm="
+        )
+    if int(slm.config.hidden_size) != ls.hidden_size:
+        raise RouterError(
+            f"label set: field hidden has size {ls.hidden_size}, the SLM's is {int(slm.config.hidden_size)}"
+        )
+    head, emb = slm_parts(slm)
+    vocab = head_vocab(head, vocab_size)
+    rows = torch.as_tensor(ls.tokens["row"].to_numpy().copy(), dtype=torch.long)
+    x = feature_matrix(ls.hidden, rows, feats, head, emb, vocab, params.logit_k)
+    if not torch.isfinite(x).all():
+        raise RouterError(f"router: features {list(feats)} of the label set contain NaN or inf")
+    return x, (head, emb, feats, params.logit_k, vocab)
+
+
+def train_router(
+    ls: LabelSet, params: RouterParams, slm: Any = None, vocab_size: int | None = None
+) -> tuple[MLPRouter | FeatureRouter, RouterMetrics]:
+    """Fit the router on ``ls``; returns it in eval mode with the best epoch's weights.
+
+    With ``params.features`` beyond ``hidden`` the inputs are computed from the label set's hidden states with
+    ``slm``'s head and input embedding (required) over the tokenizer's ``vocab_size`` ids (default: the head's
+    rows), and the result is a :class:`FeatureRouter` on ``slm``; otherwise an :class:`MLPRouter` as before.
+    """
+    _check_trainable(ls)
+    x_all, extra = _inputs(ls, params, slm, vocab_size)  # (N, D) float32, table order
     y_all = torch.as_tensor(ls.tokens["label"].to_numpy().copy(), dtype=torch.float32)  # (N,)
     tr, va = split_by_example(ls.tokens["example_id"].tolist(), params.val_fraction, params.seed)
-    x_tr, y_tr, x_va, y_va = x_all[tr], y_all[tr], x_all[va], y_all[va]
+    # Batches index x_all: no train/validation copies of the (N, D) inputs.
+    tr_rows, va_rows = torch.as_tensor(tr, dtype=torch.long), torch.as_tensor(va, dtype=torch.long)
+    y_tr, y_va = y_all[tr_rows], y_all[va_rows]
     n_pos = float(y_tr.sum())
     n_neg = float(len(y_tr) - n_pos)
     if n_pos == 0 or n_neg == 0:
@@ -204,7 +216,7 @@ def train_router(ls: LabelSet, params: RouterParams) -> tuple[MLPRouter, RouterM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params.seed)
-        model = MLPRouter(ls.hidden_size, params.dropout)
+        model = MLPRouter(ls.hidden_size, params.dropout, input_dim=x_all.shape[1])
         opt = torch.optim.AdamW(model.parameters(), lr=params.lr, weight_decay=params.weight_decay)
         gen = torch.Generator().manual_seed(params.seed)
         best = (math.inf, 0, copy.deepcopy(model.state_dict()), {})
@@ -212,19 +224,19 @@ def train_router(ls: LabelSet, params: RouterParams) -> tuple[MLPRouter, RouterM
         bad_epochs = 0
         for epoch in progress(range(1, params.epochs + 1), desc="router", total=params.epochs, unit="epoch"):
             model.train()
-            perm = torch.randperm(len(x_tr), generator=gen)
+            perm = torch.randperm(len(tr_rows), generator=gen)
             total, count = 0.0, 0
             for s in range(0, len(perm), params.batch_size):
                 idx = perm[s : s + params.batch_size]
                 if len(idx) < 2:  # BatchNorm cannot normalise a batch of one
                     continue
-                loss = loss_fn(model.logits(x_tr[idx]), y_tr[idx])
+                loss = loss_fn(model.logits(x_all[tr_rows[idx]]), y_tr[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 total += loss.item() * len(idx)
                 count += len(idx)
-            ev = _evaluate(model, x_va, y_va, loss_fn, params.batch_size)
+            ev = _evaluate(model, x_all, va_rows, y_va, loss_fn, params.batch_size)
             curves.append({"epoch": epoch, "train_loss": total / max(count, 1), **ev})
             if ev["val_loss"] < best[0]:
                 best = (ev["val_loss"], epoch, copy.deepcopy(model.state_dict()), ev)
@@ -251,18 +263,29 @@ def train_router(ls: LabelSet, params: RouterParams) -> tuple[MLPRouter, RouterM
         n_val_examples=int(ls.tokens["example_id"].iloc[va].nunique()),
         curves=curves,
     )
-    return model, metrics
+    if extra is None:
+        return model, metrics
+    head, emb, feats, k, vocab = extra
+    return FeatureRouter(model, head, emb, feats, k, vocab).eval(), metrics
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Storage and report
 
 
-def save_router(router: MLPRouter, path: str | os.PathLike[str], meta: Mapping[str, Any]) -> Path:
-    """``router.safetensors`` + ``router.json`` (hidden_size, dropout and the caller's meta), atomically."""
+def save_router(
+    router: MLPRouter | FeatureRouter, path: str | os.PathLike[str], meta: Mapping[str, Any]
+) -> Path:
+    """``router.safetensors`` (the MLP's weights) + ``router.json`` (hidden_size, dropout, input_dim, features,
+    logit_k, vocab_size for a feature router, and the caller's meta), atomically."""
+    mlp = router.mlp if isinstance(router, FeatureRouter) else router
     info = dict(meta)
-    info.update(hidden_size=router.hidden_size, dropout=router.dropout)
-    state = {k: v.detach().contiguous().cpu() for k, v in router.state_dict().items()}
+    info.update(hidden_size=mlp.hidden_size, dropout=mlp.dropout, input_dim=mlp.input_dim)
+    if isinstance(router, FeatureRouter):
+        info.update(router.describe())
+    else:
+        info.update(features=list(HIDDEN_ONLY), logit_k=DEFAULT_LOGIT_K)
+    state = {k: v.detach().contiguous().cpu() for k, v in mlp.state_dict().items()}
     with atomic_dir(path) as tmp:
         save_file(state, str(tmp / WEIGHTS_FILE))
         (tmp / META_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -287,10 +310,33 @@ def _same_model(a: str, b: str) -> bool:
     return os.path.normpath(str(a)).rstrip("/") == os.path.normpath(str(b)).rstrip("/")
 
 
+def _read_inputs(d: Path, meta: Mapping[str, Any], h: int) -> tuple[tuple[str, ...], int, int]:
+    """(features, logit_k, input_dim) a router.json records; one without ``features`` reads the hidden state."""
+    try:
+        feats = normalize_features(meta.get("features", HIDDEN_ONLY))
+        k = int(meta.get("logit_k", DEFAULT_LOGIT_K))
+        want = input_dim(h, feats, k)
+    except (RouterError, TypeError, ValueError) as exc:
+        raise RouterError(f"{d / META_FILE}: {exc}") from exc
+    d_in = int(meta.get("input_dim", want))
+    if d_in != want:
+        raise RouterError(f"{d / META_FILE}: field input_dim={d_in} but features {list(feats)} give {want}")
+    return feats, k, d_in
+
+
 def load_router(
-    path: str | os.PathLike[str], expected_hidden_size: int | None = None, expected_slm: str | None = None
-) -> tuple[MLPRouter, dict[str, Any]]:
-    """Load a saved router in eval mode with its meta; refuses a checkpoint for another SLM (hidden size or name)."""
+    path: str | os.PathLike[str],
+    expected_hidden_size: int | None = None,
+    expected_slm: str | None = None,
+    slm: Any = None,
+    vocab_size: int | None = None,
+) -> tuple[MLPRouter | FeatureRouter, dict[str, Any]]:
+    """Load a saved router in eval mode with its meta; refuses a checkpoint for another SLM (hidden size or name).
+
+    A router on the hidden state alone is an :class:`MLPRouter` on the CPU (``slm`` is not needed). One on more
+    features needs ``slm`` (its head and input embedding, shared) and comes back as a :class:`FeatureRouter` on the
+    head's device; ``vocab_size`` defaults to the one it was trained with and must match it when given.
+    """
     d = Path(path)
     meta = read_artifact_meta(d, (WEIGHTS_FILE, META_FILE), META_FILE, RouterError, "save_router")
     for key in ("hidden_size", "dropout"):
@@ -306,53 +352,33 @@ def load_router(
         raise RouterError(
             f"{d / META_FILE}: field slm={meta.get('slm')!r} but the SLM in use is {expected_slm!r}"
         )
-    model = MLPRouter(h, float(meta["dropout"]))
+    feats, k, d_in = _read_inputs(d, meta, h)
+    if feats != HIDDEN_ONLY and slm is None:
+        raise RouterError(
+            f"{d}: router reads features {list(feats)} computed with the SLM's head and embedding; "
+            "pass slm= (and vocab_size=) to load_router"
+        )
+    model = MLPRouter(h, float(meta["dropout"]), input_dim=d_in)
     try:
         model.load_state_dict(load_file(str(d / WEIGHTS_FILE)))
     except RuntimeError as exc:
-        raise RouterError(f"{d / WEIGHTS_FILE}: weights do not fit hidden_size={h} ({exc})") from exc
-    return model.eval(), meta
-
-
-REPORT_KEYS = ("iteration", "n_tokens", "case_counts", "val_auc", "val_loss")
-
-
-def iteration_summary(ls: LabelSet, metrics: RouterMetrics) -> dict[str, Any]:
-    """One entry of ``reports/router.json`` (the contract keys plus a few extras for the README)."""
-    return {
-        "iteration": ls.iteration,
-        "n_tokens": ls.n_tokens,
-        "case_counts": ls.case_counts(),
-        "val_auc": metrics.val_auc,
-        "val_loss": metrics.val_loss,
-        "val_accuracy": metrics.val_accuracy,
-        "val_ece": metrics.val_ece,
-        "label_balance": metrics.label_balance,
-        "n_changed": int(ls.meta.get("n_changed", 0)),
-        "citer_s": bool(ls.meta.get("citer_s", False)),
-    }
-
-
-def write_router_report(path: str | os.PathLike[str], iterations: Sequence[Mapping[str, Any]]) -> Path:
-    """``{"iterations": [...]}``; every entry needs REPORT_KEYS (build them with :func:`iteration_summary`)."""
-    entries = []
-    for i, it in enumerate(iterations):
-        missing = [k for k in REPORT_KEYS if k not in it]
-        if missing:
-            raise RouterError(f"router report: entry {i}, fields {missing} missing")
-        counts = it["case_counts"]
-        if set(counts) - set(CASES):
-            raise RouterError(
-                f"router report: entry {i}, field case_counts has unknown cases {sorted(set(counts) - set(CASES))}"
-            )
-        entry = dict(it)
-        entry.update(
-            iteration=int(it["iteration"]),
-            n_tokens=int(it["n_tokens"]),
-            case_counts={c: int(counts.get(c, 0)) for c in CASES},
-            val_auc=float(it["val_auc"]),
-            val_loss=float(it["val_loss"]),
+        raise RouterError(
+            f"{d / WEIGHTS_FILE}: weights do not fit hidden_size={h}, input_dim={d_in} ({exc})"
+        ) from exc
+    if feats == HIDDEN_ONLY:
+        return model.eval(), meta
+    if int(slm.config.hidden_size) != h:
+        raise RouterError(
+            f"{d / META_FILE}: field hidden_size={h} but the SLM's is {int(slm.config.hidden_size)}"
         )
-        entries.append(entry)
-    write_json(path, {"iterations": entries})
-    return Path(path)
+    recorded = meta.get("vocab_size")
+    if vocab_size is not None and recorded is not None and int(vocab_size) != int(recorded):
+        raise RouterError(
+            f"{d / META_FILE}: field vocab_size={recorded} but vocab_size={vocab_size} was given"
+        )
+    head, emb = slm_parts(slm)
+    try:
+        router = FeatureRouter(model, head, emb, feats, k, vocab_size if vocab_size is not None else recorded)
+    except RouterError as exc:
+        raise RouterError(f"{d / META_FILE}: {exc}") from exc
+    return router.to(head.weight.device).eval(), meta

@@ -96,7 +96,7 @@ class CiterGenerator(mlflow.pyfunc.PythonModel):
                 f"{exc} (relative model refs resolve against {root}: model_config project_root, else CITER_ROOT, "
                 "else the current directory)"
             ) from exc
-        router, _ = load_router(context.artifacts["router_dir"])
+        router, _ = load_router(context.artifacts["router_dir"], slm=slm, vocab_size=len(tok))
         if router.hidden_size != slm.config.hidden_size:
             raise ValueError(
                 f"router hidden_size={router.hidden_size} but SLM {slm_ref} has hidden size {slm.config.hidden_size}"

@@ -55,3 +55,31 @@ def test_remove_stale_iterations(tmp_path):
         "router_iter1.json",
         "router_iter2.json",
     ]
+
+
+def test_remove_stale_iterations_keeps_listed_ablations(tmp_path):
+    routers, reports = tmp_path / "routers", tmp_path / "reports"
+    for name in ("iter1", "iter2", "citer_s", "ablation_emb", "ablation_logits", "ablation_emb_logits"):
+        (routers / name).mkdir(parents=True)
+    reports.mkdir()
+    for name in ("router", "router_iter1", "router_ablation_emb", "router_ablation_logits"):
+        (reports / f"{name}.json").write_text("{}")
+    # Without ablations, ablation entries are left alone (callers that do not know of them).
+    assert remove_stale_iterations(routers, 1) == [routers / "iter2"]
+    assert (routers / "ablation_logits").is_dir()
+    removed = remove_stale_iterations(routers, 1, ablations=["emb", "emb_logits"])
+    assert removed == [routers / "ablation_logits"]
+    assert sorted(p.name for p in routers.iterdir()) == [
+        "ablation_emb",
+        "ablation_emb_logits",
+        "citer_s",
+        "iter1",
+    ]
+    removed = remove_stale_iterations(
+        reports, 1, prefix="router_iter", ablations=["emb"], ablation_prefix="router_ablation_"
+    )
+    assert removed == [reports / "router_ablation_logits.json"]
+    assert remove_stale_iterations(routers, 1, ablations=[]) == [
+        routers / "ablation_emb",
+        routers / "ablation_emb_logits",
+    ]

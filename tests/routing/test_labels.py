@@ -192,6 +192,33 @@ def box_router(tok):
     return route
 
 
+def expected_iter2(tok, prev, rollout_llm_token: bool) -> dict[int, int]:
+    """Iteration-2 label per both_wrong row of ``prev`` under the box router, from the lookup tables alone."""
+    targets = [f" {r['solution']}" for r in ROWS]
+    is_slm = lambda c: c not in "{8"  # noqa: E731 - the box router in char terms
+    out = {}
+    for idx in prev.tokens.index[prev.tokens["case"] == "both_wrong"]:
+        r = prev.tokens.loc[idx]
+        i, t = int(r["example_id"]), int(r["position"])
+        ok = {
+            col: bool(
+                grade(
+                    simulate(tok, targets[i], t, tok.convert_ids_to_tokens(int(r[col])), is_slm),
+                    ROWS[i],
+                    "math",
+                )
+            )
+            for col in ("slm_token", "llm_token")
+        }
+        if ok["slm_token"]:
+            out[idx] = 1
+        elif not rollout_llm_token:
+            out[idx] = 0
+        else:  # the LLM's branch: right -> LLM; wrong too -> the previous label stands
+            out[idx] = 0 if ok["llm_token"] else int(r["label"])
+    return out
+
+
 @pytest.mark.parametrize("rollout_llm_token", [False, True])
 def test_iter2_relabels_only_both_wrong(lookup_pair, char_tokenizer, rollout_llm_token):
     slm, llm, tok = *lookup_pair, char_tokenizer
@@ -208,22 +235,35 @@ def test_iter2_relabels_only_both_wrong(lookup_pair, char_tokenizer, rollout_llm
         .all()
     )
     assert (nxt.tokens.loc[bw, "iteration"] == 2).all()
-    targets = [f" {r['solution']}" for r in ROWS]
-    is_slm = lambda c: c not in "{8"  # noqa: E731 - the box router in char terms
-    for idx in prev.tokens.index[bw]:
-        r = prev.tokens.loc[idx]
-        i, t = int(r["example_id"]), int(r["position"])
-        s_ok = grade(
-            simulate(tok, targets[i], t, tok.convert_ids_to_tokens(int(r["slm_token"])), is_slm),
-            ROWS[i],
-            "math",
-        )
-        assert nxt.tokens.loc[idx, "label"] == int(s_ok), (i, t)
+    expected = expected_iter2(tok, prev, rollout_llm_token)
+    assert {i: int(nxt.tokens.loc[i, "label"]) for i in expected} == expected
     n_changed = int((nxt.tokens["label"] != prev.tokens["label"]).sum())
     assert n_changed > 0 and nxt.meta["n_changed"] == n_changed
-    assert nxt.meta["n_rollouts"] == int(bw.sum()) * (2 if rollout_llm_token else 1)
+    slm_failed = [i for i in expected if expected_iter2(tok, prev, False)[i] == 0]
+    llm_rollouts = sum(
+        int(prev.tokens.loc[i, "llm_token"] != prev.tokens.loc[i, "slm_token"]) for i in slm_failed
+    )
+    assert nxt.meta["n_rollouts"] == int(bw.sum()) + (llm_rollouts if rollout_llm_token else 0)
     if rollout_llm_token:
-        assert sum(nxt.meta["outcomes"][k] for k in ("both_ok", "only_llm_ok", "neither_ok")) <= int(bw.sum())
+        o = nxt.meta["outcomes"]
+        assert o["slm_ok"] + o["only_llm_ok"] + o["neither_ok"] == int(bw.sum())
+
+
+def test_rollout_llm_token_keeps_labels_the_llm_cannot_fix(lookup_pair, char_tokenizer):
+    """Built so the flag matters: on row 1 (answer 7) the SLM-only rollouts of iteration 1 box 7 (label SLM); under
+    the box router both branches box 8 (wrong), so flag off flips those tokens to LLM and flag on keeps them SLM."""
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    off = LabelsParams(batch_size=4, max_new_tokens=32, tau=0.5)
+    on = off.model_copy(update={"rollout_llm_token": True})
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", off)
+    a = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", off)
+    b = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", on)
+    differ = a.tokens.index[a.tokens["label"] != b.tokens["label"]]
+    assert len(differ) > 0
+    assert set(a.tokens.loc[differ, "example_id"]) == {"1"}
+    assert (prev.tokens.loc[differ, "label"] == 1).all() and (b.tokens.loc[differ, "label"] == 1).all()
+    assert (a.tokens.loc[differ, "label"] == 0).all()
+    assert b.meta["n_changed"] < a.meta["n_changed"] and b.meta["outcomes"]["neither_ok"] >= len(differ)
 
 
 def test_iter_k_refuses_other_rows(lookup_pair, char_tokenizer):

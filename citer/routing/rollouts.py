@@ -1,0 +1,89 @@
+"""Rollouts for token-level labels: complete the answer from a prefix plus one chosen token, and grade it.
+
+``encoded`` items are :class:`citer.routing.labels.Encoded` (``prompt``, ``target`` token ids and ``origin``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from citer.data.answers import grade
+from citer.data.formats import Format
+from citer.decoding.baselines import AlwaysSLM, Router
+from citer.decoding.engine import RoutedEngine
+from citer.progress import progress
+from citer.routing.label_store import LabelsError
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Continue example ``ex`` from target[:position] + [token] and grade the final answer."""
+
+    ex: int
+    position: int
+    token: int
+
+
+def rollout_correct(
+    engine: Any,
+    tokenizer: Any,
+    encoded: Sequence[Any],
+    rows: Sequence[Mapping[str, Any]],
+    fmt: Format,
+    branches: Sequence[Branch],
+    batch_size: int,
+    max_new_tokens: int,
+) -> list[bool]:
+    """Greedy-complete every branch through ``engine`` (many prefixes per batch) and grade each answer."""
+    eos = int(tokenizer.eos_token_id)
+    models = [m for m in (engine.slm, engine.llm) if m is not None]
+    max_positions = min(int(m.config.max_position_embeddings) for m in models)
+    texts: list[str | None] = [None] * len(branches)
+    todo = []
+    for j, br in enumerate(branches):
+        e = encoded[br.ex]
+        if br.token == eos:  # the branch ends the answer here: grade what is written, no decoding needed
+            texts[j] = tokenizer.decode(e.target[: br.position], skip_special_tokens=True)
+        else:
+            todo.append(j)
+    # Batches of similar prefix length keep the engine's ragged cache (capacity = longest prompt + new tokens) small.
+    todo.sort(key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
+    starts = range(0, len(todo), batch_size)
+    for s in progress(starts, desc="labels: rollouts", total=len(starts), unit="batch"):
+        chunk = todo[s : s + batch_size]
+        prompts = []
+        for j in chunk:
+            br, e = branches[j], encoded[branches[j].ex]
+            prompts.append(e.prompt + e.target[: br.position] + [br.token])
+        # The engine refuses prompts that leave no room for max_new_tokens; near the context limit, decode less.
+        room = max_positions - max(len(q) for q in prompts)
+        if room < 1:
+            raise LabelsError(
+                f"{encoded[branches[chunk[-1]].ex].origin}: field prompt+target fills the context "
+                f"({max_positions} positions); no room to roll out"
+            )
+        res = engine.generate_batch(prompts, max_new_tokens=min(max_new_tokens, room), temperature=0.0)
+        for j, new in zip(chunk, res.tokens, strict=True):
+            br, e = branches[j], encoded[branches[j].ex]
+            texts[j] = tokenizer.decode(
+                e.target[: br.position] + [br.token] + list(new), skip_special_tokens=True
+            )
+    return [
+        bool(grade(t or "", rows[br.ex], fmt))  # encoded[i] is rows[i]
+        for t, br in zip(texts, branches, strict=True)
+    ]
+
+
+def rollout_engine(slm: Any, llm: Any, router: Router | None, tau: float, tokenizer: Any) -> Any:
+    """The engine rollouts decode with: greedy, the tokenizer's EOS/pad/vocabulary; ``router=None``: SLM only."""
+    if router is None:  # SLM-only decoding: the engine accepts llm=None with an AlwaysSLM router
+        router = AlwaysSLM()
+    eos, pad, vocab = int(tokenizer.eos_token_id), pad_id(tokenizer), len(tokenizer)
+    return RoutedEngine(slm, llm, router, tau=tau, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
+
+
+def pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad)
