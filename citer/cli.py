@@ -297,12 +297,18 @@ def route(
     output: Annotated[
         str | None, typer.Option(help="JSONL of answers (default: params inference.output)")
     ] = None,
+    llm_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, max=1.0, help="route this share of tokens to the LLM (instead of the champion's tau)"
+        ),
+    ] = None,
     params: ParamsOpt = "params.yaml",
 ) -> None:
     """Routed batch inference with the champion router; resumes where a previous run stopped."""
     from flows.batch_inference import batch_inference_flow
 
-    _show(batch_inference_flow(params_path=params, input=input, output=output))
+    _show(batch_inference_flow(params_path=params, input=input, output=output, llm_fraction=llm_fraction))
 
 
 @app.command("pipeline")
@@ -321,12 +327,18 @@ def serve_cmd(
     params: ParamsOpt = "params.yaml",
     host: Annotated[str | None, typer.Option(help="default: serve.host")] = None,
     port: Annotated[int | None, typer.Option(help="default: serve.port")] = None,
+    llm_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0, max=1.0, help="route this share of tokens to the LLM (default: serve.llm_fraction)"
+        ),
+    ] = None,
 ) -> None:
     """Serve the registry's champion router behind an OpenAI-compatible API (streaming included)."""
     from citer.project import load_project
     from citer.serving.server import serve_champion
 
-    serve_champion(load_project(params), host=host, port=port)
+    serve_champion(load_project(params), host=host, port=port, llm_fraction=llm_fraction)
 
 
 def main() -> None:  # pragma: no cover - console entry

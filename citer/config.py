@@ -186,7 +186,13 @@ class LabelsParams(_Block):
 
 
 class RouterParams(_Block):
-    """The MLP router (h -> 2h -> h -> 1) and its training."""
+    """The MLP router (h -> 2h -> h -> 1 on D inputs) and its training.
+
+    ``features``: what the router reads, all computed from the SLM's last hidden state (``hidden``, always), the
+    input-embedding row of the SLM's greedy token (``token_embedding``) and the top-``logit_k`` log-probabilities,
+    entropy and top-1/top-2 margin (``logit_stats``). ``ablations``: extra routers on the last iteration's labels
+    with hidden + token_embedding (``emb``), hidden + logit_stats (``logits``) or all three (``emb_logits``).
+    """
 
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -197,48 +203,76 @@ class RouterParams(_Block):
     patience: int = 5
     class_weights: bool = True
     seed: int = 0
+    features: list[Literal["hidden", "token_embedding", "logit_stats"]] = ["hidden"]
+    logit_k: int = Field(4, ge=1)
+    ablations: list[Literal["emb", "logits", "emb_logits"]] = []
+
+    @model_validator(mode="after")
+    def _features_hold_hidden(self) -> RouterParams:
+        if "hidden" not in self.features:
+            raise ValueError(f"features must contain 'hidden', got {self.features}")
+        for name in ("features", "ablations"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} lists a name twice: {values}")
+        return self
 
 
 class SelectionRule(_Block):
     """How the sweep picks τ: least bytes at accuracy ≥ ratio × LLM-only, or most accuracy under a bytes budget."""
 
     kind: Literal["min_bytes_at_accuracy", "max_accuracy_under_bytes"] = "min_bytes_at_accuracy"
-    accuracy_ratio: float = 0.98
-    bytes_budget_rel_llm: float = 0.4
+    accuracy_ratio: float = Field(0.98, gt=0.0, le=1.0)
+    bytes_budget_rel_llm: float = Field(0.4, gt=0.0)
+
+
+class QueryRouterParams(_Block):
+    """The query-level baseline (RouteLLM's recipe): per-question labels on the train split (does the SLM alone answer
+    correctly?), a logistic classifier on the SLM's mean hidden state over the prompt."""
+
+    train_examples: int = Field(1000, ge=2)  # train rows decoded by the SLM alone to label them
+    epochs: int = Field(300, ge=1)
+    lr: float = Field(0.05, gt=0.0)
+    weight_decay: float = Field(1e-3, ge=0.0)
+
+
+class IntervalParams(_Block):
+    """Paired bootstrap over the test questions: every row's accuracy and bytes and every claim get an interval."""
+
+    resamples: int = Field(1000, ge=100)
+    level: float = Field(0.95, gt=0.5, lt=1.0)
 
 
 class SweepParams(_Block):
-    """The evaluation sweep (``citer eval sweep``): CITER over ``taus`` and every baseline on the test split.
+    """The evaluation sweep (``citer eval sweep``): every method chosen on ``dev``, reported on ``test``.
 
-    Engine passes: 2 x len(taus) (citer, citer_s) + len(taus) random + len(confidence_thresholds) + 2 (SLM, LLM);
-    query-level routing reuses the SLM/LLM passes. ``speculative_examples`` (0 = all) bounds the per-question
-    assisted-generation runs; ``speculative_tokens`` is the draft length (constant schedule, deterministic).
+    Each threshold method (CITER routers, confidence, query) gets one operating point per ``llm_fractions`` value:
+    the quantile of its own scores on dev at which that share of tokens (questions, for query) goes to the LLM, so all
+    methods span the same cost range whatever their score scale. The rule picks each method's point on dev; test
+    reports every point. Random routing sends each fraction at random; the oracle and speculative decoding are one
+    point each, on test. ``speculative_examples`` (0 = all) bounds the assisted-generation questions.
     """
 
-    taus: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    n_examples: int = 0
-    batch_size: int = 64
-    max_new_tokens: int = 96
+    llm_fractions: list[float] = [0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5]
+    n_examples: int = Field(0, ge=0)  # per split; 0 = all
+    batch_size: int = Field(64, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
     gpu: Literal["H100", "H200"] = "H100"
     seed: int = 0
-    confidence_thresholds: list[float] = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
-    query_llm_fractions: list[float] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    # "query": bytes as if each question were decoded alone (batch 1, the paper's memory-bound regime; exact, since a
-    # row's output does not depend on its batch); "batch": weight reads shared by the sweep's batch of batch_size.
-    bytes_per: Literal["query", "batch"] = "query"
+    iter1: bool = True  # the iteration-1 router as its own method (labels.iterations >= 2)
+    oracle: bool = True
     speculative: bool = True
-    speculative_examples: int = Field(50, ge=0)
+    speculative_examples: int = Field(0, ge=0)
     speculative_tokens: int = Field(5, ge=1)
+    query: QueryRouterParams = QueryRouterParams()
+    intervals: IntervalParams = IntervalParams()
     rule: SelectionRule = SelectionRule()
 
     @model_validator(mode="after")
-    def _grids_in_range(self) -> SweepParams:
-        for name in ("confidence_thresholds", "query_llm_fractions"):
-            bad = [t for t in getattr(self, name) if not 0.0 <= t <= 1.0]
-            if bad:
-                raise ValueError(f"{name} must lie in [0, 1], got {bad}")
-        if self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError("batch_size and max_new_tokens must be >= 1")
+    def _fractions_in_range(self) -> SweepParams:
+        bad = [f for f in self.llm_fractions if not 0.0 < f < 1.0]
+        if bad or not self.llm_fractions:
+            raise ValueError(f"llm_fractions must be a non-empty list of values in (0, 1), got {bad or '[]'}")
         return self
 
 
@@ -255,6 +289,8 @@ class InferenceParams(_Block):
     output: str = "outputs/predictions.jsonl"
     format: Literal["math", "mc"] | None = None  # None: data.format
     tau: float | None = Field(None, ge=0.0, le=1.0)  # None: the champion's tau tag
+    # Ask for a share of tokens sent to the LLM instead of a raw τ (from the champion's dev score quantiles).
+    llm_fraction: float | None = Field(None, ge=0.0, le=1.0)
     batch_size: int = Field(32, ge=1)
     max_new_tokens: int = Field(96, ge=1)
 
@@ -268,6 +304,7 @@ class ServeParams(_Block):
     model_name: str = "citer"  # the OpenAI model id clients pass
     prompt_format: Literal["auto", "math", "mc", "raw"] = "auto"  # chat prompts; auto = data.format
     tau: float | None = Field(None, ge=0.0, le=1.0)  # None = the champion's τ
+    llm_fraction: float | None = Field(None, ge=0.0, le=1.0)  # instead of tau: a target share of LLM tokens
 
 
 class Params(_Block):
@@ -290,13 +327,6 @@ class Params(_Block):
     serve: ServeParams = ServeParams()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
-
-    @model_validator(mode="after")
-    def _taus_in_range(self) -> Params:
-        bad = [t for t in self.sweep.taus if not 0.0 <= t <= 1.0]
-        if bad:
-            raise ValueError(f"sweep.taus must lie in [0, 1], got {bad}")
-        return self
 
 
 def _format_error(path: Path, err: ValidationError) -> str:

@@ -289,8 +289,9 @@ def _local_dir_expected(ref: str, root: Path | None) -> bool:
     return (root / Path(ref).parts[0]).is_dir()
 
 
-def load_router_version(rv: RouterVersion):
-    """A version's router (an MLPRouter) from its ``router_dir`` artifact, without loading the SLM and LLM."""
+def load_router_version(rv: RouterVersion, slm: Any = None):
+    """A version's router from its ``router_dir`` artifact: an MLPRouter on the hidden state alone (no models loaded),
+    or, for a router on more inputs, a FeatureRouter that shares ``slm``'s head and embedding (``slm`` required)."""
     import tempfile
 
     import mlflow
@@ -300,7 +301,7 @@ def load_router_version(rv: RouterVersion):
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(mlflow.artifacts.download_artifacts(f"models:/{rv.name}/{rv.version}", dst_path=tmp))
         spec = mlflow.models.Model.load(str(local)).flavors["python_function"]["artifacts"]["router_dir"]
-        router, _ = load_router(local / spec["path"])
+        router, _ = load_router(local / spec["path"], slm=slm)
     return router
 
 
@@ -336,10 +337,12 @@ def champion_to_compare(
     hidden_size: int,
     tracking_uri: str | None = None,
     root: Path | None = None,
+    slm_model: Any = None,
 ) -> ChampionToCompare:
     """The champion, re-usable in a sweep only when it was registered for the same SLM and hidden size.
 
     With ``root`` an SLM recorded relative to the project and the same directory named absolutely are the same.
+    ``slm_model`` (the loaded SLM) lets a champion that reads more than the hidden state be rebuilt on it.
     """
     rv = get_alias(model_name, alias, tracking_uri)
     if rv is None:
@@ -348,11 +351,13 @@ def champion_to_compare(
         return ChampionToCompare(
             rv, None, f"champion v{rv.version} routes for SLM {rv.tags.get('slm')}, not {slm}"
         )
-    router = load_router_version(rv)
+    router = load_router_version(rv, slm=slm_model)
     if router.hidden_size != hidden_size:
         note = f"champion v{rv.version} has hidden_size {router.hidden_size}, the SLM {hidden_size}"
         return ChampionToCompare(rv, None, note)
-    return ChampionToCompare(rv, router, f"champion v{rv.version} re-evaluated at tau={rv.tau}")
+    return ChampionToCompare(
+        rv, router, f"champion v{rv.version} re-evaluated: τ chosen on dev, compared on test"
+    )
 
 
 def publish_router(

@@ -12,17 +12,22 @@ from flows.common import stage_run
 
 @flow(name="batch-inference")
 def batch_inference_flow(
-    params_path: str = "params.yaml", input: str | None = None, output: str | None = None
+    params_path: str = "params.yaml",
+    input: str | None = None,
+    output: str | None = None,
+    llm_fraction: float | None = None,
 ) -> dict[str, Any]:
     from citer.models.loading import load_tokenizer
     from citer.serving.batch import route_file
-    from citer.serving.champion import load_champion, project_champion
+    from citer.serving.champion import champion_tau, load_champion, project_champion
 
     proj = load_project(params_path)
     p = proj.params
     inf = p.inference
     rv = project_champion(proj)  # its own store, and a pair that matches params, or one line saying both
-    tau = inf.tau if inf.tau is not None else rv.tau
+    if llm_fraction is None and inf.tau is None:
+        llm_fraction = inf.llm_fraction
+    tau = champion_tau(rv, inf.tau if llm_fraction is None else None, llm_fraction)
     fmt = inf.format or p.data.format
     src = proj.path(input or inf.input or p.data.test)
     dst = proj.path(output or inf.output)

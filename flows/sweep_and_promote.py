@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 
 from citer.project import load_project
 from flows.common import stage_run
 
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
-def find_champion(proj, hidden_size: int):
+def find_champion(proj, slm):
     from citer.registry import champion_to_compare, open_store
 
     reg = proj.params.registry
@@ -19,10 +20,40 @@ def find_champion(proj, hidden_size: int):
         reg.model_name,
         reg.alias,
         slm=proj.portable_ref(proj.slm_name),
-        hidden_size=hidden_size,
+        hidden_size=slm.config.hidden_size,
         tracking_uri=open_store(proj),
         root=proj.root,
+        slm_model=slm,
     )
+
+
+@task(name="sweep-routers", cache_policy=NO_CACHE)
+def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The routers the sweep compares: the last iteration's (``citer``, with its meta), iteration 1's, CITER-S and
+    the router-input ablations, each when present on disk."""
+    from citer.routing.mlp import META_FILE, load_router
+
+    p = proj.params
+    hidden = slm.config.hidden_size
+    k = p.labels.iterations
+    router, meta = load_router(
+        proj.router_dir(k),
+        expected_hidden_size=hidden,
+        expected_slm=proj.slm_name,
+        slm=slm,
+        vocab_size=vocab_size,
+    )
+    routers: dict[str, Any] = {"citer": router}
+    extra = {"citer_iter1": proj.router_dir(1) if k >= 2 and p.sweep.iter1 else None}
+    extra["citer_s"] = proj.router_dir("citer_s")
+    for name in p.router.ablations:
+        extra[f"citer_{name}"] = proj.path(p.paths.routers_dir) / f"ablation_{name}"
+    for method, d in extra.items():
+        if d is not None and (d / META_FILE).exists():
+            routers[method] = load_router(
+                d, expected_hidden_size=hidden, expected_slm=proj.slm_name, slm=slm, vocab_size=vocab_size
+            )[0]
+    return routers, meta
 
 
 @flow(name="sweep-and-promote")
@@ -33,7 +64,6 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.io import file_digest, write_json
     from citer.project import git_commit
     from citer.registry import generator_config, publish_router
-    from citer.routing.mlp import load_router
 
     logger = get_run_logger()
     proj = load_project(params_path)
@@ -42,38 +72,38 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     hidden = slm.config.hidden_size
     k = p.labels.iterations
     router_dir = proj.router_dir(k)
-    router, rmeta = load_router(router_dir, expected_hidden_size=hidden, expected_slm=proj.slm_name)
-    routers = {"citer": router}
-    if (proj.router_dir("citer_s") / "router.json").exists():
-        routers["citer_s"] = load_router(proj.router_dir("citer_s"), expected_hidden_size=hidden)[0]
-    rows = proj.read_split("test")
-    if p.sweep.n_examples:
-        rows = rows[: p.sweep.n_examples]
-    champion = find_champion(proj, hidden)
+    routers, rmeta = sweep_routers(proj, slm, len(tok))
+    champion = find_champion(proj, slm)
     logger.info(champion.note)
 
-    sweep = run_sweep(
+    result = run_sweep(
         slm,
         llm,
         tok,
-        rows,
+        proj.read_split("dev"),
+        proj.read_split("test"),
         p.data.format,
         routers,
         p.sweep,
-        champion=champion.router_and_tau,
+        train_rows=proj.read_split("train"),
+        champion=champion.router,
         log=logger.info,
     )
-    found = write_sweep_reports(proj.reports, sweep, p.sweep.rule.accuracy_ratio)
+    found = write_sweep_reports(proj.reports, result, p.sweep)
     plan = plan_promotion(
-        sweep, p.sweep.rule, champion.version.version if champion.version else None, champion.note
+        result.dev,
+        result.test,
+        p.sweep.rule,
+        champion.version.version if champion.version else None,
+        champion.note,
     )
 
     reg = p.registry
     version = None
     with stage_run(proj, "sweep") as run:
         run.params(p.sweep.model_dump(), prefix="sweep.")
-        run.metrics(sweep_metrics(sweep, found))
-        for f in ("sweep.json", "sweep_details.json", "sweep_claims.json", "pareto.png"):
+        run.metrics(sweep_metrics(result.test, found))
+        for f in ("sweep.json", "sweep_details.json", "sweep_dev.json", "sweep_claims.json", "pareto.png"):
             run.artifact(proj.reports / f, "sweep")
         if plan.best is not None:
             tags = version_tags(
@@ -91,6 +121,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     "data_train": proj.portable_ref(p.data.train),
                     "data_test": proj.portable_ref(p.data.test),
                 },
+                dev_quantiles=result.quantiles["citer"],
             )
             version = publish_router(
                 router_dir,
@@ -105,6 +136,6 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
-    promotion = promotion_record(plan, version, sweep)
+    promotion = promotion_record(plan, version, result.test)
     write_json(proj.reports / "promotion.json", promotion)
-    return promotion | {"claims": found}
+    return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}

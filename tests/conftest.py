@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,8 +59,10 @@ def make_qwen2(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    init_scale: float = 4.0,
 ):
-    """A randomly initialised Qwen2ForCausalLM; the seed fixes its weights."""
+    """A randomly initialised Qwen2ForCausalLM; the seed fixes its weights (``init_scale`` 1.0: as transformers
+    initialises it, for training)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -78,7 +83,7 @@ def make_qwen2(
     # Random init gives near-uniform logits; a larger scale makes argmax decisions well separated (fewer ties).
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(4.0 if p.dim() > 1 else 1.0)
+            p.mul_(init_scale if p.dim() > 1 else 1.0)
     return model.eval()
 
 
@@ -105,6 +110,57 @@ def tiny_pair(char_tokenizer):
     slm = make_qwen2(v, hidden_size=32, num_hidden_layers=1, seed=1)
     llm = make_qwen2(v, hidden_size=64, num_hidden_layers=2, seed=2)
     return slm, llm, char_tokenizer
+
+
+def answering_rows(seed: int, n: int, slm_rule: bool = False) -> list[dict[str, str]]:
+    """The answering pair's task (math format): the problem is two digits, the answer the second one.
+
+    With ``slm_rule`` the answer for a second digit of 5-9 is one higher (mod 10): the data the SLM is trained on, so
+    it is right on about half the questions and wrong exactly at the answer token, where the LLM is right.
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        ans = (b + 1) % 10 if slm_rule and b >= 5 else b
+        out.append({"problem": f"{a}{b}", "solution": f"\\boxed{{{ans}}}"})
+    return out
+
+
+@dataclass(frozen=True)
+class AnsweringPair:
+    slm: Any
+    llm: Any
+    tok: Any
+    router: Any  # the CITER router trained on the pair's iteration-1 labels
+    labels: Any  # those labels (a LabelSet)
+
+
+@pytest.fixture(scope="session")
+def answering_pair(char_tokenizer) -> AnsweringPair:
+    """A tiny SLM/LLM pair that actually answers (about 15 s on 2 CPU cores), with a CITER router trained on it.
+
+    The LLM answers every question; the SLM about half (:func:`answering_rows`). Methods then differ in accuracy, so
+    sweep and promotion tests check values that a wrong choice would change.
+    """
+    from citer.config import LabelsParams, PretrainParams, RouterParams
+    from citer.models.bootstrap import corpus_texts, encode_corpus, pretrain
+    from citer.routing.labels import collect_iter1
+    from citer.routing.mlp import train_router
+
+    tok = char_tokenizer
+    v = len(tok)
+    slm = make_qwen2(v, hidden_size=32, num_hidden_layers=1, seed=1, init_scale=1.0)
+    llm = make_qwen2(v, hidden_size=64, num_hidden_layers=2, seed=2, init_scale=1.0)
+    for model, rows, steps, seed in (
+        (slm, answering_rows(0, 512, True), 200, 1),
+        (llm, answering_rows(0, 512), 400, 2),
+    ):
+        seqs = encode_corpus(corpus_texts(rows, "math"), tok, 512)
+        pretrain(model, seqs, tok.pad_token_id, PretrainParams(steps=steps, lr=1e-2, batch_size=32), seed)
+    labels = collect_iter1(slm, llm, tok, answering_rows(3, 128), "math", LabelsParams(max_new_tokens=12))
+    router, _ = train_router(labels, RouterParams(epochs=30, batch_size=128, patience=30))
+    return AnsweringPair(slm, llm, tok, router, labels)
 
 
 @pytest.fixture(scope="session")
@@ -236,10 +292,9 @@ TINY = {
     "router": {"epochs": 3},
     "sweep": {
         "n_examples": 12,
-        "taus": [0.3, 0.7],
-        "confidence_thresholds": [0.9],
-        "query_llm_fractions": [0.5],
-        "speculative_examples": 2,
+        "llm_fractions": [0.1, 0.3],
+        "query": {"train_examples": 16, "epochs": 20},
+        "intervals": {"resamples": 200},
     },
 }
 

@@ -24,10 +24,13 @@ def test_wrong_type_named(tmp_path):
         load_params(f)
 
 
-def test_tau_out_of_range(tmp_path):
+def test_llm_fraction_out_of_range(tmp_path):
     f = tmp_path / "params.yaml"
-    f.write_text("sweep:\n  taus: [0.2, 1.5]\n")
-    with pytest.raises(ConfigError, match="sweep.taus"):
+    f.write_text("sweep:\n  llm_fractions: [0.2, 1.5]\n")
+    with pytest.raises(ConfigError, match="llm_fractions"):
+        load_params(f)
+    f.write_text("sweep:\n  taus: [0.2]\n")  # the hand-made grid is gone: an old key fails by name
+    with pytest.raises(ConfigError, match="taus"):
         load_params(f)
 
 

@@ -112,7 +112,11 @@ def test_champion_to_compare_only_for_the_same_slm_and_hidden_size(store, tmp_pa
 
     same = champion_to_compare("c", "champion", slm="models/slm", hidden_size=8)
     loaded, tau = same.router_and_tau
-    assert same.version.version == "1" and tau == 0.4 and "re-evaluated at tau=0.4" in same.note
+    assert (
+        same.version.version == "1"
+        and tau == 0.4
+        and "champion v1 re-evaluated: τ chosen on dev" in same.note
+    )
     x = torch.randn(3, 8)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), router(x))

@@ -33,8 +33,11 @@ class PassResult:
     llm_calls: list[int]
     bytes_moved: list[float]
     wall_seconds: float
-    gpu_seconds: float  # projected (bytes / bandwidth), see citer.decoding.cost
+    gpu_seconds: float  # projected (bytes / bandwidth) at batch 1, see citer.decoding.cost
     tokens: list[list[int]] = field(default_factory=list)
+    # Per question, bytes with the weight reads shared by the decoding batch (the batch-shared regime, reported
+    # in its own columns; every comparison uses ``bytes_moved``, priced as if each question were decoded alone).
+    batch_bytes: list[float] = field(default_factory=list)
 
     def subset(self, idx: Sequence[int]) -> PassResult:
         return PassResult(
@@ -46,6 +49,7 @@ class PassResult:
             self.wall_seconds,
             self.gpu_seconds,
             [self.tokens[i] for i in idx] if self.tokens else [],
+            [self.batch_bytes[i] for i in idx] if self.batch_bytes else [],
         )
 
 
@@ -94,19 +98,19 @@ def decode_pass(
     batch_size: int,
     max_new_tokens: int,
     solo_llm: bool = False,
-    per_query: bool = True,
     desc: str = "decode",
+    bandwidth: float = GPU_BANDWIDTH["H100"],
 ) -> PassResult:
     """Decode every prompt greedily through ``engine`` and grade it; time counts decoding only.
 
     ``solo_llm``: the engine is ``RoutedEngine(llm, None, AlwaysSLM())`` (plain LLM decoding, metered alike).
-    ``per_query``: bytes as if each question were decoded alone (``RowStats.bytes_alone``), else the batch's share.
-    ``desc`` labels the progress bar.
+    Bytes are priced as if each question were decoded alone (``RowStats.bytes_alone``: exact, a row's output does not
+    depend on its batch); the batch's share goes to ``batch_bytes``. ``desc`` labels the progress bar.
     """
     n = len(prompts)
     res_tokens: list[list[int]] = [[] for _ in range(n)]
-    llm_tokens, llm_calls, byts = [0] * n, [0] * n, [0.0] * n
-    wall, gpu = 0.0, 0.0
+    llm_tokens, llm_calls, byts, shared = [0] * n, [0] * n, [0.0] * n, [0.0] * n
+    wall = 0.0
     todo = batches(prompts, batch_size)
     for idx in progress(todo, desc=desc, total=len(todo), unit="batch"):
         t0 = time.perf_counter()
@@ -115,17 +119,35 @@ def decode_pass(
             [list(prompts[i]) for i in idx], max_new_tokens=max_new_tokens, temperature=0.0, row_ids=idx
         )
         wall += time.perf_counter() - t0
-        gpu += float(res.batch.projected_seconds)
         for i, toks, st in zip(idx, res.tokens, res.rows, strict=True):
             res_tokens[i] = list(toks)
             # A solo LLM engine runs the LLM in the SLM seat: every token and call is the LLM's.
             llm_tokens[i] = len(toks) if solo_llm else int(st.llm_tokens)
             llm_calls[i] = int(st.slm_calls) if solo_llm else int(st.llm_calls)
-            byts[i] = float(st.bytes_alone if per_query else st.bytes_moved)
+            byts[i] = float(st.bytes_alone)
+            shared[i] = float(st.bytes_moved)
     correct = grade_all(tokenizer, res_tokens, rows, fmt)
     return PassResult(
-        correct, [len(t) for t in res_tokens], llm_tokens, llm_calls, byts, wall, gpu, res_tokens
+        correct,
+        [len(t) for t in res_tokens],
+        llm_tokens,
+        llm_calls,
+        byts,
+        wall,
+        sum(byts) / bandwidth,
+        res_tokens,
+        shared,
     )
+
+
+def _batch_columns(res: PassResult, ref: PassResult) -> dict[str, float]:
+    """The batch-shared regime in its own clearly named columns (absent when the pass has no batch figures)."""
+    if not res.batch_bytes or not ref.batch_bytes or sum(ref.batch_bytes) <= 0:
+        return {}
+    return {
+        "bytes_moved_batch": float(sum(res.batch_bytes)),
+        "bytes_moved_batch_rel_llm": float(sum(res.batch_bytes) / sum(ref.batch_bytes)),
+    }
 
 
 def to_row(
@@ -150,7 +172,9 @@ def to_row(
         n_tokens=int(n_tok),
         llm_accuracy=sum(ref.correct) / len(ref.correct),
         examples_hash=ex_hash,
-        extra=dict(extra),
+        extra=dict(extra) | _batch_columns(res, ref),
+        correct=[bool(c) for c in res.correct],
+        question_bytes=[float(b) for b in res.bytes_moved],
     )
 
 
@@ -162,24 +186,23 @@ def speculative_result(
     gpu: str,
     weight_share: int = 1,
 ) -> tuple[PassResult, dict[str, float]]:
-    """A pass from per-question assisted-generation outputs (:func:`citer.decoding.speculative.speculative_generate`).
+    """A pass from per-question assisted-generation outputs (:func:`citer.decoding.speculative.speculative_generate`),
+    graded like every other pass.
 
     ``llm_tokens`` counts the tokens the LLM wrote itself: each verification call emits exactly one token of its own
     (a correction or the bonus token) besides the accepted drafts.
 
-    Bytes: the engine shares each call's weight read among the rows of its batch; assisted generation runs one
-    question at a time, so to compare like with like the weight bytes of every call are divided by
-    ``weight_share`` (the sweep passes its batch size under ``bytes_per: batch``: the estimate of a batched
-    speculative decoder, optimistic because rows leave a real batch as they finish). KV bytes are per question and
-    exact. The second return value holds the measured batch-1 totals (``bytes_batch1``, ``slm_calls``, ``llm_calls``,
-    ``new_tokens``).
+    Bytes are measured at batch 1 (assisted generation runs one question at a time), the regime of every method's
+    ``bytes_moved``. ``batch_bytes`` estimates a batched speculative decoder by dividing each call's weight read by
+    ``weight_share`` (the sweep's batch size; optimistic, rows leave a real batch as they finish). The second return
+    value holds the measured totals (``slm_calls``, ``llm_calls``, ``new_tokens``).
     """
     n = len(outputs)
-    res = PassResult([False] * n, [0] * n, [0] * n, [0] * n, [0.0] * n, 0.0, 0.0, [[] for _ in range(n)])
-    totals = {"bytes_batch1": 0.0, "slm_calls": 0.0, "llm_calls": 0.0, "new_tokens": 0.0}
+    res = PassResult(
+        [False] * n, [0] * n, [0] * n, [0] * n, [0.0] * n, 0.0, 0.0, [[] for _ in range(n)], [0.0] * n
+    )
+    totals = {"slm_calls": 0.0, "llm_calls": 0.0, "new_tokens": 0.0}
     for i, o in enumerate(outputs):
-        shared = o.bytes_moved - o.weight_bytes * (1.0 - 1.0 / weight_share)
-        totals["bytes_batch1"] += o.bytes_moved
         totals["slm_calls"] += o.slm_calls
         totals["llm_calls"] += o.llm_calls
         totals["new_tokens"] += len(o.tokens)
@@ -187,9 +210,10 @@ def speculative_result(
         res.n_tokens[i] = len(o.tokens)
         res.llm_calls[i] = o.llm_calls
         res.llm_tokens[i] = min(o.llm_calls, len(o.tokens))
-        res.bytes_moved[i] = shared
+        res.bytes_moved[i] = float(o.bytes_moved)
+        res.batch_bytes[i] = float(o.bytes_moved - o.weight_bytes * (1.0 - 1.0 / weight_share))
         res.wall_seconds += o.wall_seconds
-        res.gpu_seconds += shared / GPU_BANDWIDTH[gpu]
+        res.gpu_seconds += o.bytes_moved / GPU_BANDWIDTH[gpu]
     res.correct = grade_all(tokenizer, res.tokens, rows, fmt)
     return res, totals
 
@@ -202,12 +226,11 @@ def speculative_row(
     secs: float,
     totals: Mapping[str, float],
 ) -> SweepRow:
-    """The speculative row; on a subset of the examples its bytes and calls are scaled to the whole set by the
-    LLM-only pass's bytes on that subset, and its accuracy is LLM-only's (greedy assisted generation is lossless;
-    the measured agreement with the LLM-only outputs is in ``extra``)."""
+    """The speculative row, measured and graded on the examples ``idx``. On a subset (``sweep.speculative_examples``)
+    its bytes are relative to LLM-only on that subset, nothing is extrapolated, and it carries no per-question
+    vectors (it cannot be paired with the other rows): ``extra.n_measured`` says so."""
     llm_sub = llm_res.subset(idx)
     agree = sum(a == b for a, b in zip(sp.tokens, llm_sub.tokens, strict=True)) / len(idx)
-    measured = sum(sp.correct) / len(idx)
     row = to_row(
         "speculative",
         None,
@@ -215,18 +238,11 @@ def speculative_row(
         llm_sub,
         ex_hash,
         n_measured=len(idx),
-        measured_accuracy=measured,
         llm_agreement=agree,
         pass_seconds=secs,
-        **{f"batch1_{k}": v for k, v in totals.items()},
+        **totals,
     )
-    if len(idx) == len(llm_res.correct):
-        return row
-    scale = sum(llm_res.bytes_moved) / sum(llm_sub.bytes_moved)
-    row.accuracy = sum(llm_res.correct) / len(llm_res.correct)
-    row.llm_accuracy = row.accuracy
-    row.bytes_moved *= scale
-    row.llm_calls = round(row.llm_calls * scale)
-    row.n_examples = len(llm_res.correct)
-    row.extra["scaled_from_subset"] = scale
+    if len(idx) != len(llm_res.correct):
+        row.correct, row.question_bytes = [], []
+        row.extra["subset_only"] = True
     return row

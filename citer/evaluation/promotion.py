@@ -6,6 +6,7 @@ alias only when it strictly beats the champion re-evaluated on the same examples
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,18 +51,26 @@ def objective(
     raise SweepError(f"selection rule: field kind={rule.kind!r} unknown")
 
 
+def best_row(
+    rows: Sequence[SweepRow], rule: SelectionRule, method: str, feasible_only: bool = True
+) -> SweepRow | None:
+    """The ``method`` row with the largest :func:`objective` (ties: the smaller τ); with ``feasible_only``, None when
+    no row meets the rule's constraint. Rows of one split, with its LLM-only row."""
+    llm_acc = llm_reference(rows).accuracy if rule.kind == "min_bytes_at_accuracy" else None
+    cands = [(objective(r, rule, llm_acc), r) for r in rows_of(rows, method)]
+    if feasible_only:
+        cands = [(o, r) for o, r in cands if o[0] == 1.0]
+    if not cands:
+        return None
+    return max(cands, key=lambda x: (x[0], -(x[1].tau if x[1].tau is not None else math.inf)))[1]
+
+
 def choose_tau(rows: Sequence[SweepRow], rule: SelectionRule, method: str = "citer") -> SweepRow | None:
     """The ``method`` row that best meets ``rule`` (see :func:`objective`); None when no row meets the constraint.
 
     Ties (same objective) go to the smaller τ, so the choice does not depend on row order.
     """
-    llm_acc = llm_reference(rows).accuracy if rule.kind == "min_bytes_at_accuracy" else None
-    cands = [(objective(r, rule, llm_acc), r) for r in rows_of(rows, method)]
-    feasible = [(o, r) for o, r in cands if o[0] == 1.0]
-    if not feasible:
-        return None
-    best = max(feasible, key=lambda x: (x[0], -(x[1].tau if x[1].tau is not None else math.inf)))
-    return best[1]
+    return best_row(rows, rule, method, feasible_only=True)
 
 
 def _describe(row: SweepRow) -> str:
@@ -110,33 +119,51 @@ def decide_promotion(
 
 @dataclass(frozen=True)
 class PromotionPlan:
-    """What the sweep decided: the candidate's chosen row (None when no τ meets the rule) and the decision."""
+    """What the sweep decided: the candidate's dev-chosen point as measured on test (None when no τ meets the rule on
+    dev), the same point's dev row, and the decision."""
 
     best: SweepRow | None
     decision: Decision
+    best_dev: SweepRow | None = None
+
+
+def test_row_of(test_rows: Sequence[SweepRow], dev_row: SweepRow | None) -> SweepRow | None:
+    """The test row of the same method and τ as ``dev_row``."""
+    if dev_row is None:
+        return None
+    return next((r for r in test_rows if r.method == dev_row.method and r.tau == dev_row.tau), None)
 
 
 def plan_promotion(
-    rows: Sequence[SweepRow],
+    dev_rows: Sequence[SweepRow],
+    test_rows: Sequence[SweepRow],
     rule: SelectionRule,
     champion_version: str | None = None,
     champion_note: str = "",
 ) -> PromotionPlan:
-    """Choose the candidate's τ and decide against the champion's row (method ``champion``) of the same sweep.
+    """τ is chosen on dev (the candidate's, and the re-evaluated champion's by the sweep); both are compared on the
+    same test examples (:func:`decide_promotion`).
 
     ``champion_version`` names the version holding the alias (None: no champion yet). A champion that exists but has
     no row here (another SLM, another hidden size: ``champion_note`` says which) is kept: it cannot be compared.
     """
-    best = choose_tau(rows, rule)
-    champion_row = next((r for r in rows if r.method == "champion"), None)
+    best_dev = choose_tau(dev_rows, rule)
+    best = test_row_of(test_rows, best_dev)
+    champion_row = next((r for r in test_rows if r.method == "champion"), None)
     if champion_version is not None and champion_row is None:
         why = f": {champion_note}" if champion_note else ""
         decision = Decision(
             False, f"kept v{champion_version}{why}; it cannot be compared here", champion_version
         )
+    elif best_dev is None:
+        decision = Decision(
+            False,
+            f"no tau of the candidate meets the rule {rule.kind} on dev; alias unchanged",
+            champion_version,
+        )
     else:
         decision = decide_promotion(best, champion_row, rule, previous=champion_version)
-    return PromotionPlan(best, decision)
+    return PromotionPlan(best, decision, best_dev)
 
 
 def version_tags(
@@ -151,34 +178,50 @@ def version_tags(
     data_version: str,
     git_commit: str,
     files: dict[str, str] | None = None,
+    dev_quantiles: list[float] | None = None,
 ) -> dict[str, Any]:
     """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics.
 
     ``slm``, ``llm`` and the ``files`` refs (router directory, data files) are recorded as the project records them:
     relative to its root, or hub ids, so a copied project's registry names the copy's own files.
     """
-    return dict(files or {}) | {
-        "slm": slm,
-        "llm": llm,
-        "tau": best.tau,
-        "hidden_size": hidden_size,
-        "iteration": iteration,
-        "labels_hash": labels_hash,
-        "data_version": data_version,
-        "eval_examples_hash": best.examples_hash,
-        "git_commit": git_commit,
-        "rule": rule.model_dump_json(),
-        "accuracy": best.accuracy,
-        "bytes_moved_rel_llm": best.bytes_moved_rel_llm,
-        "llm_token_fraction": best.llm_token_fraction,
-        "sec_per_token": best.sec_per_token,
-    }
+    return (
+        dict(files or {})
+        | {
+            "slm": slm,
+            "llm": llm,
+            "tau": best.tau,
+            "hidden_size": hidden_size,
+            "iteration": iteration,
+            "labels_hash": labels_hash,
+            "data_version": data_version,
+            "eval_examples_hash": best.examples_hash,
+            "git_commit": git_commit,
+            "rule": rule.model_dump_json(),
+            "accuracy": best.accuracy,
+            "bytes_moved_rel_llm": best.bytes_moved_rel_llm,
+            "llm_token_fraction": best.llm_token_fraction,
+            "sec_per_token": best.sec_per_token,
+            "selected_on": "dev",
+            "target_llm_fraction": best.extra.get("target_llm_fraction"),
+        }
+        | ({"dev_score_quantiles": json.dumps(dev_quantiles)} if dev_quantiles else {})
+    )
 
 
 def promotion_record(plan: PromotionPlan, version: str | None, rows: Sequence[SweepRow]) -> dict[str, Any]:
-    """``reports/promotion.json``: the decision, the version registered by this sweep and the chosen point."""
+    """``reports/promotion.json``: the decision, the version registered by this sweep and the chosen point (τ chosen
+    on dev; accuracy and bytes measured on test, with the dev figures beside them)."""
     best = plan.best
+    dev = plan.best_dev
     return {
+        "selected_on": "dev",
+        "reported_on": "test",
+        "dev_accuracy": dev.accuracy if dev else None,
+        "dev_bytes_moved_rel_llm": dev.bytes_moved_rel_llm if dev else None,
+        "target_llm_fraction": dev.extra.get("target_llm_fraction") if dev else None,
+        "accuracy_ci": list(best.accuracy_ci) if best and best.accuracy_ci else None,
+        "bytes_ci": list(best.bytes_ci) if best and best.bytes_ci else None,
         "promoted": int(plan.decision.promoted),
         "reason": plan.decision.reason,
         "version": version,

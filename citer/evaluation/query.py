@@ -1,48 +1,86 @@
-"""Query-level routing (RouteLLM-style): one model answers each whole question, chosen from the prompt.
+"""Query-level routing (RouteLLM's recipe): one model answers each whole question, chosen from the prompt.
 
-It costs no decoding pass of its own: each question's outcome is picked from the SLM-only or the LLM-only pass by
-the question's score, and the SLM prefill that computes the score is charged to the questions sent to the LLM.
+Trained like RouteLLM's routers, on per-question labels: on train questions, does the SLM alone answer correctly?
+A logistic classifier reads the SLM's mean last hidden state over the prompt (the prefill the SLM runs anyway) and
+predicts P(SLM correct). Like every method its thresholds come from dev (the question fraction sent to the LLM).
+
+It costs no decoding pass of its own: each question's outcome is picked from the SLM-only or the LLM-only pass. A
+question sent to the LLM still paid the SLM prefill that scored it (and the classifier's read), charged to it.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from citer.config import SweepParams
-from citer.decoding.baselines import Router
-from citer.decoding.cost import GPU_BANDWIDTH, CostMeter, ModelCost
-from citer.evaluation.passes import PassResult, batches, to_row
-from citer.evaluation.rows import SweepRow
-
-Log = Callable[[str], None]
+from citer.config import QueryRouterParams
+from citer.decoding.cost import CostMeter, ModelCost
+from citer.decoding.forward import right_padded
+from citer.evaluation.passes import PassResult, batches
 
 
 @torch.no_grad()
-def prompt_scores(
-    slm: Any, router: Router, prompts: Sequence[Sequence[int]], batch_size: int, pad_id: int
-) -> torch.Tensor:
-    """(N,) the router's mean score over the SLM's hidden states at every prompt position."""
+def prompt_features(slm: Any, prompts: Sequence[Sequence[int]], batch_size: int, pad_id: int) -> torch.Tensor:
+    """(N, H) the SLM's mean last hidden state over each prompt's positions."""
     dev = next(slm.parameters()).device
-    out = torch.empty(len(prompts))
+    out = torch.empty(len(prompts), slm.config.get_text_config(decoder=True).hidden_size)
     decoder = slm.get_decoder()
     for idx in batches(prompts, batch_size):
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # (B, T) right-padded
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        ids, mask = right_padded([prompts[i] for i in idx], pad_id)  # (B, T)
+        hidden = decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state.float()
+        m = mask.to(hidden.device, torch.float32).unsqueeze(-1)  # (B, T, 1)
+        mean = (hidden * m).sum(1) / m.sum(1)  # (B, H)
         for r, i in enumerate(idx):
-            ids[r, : len(prompts[i])] = torch.tensor(list(prompts[i]))
-            mask[r, : len(prompts[i])] = 1
-        hidden = decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state  # (B, T, H)
-        valid = mask.bool().to(dev)
-        scores = router(hidden[valid]).float().cpu()  # (n_valid,)
-        per_row = torch.split(scores, mask.sum(1).tolist())
-        for r, i in enumerate(idx):
-            out[i] = per_row[r].mean()
+            out[i] = mean[r].cpu()
     return out
+
+
+@dataclass
+class QueryRouter:
+    """P(the SLM alone answers correctly) = sigmoid(w · standardise(features) + b)."""
+
+    mean: torch.Tensor  # (H,)
+    std: torch.Tensor  # (H,)
+    weight: torch.Tensor  # (H,)
+    bias: float
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        z = (features.float() - self.mean) / self.std
+        return torch.sigmoid(z @ self.weight + self.bias)  # (N,)
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(4 * (3 * self.weight.numel() + 1))
+
+
+def train_query_router(
+    features: torch.Tensor, slm_correct: Sequence[bool], params: QueryRouterParams, seed: int
+) -> QueryRouter:
+    """Class-balanced, L2-regularised logistic regression (full-batch Adam, seeded) on standardised features."""
+    y = torch.tensor([float(c) for c in slm_correct])
+    if len(y) != features.shape[0]:
+        raise ValueError(f"{features.shape[0]} feature rows for {len(y)} labels")
+    mean = features.mean(0)
+    std = features.std(0).clamp_min(1e-6)
+    x = (features.float() - mean) / std
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(x.shape[1], generator=g) * 0.01).requires_grad_(True)
+    b = torch.zeros((), requires_grad=True)
+    pos = float(y.sum())
+    neg = float(len(y) - pos)
+    # Balanced weights: the SLM is right on a minority of questions in most pairs; unweighted, the classifier says no.
+    sample_w = torch.where(y > 0, len(y) / (2 * max(pos, 1.0)), len(y) / (2 * max(neg, 1.0)))
+    opt = torch.optim.Adam([w, b], lr=params.lr, weight_decay=params.weight_decay)
+    for _ in range(params.epochs):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y, weight=sample_w)
+        loss.backward()
+        opt.step()
+    return QueryRouter(mean, std, w.detach(), float(b.detach()))
 
 
 def combine_query(
@@ -61,6 +99,7 @@ def combine_query(
         return p.wall_seconds / max(sum(p.n_tokens), 1)
 
     byts = [pick[i].bytes_moved[i] + extra_bytes[i] for i in range(n)]
+    batch = [pick[i].batch_bytes[i] + extra_bytes[i] for i in range(n)] if slm_res.batch_bytes else []
     return PassResult(
         [pick[i].correct[i] for i in range(n)],
         [pick[i].n_tokens[i] for i in range(n)],
@@ -70,57 +109,22 @@ def combine_query(
         sum(per_tok(p) * p.n_tokens[i] for i, p in enumerate(pick)),
         sum(byts) / bandwidth,
         [pick[i].tokens[i] for i in range(n)],
+        batch,
     )
 
 
 def scoring_bytes(
-    slm: Any, prompts: Sequence[Sequence[int]], batch_size: int, gpu: str, per_query: bool = True
+    slm: Any, prompts: Sequence[Sequence[int]], extra_weight_bytes: int, gpu: str
 ) -> list[float]:
-    """Per question, the bytes of the SLM prefill that computes the query router's input (same batches as
-    :func:`prompt_scores`, metered by :class:`citer.decoding.cost.CostMeter`)."""
-    meter = CostMeter(ModelCost.from_model(slm), None, len(prompts), gpu)
-    for idx in batches(prompts, batch_size):
-        lens = [len(prompts[i]) for i in idx]
-        meter.forward("slm", idx, lens, lens)
+    """Per question, the bytes of the SLM prefill that computes the query router's input plus the classifier's read,
+    as if the question were scored alone (batch 1, like every method's bytes)."""
+    meter = CostMeter(ModelCost.from_model(slm).plus(extra_weight_bytes), None, len(prompts), gpu)
+    for i, p in enumerate(prompts):
+        meter.forward("slm", [i], [len(p)], [len(p)])
     rows, _ = meter.finish(0.0)
-    return [r.bytes_alone if per_query else r.bytes_moved for r in rows]
+    return [r.bytes_alone for r in rows]
 
 
-def query_rows(
-    slm: Any,
-    router: Router,
-    prompts: Sequence[Sequence[int]],
-    slm_res: PassResult,
-    llm_res: PassResult,
-    params: SweepParams,
-    ex_hash: str,
-    pad: int,
-    say: Log,
-) -> list[SweepRow]:
-    """Query-level routing: the questions with the lowest mean router score over their prompt go to the LLM."""
-    t0 = time.perf_counter()
-    scores = prompt_scores(slm, router, prompts, params.batch_size, pad)  # (N,)
-    extra = scoring_bytes(slm, prompts, params.batch_size, params.gpu, params.bytes_per == "query")
-    secs = time.perf_counter() - t0
-    n = len(prompts)
-    order = sorted(range(n), key=lambda i: (float(scores[i]), i))
-    out = []
-    for q in params.query_llm_fractions:
-        k = round(q * n)
-        to_llm = [False] * n
-        for i in order[:k]:
-            to_llm[i] = True
-        # The threshold that splits the sorted scores at k (midpoint; the ends are 0 and 1).
-        lo = float(scores[order[k - 1]]) if k > 0 else 0.0
-        hi = float(scores[order[k]]) if k < n else 1.0
-        res = combine_query(
-            slm_res,
-            llm_res,
-            to_llm,
-            [extra[i] if to_llm[i] else 0.0 for i in range(n)],
-            GPU_BANDWIDTH[params.gpu],
-        )
-        res.wall_seconds += secs * k / n  # scoring time of the questions sent to the LLM
-        out.append(to_row("query", (lo + hi) / 2, res, llm_res, ex_hash, question_llm_fraction=k / n))
-    say(f"sweep query: {len(out)} points from the SLM/LLM passes, scoring {secs:.1f}s")
-    return out
+def query_decisions(scores: np.ndarray, tau: float) -> list[bool]:
+    """Questions whose P(SLM correct) is below τ go to the LLM."""
+    return [bool(s < tau) for s in np.asarray(scores)]

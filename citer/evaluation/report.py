@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from citer.evaluation.intervals import attach_intervals
 from citer.evaluation.pareto import claims
 from citer.evaluation.rows import METHODS, SweepError, SweepRow, rows_of
 from citer.io import atomic_dir, atomic_path, write_json
@@ -93,7 +94,12 @@ def write_plot_data(dir_path: str | os.PathLike[str], rows: Sequence[SweepRow]) 
 
 _STYLE = {
     "citer": ("C3", "o", "-"),
+    "citer_iter1": ("C3", "o", ":"),
     "citer_s": ("C1", "s", "-"),
+    "citer_emb": ("C5", "<", ":"),
+    "citer_logits": ("C6", ">", ":"),
+    "citer_emb_logits": ("C8", "d", ":"),
+    "oracle": ("k", "X", ""),
     "random": ("C7", "x", "--"),
     "confidence": ("C2", "^", "--"),
     "query": ("C4", "v", "--"),
@@ -136,17 +142,43 @@ def plot_pareto(rows: Sequence[SweepRow], path_png: str | os.PathLike[str], titl
     return Path(path_png)
 
 
-def write_sweep_reports(
-    reports_dir: str | os.PathLike[str], rows: Sequence[SweepRow], accuracy_ratio: float
-) -> dict[str, Any]:
-    """The sweep stage's files under ``reports_dir``: sweep.json, sweep_details.json, sweep_claims.json,
-    pareto.json, pareto/ and pareto.png. Returns the claims it wrote."""
+def write_sweep_reports(reports_dir: str | os.PathLike[str], result: Any, params: Any) -> dict[str, Any]:
+    """The sweep stage's files under ``reports_dir`` from a :class:`citer.evaluation.sweep.SweepResult`:
+    sweep.json (test, with intervals), sweep_details.json (test, every field), sweep_dev.json (the dev rows every
+    choice was made on), sweep_claims.json (claims with intervals, and the protocol: each method's thresholds and
+    dev choice), pareto.json, pareto/ and pareto.png. ``params``: the sweep params. Returns the claims."""
     d = Path(reports_dir)
-    write_sweep(d / "sweep.json", rows, d / "sweep_details.json")
-    write_pareto_json(d / "pareto.json", rows)
-    write_plot_data(d / "pareto", rows)
-    plot_pareto(rows, d / "pareto.png")
-    found = claims(rows, accuracy_ratio)
+    iv = params.intervals
+    attach_intervals(result.test, n_resamples=iv.resamples, seed=params.seed, level=iv.level)
+    write_sweep(d / "sweep.json", result.test, d / "sweep_details.json")
+    write_json(
+        d / "sweep_dev.json", [r.to_details() | {"correct": [], "question_bytes": []} for r in result.dev]
+    )
+    write_pareto_json(d / "pareto.json", result.test)
+    write_plot_data(d / "pareto", result.test)
+    plot_pareto(result.test, d / "pareto.png", "accuracy vs bytes on test (points chosen on dev)")
+    found = claims(
+        result.test, params.rule.accuracy_ratio, n_resamples=iv.resamples, seed=params.seed, level=iv.level
+    )
+    found["protocol"] = {
+        "selected_on": "dev",
+        "reported_on": "test",
+        **result.notes,
+        "methods": {
+            m: {
+                "thresholds": [[f, t] for f, t in result.thresholds.get(m, [])],
+                "chosen_on_dev": None
+                if row is None
+                else {
+                    "tau": row.tau,
+                    "target_llm_fraction": row.extra.get("target_llm_fraction"),
+                    "dev_accuracy": row.accuracy,
+                    "dev_bytes_moved_rel_llm": row.bytes_moved_rel_llm,
+                },
+            }
+            for m, row in result.chosen.items()
+        },
+    }
     write_json(d / "sweep_claims.json", found)
     return found
 

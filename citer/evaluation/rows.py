@@ -12,7 +12,32 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # The method names of reports/sweep.json, and its row keys (exactly these, in this order).
-METHODS = ("citer", "citer_s", "slm", "llm", "random", "confidence", "query", "speculative")
+METHODS = (
+    "citer",  # the router of the last label iteration
+    "citer_iter1",  # the iteration-1 router, same sweep: does iterating help, on test accuracy and bytes
+    "citer_s",  # one-step labels (the CITER-S ablation)
+    "citer_emb",  # router-input ablations: + the SLM's chosen-token embedding
+    "citer_logits",  # + top-k log-probs, entropy, margin
+    "citer_emb_logits",  # + both
+    "oracle",  # the lossless bound: the LLM writes exactly where the SLM's greedy token differs from its own
+    "slm",
+    "llm",
+    "random",
+    "confidence",
+    "query",  # a trained query-level router (RouteLLM recipe)
+    "speculative",
+)
+# The methods whose points are thresholds on a score (chosen on dev at sweep.llm_fractions).
+THRESHOLD_METHODS = (
+    "citer",
+    "citer_iter1",
+    "citer_s",
+    "citer_emb",
+    "citer_logits",
+    "citer_emb_logits",
+    "confidence",
+    "query",
+)
 SWEEP_KEYS = (
     "method",
     "tau",
@@ -22,6 +47,9 @@ SWEEP_KEYS = (
     "bytes_moved",
     "bytes_moved_rel_llm",
     "sec_per_token",
+    "accuracy_ci",
+    "bytes_ci",
+    "selected_on_dev",
 )
 
 
@@ -46,15 +74,22 @@ class SweepRow:
     bytes_moved_rel_llm: float
     sec_per_token: float
     gpu_sec_per_token: float | None = None
+    # 95% paired-bootstrap intervals over the questions (citer.evaluation.intervals); bytes relative to LLM-only.
+    accuracy_ci: tuple[float, float] | None = None
+    bytes_ci: tuple[float, float] | None = None
     n_examples: int = 0
     n_tokens: int = 0
     llm_accuracy: float | None = None
     examples_hash: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # Per question, in the order of the split's examples: graded right, and bytes moved as if decoded alone
+    # (batch 1). The paired bootstrap (citer.evaluation.intervals) resamples these; empty on rows read from old files.
+    correct: list[bool] = field(default_factory=list)
+    question_bytes: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The eight keys of reports/sweep.json."""
-        d = asdict(self)
+        """The keys of reports/sweep.json (:data:`SWEEP_KEYS`)."""
+        d = asdict(self) | {"selected_on_dev": bool(self.extra.get("selected_on_dev", False))}
         return {k: d[k] for k in SWEEP_KEYS}
 
     def to_details(self) -> dict[str, Any]:
@@ -63,7 +98,9 @@ class SweepRow:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SweepRow:
         known = {f for f in cls.__dataclass_fields__}
-        missing = [k for k in SWEEP_KEYS if k not in d]
+        missing = [
+            k for k in SWEEP_KEYS[:8] if k not in d
+        ]  # files written before intervals lack the last two
         if missing:
             raise SweepError(f"sweep row: fields {missing} missing")
         return cls(**{k: v for k, v in d.items() if k in known})

@@ -22,6 +22,7 @@ from citer.config import ArchParams, BootstrapParams, PretrainParams
 from citer.data.formats import Format
 from citer.data.jsonl import read_jsonl
 from citer.data.prompts import build_prompt, build_target
+from citer.decoding.forward import right_padded
 from citer.io import atomic_dir
 from citer.models.loading import count_params
 from citer.progress import progress
@@ -159,12 +160,7 @@ def pretrain(
             order, cursor = torch.randperm(len(seqs), generator=gen), 0
         batch = [seqs[i] for i in order[cursor : cursor + params.batch_size].tolist()]
         cursor += params.batch_size
-        width = max(len(s) for s in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, T), right-padded
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, s in enumerate(batch):
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(s)] = 1
+        ids, mask = right_padded(batch, pad_id)  # (B, T)
         labels = ids.masked_fill(mask == 0, -100)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)

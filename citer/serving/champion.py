@@ -6,6 +6,7 @@ exactly what the sweep promoted.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, NamedTuple
 
@@ -52,11 +53,36 @@ def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterV
     return rv
 
 
-def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | None = None) -> Champion:
+def champion_tau(rv: Any, tau: float | None = None, llm_fraction: float | None = None) -> float:
+    """τ to route with: ``tau``, else the τ that sends ``llm_fraction`` of tokens to the LLM (the version's dev score
+    quantiles, recorded by the sweep), else the version's own τ (chosen on dev)."""
+    if tau is not None and llm_fraction is not None:
+        raise ChampionError("give tau or llm_fraction, not both")
+    if tau is not None:
+        return float(tau)
+    if llm_fraction is not None:
+        from citer.evaluation.thresholds import tau_for_fraction
+
+        raw = rv.tags.get("dev_score_quantiles")
+        if not raw:
+            raise ChampionError(
+                f"router '{rv.name}' v{rv.version} has no dev score quantiles (registered before llm_fraction "
+                "existed); rerun `citer eval sweep` or pass a tau"
+            )
+        return tau_for_fraction(json.loads(raw), float(llm_fraction))
+    return rv.tau
+
+
+def load_champion(
+    project: Project | str | os.PathLike[str] = ".",
+    tau: float | None = None,
+    llm_fraction: float | None = None,
+) -> Champion:
     """The router holding the project's registry alias, with its SLM and LLM, as a :class:`Champion`.
 
     ``project`` is a :class:`~citer.project.Project` or a project directory (its ``params.yaml`` is read). The
-    version's tags name its SLM, LLM and τ; ``tau`` (else ``serve.tau`` in params) overrides τ. Relative model paths
+    version's tags name its SLM, LLM and τ; ``tau`` or ``llm_fraction`` (else ``serve.tau`` / ``serve.llm_fraction``
+    in params) overrides τ (:func:`champion_tau`). Relative model paths
     are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
     and :class:`ChampionError` when its router does not fit its SLM or params name another pair
     (:func:`project_champion`).
@@ -65,10 +91,11 @@ def load_champion(project: Project | str | os.PathLike[str] = ".", tau: float | 
     params = proj.params
     rv = project_champion(proj)
     paths = {role: proj.model_ref(rv.tags[role]) for role in ("slm", "llm")}
-    if tau is None:
-        tau = params.serve.tau if params.serve.tau is not None else rv.tau
+    if tau is None and llm_fraction is None:
+        tau, llm_fraction = params.serve.tau, params.serve.llm_fraction
+    tau = champion_tau(rv, tau, llm_fraction)
     slm, llm, tok = load_pair(paths["slm"], paths["llm"], params.models.dtype, params.models.device)
-    router = load_router_version(rv)
+    router = load_router_version(rv, slm=slm)
     if router.hidden_size != slm.config.hidden_size:
         raise ChampionError(
             f"router '{rv.name}' v{rv.version}: hidden_size={router.hidden_size} but SLM {paths['slm']} has "

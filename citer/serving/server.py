@@ -357,14 +357,18 @@ def serve(
 
 
 def serve_champion(
-    project: Project | str | os.PathLike[str] = ".", *, host: str | None = None, port: int | None = None
+    project: Project | str | os.PathLike[str] = ".",
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    llm_fraction: float | None = None,
 ) -> None:
     """``citer serve``: the champion engine behind the endpoint, settings from ``serve`` in params (host/port
     override). ``CITER_API_KEY`` in the environment, when set, becomes the bearer key the server requires.
     """
     _setup_logging("info")
     proj = as_project(project)
-    engine, tok, info = load_champion(proj)
+    engine, tok, info = load_champion(proj, llm_fraction=llm_fraction)
     s = proj.params.serve
     fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
     host, port = host or s.host, port or s.port

@@ -28,22 +28,22 @@ def test_pipeline_end_to_end(prefect_server, project):
     for it in router["iterations"]:
         assert {"iteration", "n_tokens", "case_counts", "val_auc", "val_loss"} <= set(it)
     sweep = json.loads((rep / "sweep.json").read_text())
-    keys = {
-        "method",
-        "tau",
-        "accuracy",
-        "llm_token_fraction",
-        "llm_calls",
-        "bytes_moved",
-        "bytes_moved_rel_llm",
-        "sec_per_token",
-    }
-    assert all(set(r) == keys for r in sweep)
-    assert {"citer", "citer_s", "slm", "llm", "random", "confidence", "query", "speculative"} <= {
-        r["method"] for r in sweep
-    }
+    from citer.evaluation.rows import SWEEP_KEYS
+
+    assert all(list(r) == list(SWEEP_KEYS) for r in sweep)
+    methods = {"citer", "citer_iter1", "citer_s", "oracle", "slm", "llm", "random", "confidence", "query"}
+    assert methods | {"speculative"} <= {r["method"] for r in sweep}
+    assert all(r["accuracy_ci"] is not None and r["bytes_ci"] is not None for r in sweep)
     assert (rep / "pareto.png").stat().st_size > 0
+    dev = json.loads((rep / "sweep_dev.json").read_text())
+    details = json.loads((rep / "sweep_details.json").read_text())
+    assert {r["examples_hash"] for r in dev}.isdisjoint(
+        {r["examples_hash"] for r in details}
+    )  # chosen on dev
+    claims = json.loads((rep / "sweep_claims.json").read_text())
+    assert claims["protocol"]["selected_on"] == "dev" and "oracle_ratio" in claims and "savings" in claims
     promotion = json.loads((rep / "promotion.json").read_text())
+    assert promotion["selected_on"] == "dev"
 
     preds = (project / "outputs" / "predictions.jsonl").read_text().splitlines()
     assert len(preds) == 24 and all("response" in json.loads(x) for x in preds)

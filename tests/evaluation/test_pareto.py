@@ -35,3 +35,12 @@ def test_bytes_at_accuracy_and_saving(sweep_rows):
     assert s["min"] is not None and s["min"] > 0
     c = claims(sweep_rows, 0.98)
     assert c["citer_bytes_rel_at_target"] == 0.35 and c["target_accuracy"] == pytest.approx(0.784)
+
+
+def test_bytes_at_accuracy_is_exact_at_a_measured_point():
+    # Interpolating to a frontier point's own accuracy gives its measured bytes exactly (0.1 + (0.45 - 0.1) is
+    # 0.44999999999999996), so identical curves compare as an exact tie: a saving of 0, not -2e-16.
+    rows = [R("llm", None, 0.80, 1.0), R("slm", None, 0.40, 0.1), R("citer", 0.5, 0.75, 0.45)]
+    assert bytes_at_accuracy(rows, "citer", 0.75, interpolate=True) == 0.45
+    rows.append(R("citer_s", 0.5, 0.75, 0.45))
+    assert bytes_saving(rows)["mean"] == 0.0

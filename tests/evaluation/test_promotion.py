@@ -18,13 +18,17 @@ from citer.evaluation.promotion import (
 )
 from citer.evaluation.rows import SweepError, SweepRow
 
+NONE_MEETS = SelectionRule(kind="max_accuracy_under_bytes", bytes_budget_rel_llm=0.1)  # citer's least is 0.15
+
 
 def test_choose_tau_min_bytes_at_accuracy(sweep_rows):
     rule = SelectionRule(kind="min_bytes_at_accuracy", accuracy_ratio=0.98)  # needs >= 0.784
     best = choose_tau(sweep_rows, rule)
     assert best.method == "citer" and best.tau == 0.6
     assert choose_tau(sweep_rows, SelectionRule(accuracy_ratio=1.0)).tau == 0.8
-    assert choose_tau(sweep_rows, SelectionRule(accuracy_ratio=1.01)) is None
+    assert choose_tau(sweep_rows, NONE_MEETS) is None
+    with pytest.raises(ValueError, match="accuracy_ratio"):
+        SelectionRule(accuracy_ratio=1.01)  # above LLM-only accuracy no router can be asked for
     assert choose_tau(sweep_rows, SelectionRule(accuracy_ratio=0.5)).tau == 0.2
 
 
@@ -93,28 +97,32 @@ def test_decide_promotion_refuses_other_examples():
 
 def test_plan_promotion_cases(sweep_rows):
     rule = SelectionRule(accuracy_ratio=0.98)  # needs accuracy >= 0.784: citer at 0.35 bytes
-    plan = plan_promotion(sweep_rows, rule)
+    plan = plan_promotion(sweep_rows, sweep_rows, rule)
     assert plan.best.tau == 0.6 and plan.decision.promoted and plan.decision.previous is None
     # A champion that exists but has no row here (another SLM) is kept, and the note says why.
-    plan = plan_promotion(sweep_rows, rule, champion_version="4", champion_note="routes for SLM other")
+    plan = plan_promotion(
+        sweep_rows, sweep_rows, rule, champion_version="4", champion_note="routes for SLM other"
+    )
     assert not plan.decision.promoted and plan.best.tau == 0.6
     assert plan.decision.reason == "kept v4: routes for SLM other; it cannot be compared here"
     assert plan.decision.previous == "4"
     # A champion re-evaluated in the same sweep: the candidate must strictly beat it.
     better = sweep_rows + [R("champion", 0.7, 0.80, 0.30)]
-    plan = plan_promotion(better, rule, champion_version="4")
+    plan = plan_promotion(better, better, rule, champion_version="4")
     assert not plan.decision.promoted and "does not beat" in plan.decision.reason
     worse = sweep_rows + [R("champion", 0.7, 0.80, 0.45)]
-    plan = plan_promotion(worse, rule, champion_version="4")
+    plan = plan_promotion(worse, worse, rule, champion_version="4")
     assert plan.decision.promoted and plan.decision.previous == "4"
     # No τ meets the rule: nothing to register, alias unchanged.
-    plan = plan_promotion(sweep_rows, SelectionRule(accuracy_ratio=1.01), champion_version="4")
+    plan = plan_promotion(sweep_rows, sweep_rows, NONE_MEETS, champion_version="4")
     assert plan.best is None and not plan.decision.promoted
+    plan = plan_promotion(sweep_rows, sweep_rows, NONE_MEETS)
+    assert plan.best is None and not plan.decision.promoted and "on dev" in plan.decision.reason
 
 
 def test_version_tags_and_promotion_record(sweep_rows):
     rule = SelectionRule(accuracy_ratio=0.98)
-    plan = plan_promotion(sweep_rows, rule)
+    plan = plan_promotion(sweep_rows, sweep_rows, rule)
     tags = version_tags(
         plan.best,
         rule,
@@ -131,6 +139,13 @@ def test_version_tags_and_promotion_record(sweep_rows):
     assert SelectionRule.model_validate_json(tags["rule"]) == rule
     rec = promotion_record(plan, "7", sweep_rows)
     assert rec == {
+        "selected_on": "dev",
+        "reported_on": "test",
+        "dev_accuracy": 0.79,
+        "dev_bytes_moved_rel_llm": 0.35,
+        "target_llm_fraction": None,
+        "accuracy_ci": None,
+        "bytes_ci": None,
         "promoted": 1,
         "reason": plan.decision.reason,
         "version": "7",
@@ -141,5 +156,5 @@ def test_version_tags_and_promotion_record(sweep_rows):
         "llm_accuracy": 0.80,
     }
     assert json.loads(json.dumps(rec)) == rec  # the record is plain JSON
-    none = promotion_record(plan_promotion(sweep_rows, SelectionRule(accuracy_ratio=1.01)), None, sweep_rows)
+    none = promotion_record(plan_promotion(sweep_rows, sweep_rows, NONE_MEETS), None, sweep_rows)
     assert none["promoted"] == 0 and none["tau"] is None and none["version"] is None

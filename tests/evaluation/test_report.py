@@ -49,7 +49,12 @@ def test_read_sweep_names_bad_row(tmp_path):
 
 
 def test_write_sweep_reports_writes_every_file_and_the_claims(sweep_rows, tmp_path):
-    found = write_sweep_reports(tmp_path / "reports", sweep_rows, 0.98)
+    from citer.config import SweepParams
+    from citer.evaluation.sweep import SweepResult
+
+    result = SweepResult(dev=sweep_rows, test=sweep_rows, thresholds={"citer": [(0.1, 0.6)]}, quantiles={},
+                         chosen={"citer": sweep_rows[4]})  # fmt: skip
+    found = write_sweep_reports(tmp_path / "reports", result, SweepParams(intervals={"resamples": 100}))
     names = sorted(p.name for p in (tmp_path / "reports").iterdir())
     assert names == [
         "pareto",
@@ -58,7 +63,10 @@ def test_write_sweep_reports_writes_every_file_and_the_claims(sweep_rows, tmp_pa
         "sweep.json",
         "sweep_claims.json",
         "sweep_details.json",
+        "sweep_dev.json",
     ]
+    assert found["protocol"]["selected_on"] == "dev"
+    assert found["protocol"]["methods"]["citer"]["chosen_on_dev"]["tau"] == 0.6
     assert json.loads((tmp_path / "reports" / "sweep_claims.json").read_text()) == json.loads(
         json.dumps(found)
     )

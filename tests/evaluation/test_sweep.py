@@ -1,111 +1,223 @@
-"""The real sweep on tiny random models: every method, determinism, bad input."""
+"""The real sweep on tiny models: the dev/test protocol, thresholds from dev quantiles, the oracle, the trained query
+router, every method, determinism and bad input."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from conftest import answering_rows
 
-from citer.config import SweepParams
-from citer.evaluation.pareto import claims
-from citer.evaluation.promotion import choose_tau
+from citer.config import RouterParams, SweepParams
+from citer.evaluation.promotion import plan_promotion
 from citer.evaluation.report import write_sweep
-from citer.evaluation.rows import METHODS, SWEEP_KEYS, SweepError
+from citer.evaluation.rows import SWEEP_KEYS, SweepError
+from citer.evaluation.thresholds import quantile_table, tau_at_fraction, tau_for_fraction, taus_at_fractions
 
 
 def test_sweep_params_defaults():
     p = SweepParams()
-    assert p.taus and all(0 <= t <= 1 for t in p.taus)
+    assert p.llm_fractions and all(0 < f < 1 for f in p.llm_fractions)
+    with pytest.raises(ValueError, match="llm_fractions"):
+        SweepParams(llm_fractions=[0.1, 1.5])
+
+
+def test_tau_at_fraction_sends_that_share_below():
+    scores = np.linspace(0.0, 1.0, 1001) ** 2  # any monotone scale: the fraction, not the value, is asked for
+    for f in (0.01, 0.1, 0.37, 0.5, 0.9):
+        tau = tau_at_fraction(scores, f)
+        assert (scores < tau).mean() == pytest.approx(f, abs=1e-3)
+    assert tau_at_fraction(scores, 0.0) == 0.0  # nothing is below the smallest score
+    # Repeated τ (ties) collapse to one pass; the table interpolates between fractions.
+    assert len(taus_at_fractions(np.zeros(50), [0.1, 0.2, 0.3])) == 1
+    table = quantile_table(scores)
+    assert len(table) == 101 and table == sorted(table)
+    assert tau_for_fraction(table, 0.105) == pytest.approx((table[10] + table[11]) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="llm_fraction"):
+        tau_for_fraction(table, 1.5)
 
 
 # ------------------------------------------------------------------------------------------------ the real sweep
 
 
-def _rows(n):
-    return [{"problem": f"{a} + {a % 3}", "solution": f"\\boxed{{{a + a % 3}}}"} for a in range(n)]
+def _rows(n, offset=0):
+    return [
+        {"problem": f"{a} + {a % 3}", "solution": f"\\boxed{{{a + a % 3}}}"}
+        for a in range(offset, offset + n)
+    ]
 
 
 @pytest.fixture(scope="module")
-def swept(tiny_pair):
+def swept(answering_pair):
+    """The whole sweep on a pair that answers: the LLM every question, the SLM about half, CITER's router trained."""
+    from citer.evaluation.sweep import run_sweep
+    from citer.routing.labels import citer_s_labels
+    from citer.routing.mlp import train_router
+
+    pair = answering_pair
+    citer_s, _ = train_router(citer_s_labels(pair.labels), RouterParams(epochs=30, batch_size=128, seed=1))
+    params = SweepParams(
+        llm_fractions=[0.02, 0.05, 0.1, 0.2, 0.5],
+        batch_size=16,
+        max_new_tokens=12,
+        query={"train_examples": 64, "epochs": 100},
+        intervals={"resamples": 300},
+    )
+    logs = []
+    res = run_sweep(
+        pair.slm,
+        pair.llm,
+        pair.tok,
+        answering_rows(11, 32),
+        answering_rows(12, 32),
+        "math",
+        {"citer": pair.router, "citer_s": citer_s},
+        params,
+        train_rows=answering_rows(13, 64),
+        champion=pair.router,
+        log=logs.append,
+    )
+    return res, params, logs
+
+
+def _by_method(rows):
+    by = {}
+    for r in rows:
+        by.setdefault(r.method, []).append(r)
+    return by
+
+
+def test_sweep_rows_are_sane(swept, tmp_path):
+    res, params, logs = swept
+    by = _by_method(res.test)
+    assert set(by) == {"citer", "citer_s", "confidence", "random", "query", "oracle", "speculative", "slm", "llm",
+                       "champion"}  # fmt: skip
+    llm, slm = by["llm"][0], by["slm"][0]
+    assert llm.llm_token_fraction == 1.0 and llm.bytes_moved_rel_llm == 1.0 and llm.llm_calls > 0
+    assert slm.llm_token_fraction == 0.0 and slm.llm_calls == 0 and 0 < slm.bytes_moved_rel_llm < 1
+    for r in res.test:
+        assert 0.0 <= r.accuracy <= 1.0 and 0.0 <= r.llm_token_fraction <= 1.0
+        assert r.bytes_moved > 0 and r.sec_per_token > 0 and r.gpu_sec_per_token > 0
+        assert r.n_examples == 32 and r.examples_hash == llm.examples_hash and r.llm_accuracy == llm.accuracy
+        assert len(r.correct) == len(r.question_bytes) == 32  # every row pairs with every other (bootstrap)
+        assert sum(r.question_bytes) == pytest.approx(r.bytes_moved)
+    # dev and test are different examples, and every choice comes from dev.
+    assert {r.examples_hash for r in res.dev} != {r.examples_hash for r in res.test}
+    for m in ("citer", "citer_s", "confidence"):
+        taus = [t for _, t in res.thresholds[m]]
+        assert [r.tau for r in by[m]] == taus and len(res.quantiles[m]) == 101
+        # τ rises with the target fraction: each method is asked for the same cost range on its own score scale.
+        assert taus == sorted(taus)
+        # The dev quantile sends about the asked share of dev tokens to the LLM; test lands near it.
+        for (f, _), r in zip(res.thresholds[m], by[m], strict=True):
+            assert abs(r.llm_token_fraction - f) < 0.1
+    # Greedy assisted generation is lossless and measured on the whole split, its accuracy graded.
+    spec = by["speculative"][0]
+    assert (
+        spec.extra["llm_agreement"] == 1.0
+        and spec.extra["n_measured"] == 32
+        and spec.accuracy == llm.accuracy
+    )
+    assert spec.extra["llm_calls"] > 0 and spec.extra["slm_calls"] > 0 and "subset_only" not in spec.extra
+    # The champion runs on test once, at the point its own dev pass chose.
+    assert len(by["champion"]) == 1 and by["champion"][0].extra["selected_on_dev"]
+    assert any("speculative" in m for m in logs) and any("query labels" in m for m in logs)
+    write_sweep(tmp_path / "sweep.json", res.test)
+    out = json.loads((tmp_path / "sweep.json").read_text())
+    assert all(list(r) == list(SWEEP_KEYS) for r in out) and "champion" not in {r["method"] for r in out}
+    assert sum(r["selected_on_dev"] for r in out if r["method"] == "citer") == 1
+
+
+def test_methods_differ_where_they_should(swept):
+    """Accuracy that a wrong router, a wrong τ or a wrong grade would change."""
+    res, _, _ = swept
+    by = _by_method(res.test)
+    llm, slm, oracle = by["llm"][0], by["slm"][0], by["oracle"][0]
+    assert llm.accuracy == 1.0 and 0.25 <= slm.accuracy <= 0.75  # the SLM misses exactly the answers 5-9
+    # The oracle returns the LLM's answers with the LLM writing only the answer token of the SLM's misses.
+    assert oracle.extra["llm_agreement"] == 1.0 and oracle.accuracy == llm.accuracy
+    assert oracle.llm_token_fraction < 0.1 and oracle.bytes_moved_rel_llm < 0.5
+    # The trained router finds those tokens: asked for 5% of tokens (the misses are about 4.5%) it answers like the
+    # LLM, which a router sending the same share at random does not; at 2% it cannot.
+    tau = dict(res.thresholds["citer"])
+    citer = {f: next(r for r in by["citer"] if r.tau == tau[f]) for f in (0.02, 0.05)}
+    random5 = next(r for r in by["random"] if r.tau == 0.05)
+    assert citer[0.05].accuracy >= 0.98 and random5.accuracy < 0.8 and citer[0.02].accuracy < 0.98
+    # The trained query router sends the SLM's misses to the LLM: at half the questions it beats the SLM alone.
+    top_query = max(by["query"], key=lambda r: r.llm_token_fraction)
+    assert top_query.accuracy > slm.accuracy + 0.25
+
+
+def test_tau_is_chosen_on_dev(swept):
+    res, params, _ = swept
+    from citer.evaluation.promotion import choose_tau
+
+    rule = params.rule  # min bytes at >= 98% of LLM-only accuracy
+    for m in ("citer", "confidence"):
+        dev_pick = choose_tau(res.dev, rule, m)
+        test_rows = [r for r in res.test if r.method == m]
+        marked = [r for r in test_rows if r.extra.get("selected_on_dev")]
+        assert dev_pick is not None and len(marked) == 1 and marked[0].tau == dev_pick.tau
+    # CITER's dev choice is its least-bytes point that still answers like the LLM on dev; it holds on test.
+    citer = next(r for r in res.test if r.method == "citer" and r.extra.get("selected_on_dev"))
+    assert citer.accuracy >= 0.98 and citer.bytes_moved_rel_llm < 0.5
+
+
+def test_promotion_is_chosen_on_dev_and_compared_on_test(swept):
+    res, params, _ = swept
+    plan = plan_promotion(res.dev, res.test, params.rule, champion_version="1")
+    assert plan.best_dev is not None and plan.best_dev.examples_hash == res.dev[0].examples_hash
+    assert plan.best is not None and plan.best.examples_hash == res.test[0].examples_hash
+    assert (plan.best.method, plan.best.tau) == (plan.best_dev.method, plan.best_dev.tau)
+    # The champion is the same router thresholded on the same dev scores: a tie keeps it.
+    assert not plan.decision.promoted and "ties with" in plan.decision.reason
+
+
+def test_claims_carry_intervals_on_an_answering_pair(swept, tmp_path):
+    from citer.evaluation.report import write_sweep_reports
+
+    res, params, _ = swept
+    found = write_sweep_reports(tmp_path, res, params)
+    claims = json.loads((tmp_path / "sweep_claims.json").read_text())
+    assert claims["protocol"]["selected_on"] == "dev" and found["llm_accuracy"] == 1.0
+    bt = claims["bytes_at_target"]
+    assert 0 < bt["value"] < 0.5 and bt["ci"][0] <= bt["value"] <= bt["ci"][1] and bt["holds_at_95"] is True
+    ratio = claims["oracle_ratio"]
+    # CITER pays the router's reads on every step and the oracle none: at equal accuracy it moves more than the oracle.
+    assert ratio["value"] > 1.0 and ratio["holds_at_95"] is True
+    assert "oracle's bytes" in ratio["statement"]
+    # Random routing never reaches the LLM's accuracy below half the tokens: CITER saves bytes against it.
+    rnd = claims["savings"]["random"]
+    assert rnd["value"] > 0 and "CITER vs random" in rnd["statement"]
+    for c in claims["savings"].values():
+        assert isinstance(c["holds_at_95"], bool) and c["statement"]
+
+
+def test_router_reads_are_counted(tiny_pair):
     import torch
 
-    from citer.evaluation.sweep import run_sweep
+    from citer.decoding.baselines import AlwaysSLM, ConfidenceRouter, router_read_bytes
+    from citer.decoding.engine import RoutedEngine
     from citer.routing.mlp import MLPRouter
 
     slm, llm, tok = tiny_pair
     torch.manual_seed(0)
-    citer = MLPRouter(slm.config.hidden_size).eval()
-    torch.manual_seed(1)
-    citer_s = MLPRouter(slm.config.hidden_size).eval()
-    params = SweepParams(
-        taus=[0.0, 0.5, 1.0],
-        batch_size=4,
-        max_new_tokens=6,
-        confidence_thresholds=[0.05, 0.5],
-        query_llm_fractions=[0.0, 0.5, 1.0],
-        speculative_examples=3,
+    mlp = MLPRouter(slm.config.hidden_size).eval()
+    # Parameters and BatchNorm's running statistics: everything inference reads.
+    own = sum(
+        t.numel() * t.element_size() for t in [*mlp.parameters(), *mlp.buffers()] if t.is_floating_point()
     )
-    logs = []
-    rows = run_sweep(
-        slm,
-        llm,
-        tok,
-        _rows(6),
-        "math",
-        {"citer": citer, "citer_s": citer_s},
-        params,
-        champion=(citer, 0.5),
-        log=logs.append,
-    )
-    return rows, params, logs
-
-
-def test_sweep_rows_are_sane(swept, tmp_path):
-    rows, params, logs = swept
-    by = {}
-    for r in rows:
-        by.setdefault(r.method, []).append(r)
-    assert set(by) == set(METHODS) | {"champion"}
-    assert len(by["citer"]) == len(by["citer_s"]) == len(by["random"]) == 3 and len(by["confidence"]) == 2
-    llm, slm = by["llm"][0], by["slm"][0]
-    assert llm.llm_token_fraction == 1.0 and llm.bytes_moved_rel_llm == 1.0 and llm.llm_calls > 0
-    assert slm.llm_token_fraction == 0.0 and slm.llm_calls == 0 and 0 < slm.bytes_moved_rel_llm < 1
-    for r in rows:
-        assert 0.0 <= r.accuracy <= 1.0 and 0.0 <= r.llm_token_fraction <= 1.0
-        assert r.bytes_moved > 0 and r.sec_per_token > 0 and r.gpu_sec_per_token > 0
-        assert r.n_examples == 6 and r.examples_hash == llm.examples_hash and r.llm_accuracy == llm.accuracy
-    citer = {r.tau: r for r in by["citer"]}
-    # tau = 0 never calls the LLM: the SLM-only run, token for token (same bytes, same accuracy).
-    assert citer[0.0].llm_token_fraction == 0.0 and citer[0.0].bytes_moved == pytest.approx(slm.bytes_moved)
-    # tau = 1 sends every token to the LLM (scores < 1) and also runs the SLM: more bytes than LLM-only.
-    assert citer[1.0].llm_token_fraction == 1.0 and citer[1.0].bytes_moved_rel_llm > 1.0
-    # Random points are matched to citer's LLM fractions; p = 0 and p = 1 are exact.
-    assert sorted(r.tau for r in by["random"]) == sorted(r.llm_token_fraction for r in by["citer"])
-    rand = {r.extra["matched_citer_tau"]: r for r in by["random"]}
-    assert rand[0.0].llm_token_fraction == 0.0 and rand[1.0].llm_token_fraction == 1.0
-    # Query routing at 0 / 1 is SLM-only / LLM-only plus, for 1, the SLM's scoring prefill.
-    q = {r.extra["question_llm_fraction"]: r for r in by["query"]}
-    assert q[0.0].bytes_moved == pytest.approx(slm.bytes_moved) and q[0.0].accuracy == slm.accuracy
-    assert q[1.0].llm_token_fraction == 1.0 and q[1.0].bytes_moved > llm.bytes_moved
-    assert 0.0 < q[0.5].llm_token_fraction < 1.0
-    # Greedy assisted generation is lossless: the same tokens as LLM-only on the measured questions.
-    spec = by["speculative"][0]
-    assert (
-        spec.extra["llm_agreement"] == 1.0 and spec.extra["n_measured"] == 3 and spec.accuracy == llm.accuracy
-    )
-    assert spec.extra["batch1_llm_calls"] > 0 and spec.extra["batch1_slm_calls"] > 0
-    champ = by["champion"][0]
-    assert (
-        champ.bytes_moved == pytest.approx(citer[0.5].bytes_moved) and champ.accuracy == citer[0.5].accuracy
-    )
-    assert any("speculative" in m for m in logs)
-    write_sweep(tmp_path / "sweep.json", rows)
-    out = json.loads((tmp_path / "sweep.json").read_text())
-    assert all(list(r) == list(SWEEP_KEYS) for r in out) and "champion" not in {r["method"] for r in out}
-    d = claims(rows)
-    assert "dominance" in d and "citer_vs_citer_s" in d
-    best = choose_tau(rows, params.rule)
-    assert best is not None and best.method == "citer"
+    assert router_read_bytes(mlp, slm) == own > 0
+    assert router_read_bytes(ConfidenceRouter.from_model(slm), slm) == 0  # it reads the SLM's own head
+    assert router_read_bytes(AlwaysSLM(), slm) == 0
+    prompt = tok.encode("1 + 2", add_special_tokens=False)
+    plain = RoutedEngine(slm, llm, AlwaysSLM(), tau=0.5, vocab_size=len(tok)).generate(prompt, 4)
+    # A router that never sends to the LLM (scores >= 0 > τ = 0) gives the same tokens and costs one read per step.
+    routed = RoutedEngine(slm, llm, mlp, tau=0.0, vocab_size=len(tok)).generate(prompt, 4)
+    assert routed.tokens == plain.tokens
+    steps = routed.rows[0].slm_calls
+    assert routed.rows[0].bytes_alone == pytest.approx(plain.rows[0].bytes_alone + steps * own)
 
 
 def test_sweep_is_deterministic(tiny_pair):
@@ -117,21 +229,14 @@ def test_sweep_is_deterministic(tiny_pair):
     slm, llm, tok = tiny_pair
     torch.manual_seed(0)
     router = MLPRouter(slm.config.hidden_size).eval()
-    params = SweepParams(
-        taus=[0.5],
-        batch_size=3,
-        max_new_tokens=5,
-        confidence_thresholds=[0.3],
-        query_llm_fractions=[0.5],
-        speculative=False,
-    )
-    a = run_sweep(slm, llm, tok, _rows(5), "math", {"citer": router}, params)
-    b = run_sweep(slm, llm, tok, _rows(5), "math", {"citer": router}, params)
+    params = SweepParams(llm_fractions=[0.5], batch_size=3, max_new_tokens=5, speculative=False, oracle=False)
+    a = run_sweep(slm, llm, tok, _rows(4, 50), _rows(5), "math", {"citer": router}, params)
+    b = run_sweep(slm, llm, tok, _rows(4, 50), _rows(5), "math", {"citer": router}, params)
 
     def strip(rows):
         return [(r.method, r.tau, r.accuracy, r.llm_token_fraction, r.llm_calls, r.bytes_moved) for r in rows]
 
-    assert strip(a) == strip(b)
+    assert strip(a.test) == strip(b.test) and strip(a.dev) == strip(b.dev)
 
 
 def test_sweep_refuses_bad_input(tiny_pair):
@@ -139,14 +244,15 @@ def test_sweep_refuses_bad_input(tiny_pair):
 
     slm, llm, tok = tiny_pair
     with pytest.raises(SweepError, match="key 'citer' missing"):
-        run_sweep(slm, llm, tok, _rows(2), "math", {}, SweepParams())
+        run_sweep(slm, llm, tok, _rows(2), _rows(2), "math", {}, SweepParams())
     with pytest.raises(SweepError, match="unknown keys"):
-        run_sweep(slm, llm, tok, _rows(2), "math", {"citer": None, "bild": None}, SweepParams())
+        run_sweep(slm, llm, tok, _rows(2), _rows(2), "math", {"citer": None, "bild": None}, SweepParams())
     with pytest.raises(SweepError, match="row 2: field 'problem' missing"):
         run_sweep(
             slm,
             llm,
             tok,
+            _rows(2),
             [_rows(1)[0], {"solution": "x"}],
             "math",
             {"citer": lambda h: h[:, 0]},

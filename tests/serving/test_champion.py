@@ -99,3 +99,22 @@ def test_citer_serve_serves_the_projects_champion(champion_project, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_champion_tau_from_a_target_llm_fraction():
+    import json
+
+    from citer.registry import RouterVersion
+    from citer.serving.champion import ChampionError, champion_tau
+
+    table = [round(f**2, 6) for f in [i / 100 for i in range(101)]]  # dev scores' τ at fractions 0..1
+    rv = RouterVersion("citer-router", "3", {"tau": "0.25", "dev_score_quantiles": json.dumps(table)}, "")
+    assert champion_tau(rv) == 0.25  # the τ chosen on dev
+    assert champion_tau(rv, tau=0.7) == 0.7
+    assert champion_tau(rv, llm_fraction=0.1) == pytest.approx(0.01)
+    assert champion_tau(rv, llm_fraction=0.105) == pytest.approx((0.01 + 0.0121) / 2)
+    with pytest.raises(ChampionError, match="not both"):
+        champion_tau(rv, tau=0.5, llm_fraction=0.1)
+    old = RouterVersion("citer-router", "1", {"tau": "0.5"}, "")
+    with pytest.raises(ChampionError, match="no dev score quantiles"):
+        champion_tau(old, llm_fraction=0.1)
