@@ -1,4 +1,9 @@
-"""Stage ``eval_models``: greedy test accuracy of the SLM and the LLM alone -> reports/models.json."""
+"""Stage ``eval_models``: greedy test accuracy of the SLM and the LLM alone -> reports/models.json.
+
+Both models are loaded as every other stage loads them (:meth:`citer.project.Project.load_pair`): ``models.dtype``,
+the SLM on ``models.device``, the LLM on ``models.llm_device_map`` when set (else ``models.device`` too) and
+``models.trust_remote_code``; one model at a time, so the pair never has to fit in memory together.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,32 @@ from typing import Any
 from prefect import flow, task
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @task(name="evaluate-model", task_run_name="evaluate {name}")
 def evaluate_one(
-    name: str, ref: str, rows: list[dict[str, Any]], fmt: str, batch_size: int, max_new_tokens: int
+    name: str,
+    ref: str,
+    rows: list[dict[str, Any]],
+    fmt: str,
+    batch_size: int,
+    max_new_tokens: int,
+    dtype: str = "float32",
+    device: str | dict[str, Any] = "cpu",
+    trust_remote_code: bool = False,
 ):
+    """``(parameter count, ModelEval)`` of the model at ``ref`` loaded in ``dtype`` on ``device`` (a torch device
+    string or a device_map)."""
     from citer.models.evaluate import evaluate_model
     from citer.models.loading import count_params, load_model
 
-    model, tok = load_model(ref)
+    model, tok = load_model(ref, dtype, device, trust_remote_code)
     return count_params(model), evaluate_model(model, tok, rows, fmt, batch_size, max_new_tokens)
 
 
 @flow(name="eval-models")
+@locked("eval_models")
 def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.io import read_json
     from citer.models.evaluate import write_models_report
@@ -31,9 +47,18 @@ def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     rows = proj.read_split("test")
     if p.eval.n_examples:
         rows = rows[: p.eval.n_examples]
-    fmt = p.data.format
-    slm_n, slm_ev = evaluate_one("slm", proj.slm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
-    llm_n, llm_ev = evaluate_one("llm", proj.llm_ref, rows, fmt, p.eval.batch_size, p.eval.max_new_tokens)
+    fmt, m = p.data.format, p.models
+    # Placed as Project.load_pair places the pair: the LLM follows llm_device_map when one is given.
+    llm_place = m.device if m.llm_device_map is None else m.llm_device_map
+    load = {"dtype": m.dtype, "trust_remote_code": m.trust_remote_code}
+    inputs = {
+        "rows": rows,
+        "fmt": fmt,
+        "batch_size": p.eval.batch_size,
+        "max_new_tokens": p.eval.max_new_tokens,
+    }
+    slm_n, slm_ev = evaluate_one("slm", proj.slm_ref, **inputs, device=m.device, **load)
+    llm_n, llm_ev = evaluate_one("llm", proj.llm_ref, **inputs, device=llm_place, **load)
     seconds = 0.0  # time to build the pair: bootstrap + finetune, when this project ran them
     for stage in ("bootstrap", "finetune"):
         f = proj.reports / f"{stage}.json"
@@ -43,7 +68,16 @@ def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         proj.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
     )
     with stage_run(proj, "eval_models") as run:
-        run.params({"slm": proj.slm_name, "llm": p.models.llm, "n_examples": len(rows)})
+        run.params(
+            {
+                "slm": proj.slm_name,
+                "llm": p.models.llm,
+                "n_examples": len(rows),
+                "dtype": m.dtype,
+                "device": m.device,
+                "llm_device_map": str(m.llm_device_map),  # one param, however many entries
+            }
+        )
         run.metrics({f"slm.{k}": v for k, v in slm_ev.metrics().items()})
         run.metrics({f"llm.{k}": v for k, v in llm_ev.metrics().items()})
         run.metrics({"slm.params": slm_n, "llm.params": llm_n, "param_ratio": llm_n / max(slm_n, 1)})

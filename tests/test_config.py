@@ -1,7 +1,11 @@
-import pytest
-from conftest import REPO
+from typing import get_args, get_origin
 
-from citer.config import ConfigError, Params, load_params
+import pytest
+import yaml
+from conftest import REPO
+from pydantic import BaseModel, ValidationError
+
+from citer.config import ConfigError, ModelsParams, Params, load_params
 
 
 def test_repo_params_load():
@@ -48,3 +52,284 @@ def test_bad_files(tmp_path, text):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_params(tmp_path / "nope.yaml")
+
+
+# --- bounded params (issue #13): every number has its range, refused at load time with key, value and range ---
+
+
+def _write(path, raw):
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def _with(key, value):
+    """The repo's params.yaml with one dotted key set (nested blocks such as bootstrap.slm stay complete)."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    *parents, last = key.split(".")
+    block = raw
+    for part in parents:
+        block = block.setdefault(part, {})
+    block[last] = value
+    return raw
+
+
+BAD = [
+    ("seed", -1),
+    ("synth.seed", -1),
+    ("synth.n_train", 0),
+    ("synth.n_dev", 0),
+    ("synth.n_test", -5),
+    ("synth.max_start", 0),
+    ("synth.max_operand", 0),
+    ("synth.max_total", 10),  # < max_start + max_operand
+    ("synth.min_steps", 0),
+    ("synth.max_steps", 1),  # < min_steps
+    ("synth.variety", 1.5),
+    ("synth.n_choices", 1),
+    ("validate.max_chars_warning", 0),
+    ("validate.max_bad_row_fraction", 1.5),
+    ("bootstrap.seed", -1),
+    ("bootstrap.vocab_size", 100),
+    ("bootstrap.slm.hidden_size", 0),
+    ("bootstrap.slm.intermediate_size", 0),
+    ("bootstrap.slm.num_hidden_layers", 0),
+    ("bootstrap.slm.num_attention_heads", 3),  # does not divide hidden_size 32
+    ("bootstrap.slm.num_key_value_heads", 0),
+    ("bootstrap.llm.num_key_value_heads", 3),  # does not divide num_attention_heads 4
+    ("bootstrap.slm.max_position_embeddings", 0),
+    ("bootstrap.slm_pretrain.steps", 0),
+    ("bootstrap.slm_pretrain.lr", 0.0),
+    ("bootstrap.llm_pretrain.batch_size", 0),
+    ("bootstrap.llm_pretrain.warmup_ratio", 1.0),
+    ("bootstrap.llm_pretrain.weight_decay", -0.1),
+    ("models.device", "tpu9"),
+    ("models.device", "cuda:x"),
+    ("models.device", "gpu"),
+    ("models.dtype", "fp8"),
+    ("models.llm_device_map", "everywhere"),
+    ("finetune.seed", -1),
+    ("finetune.lr", 0.0),
+    ("finetune.weight_decay", -0.01),
+    ("finetune.epochs", 0),
+    ("finetune.max_steps", 0),
+    ("finetune.max_steps", -2),
+    ("finetune.max_length", 0),
+    ("finetune.batch_size", 0),
+    ("finetune.gradient_accumulation_steps", 0),
+    ("finetune.warmup_ratio", 1.0),
+    ("finetune.logging_steps", 0),
+    ("finetune.eval_examples", 0),
+    ("finetune.max_truncated_fraction", 1.5),
+    ("finetune.lora.r", 0),
+    ("finetune.lora.alpha", 0),
+    ("finetune.lora.dropout", 1.0),
+    ("eval.n_examples", -298),
+    ("eval.batch_size", 0),
+    ("eval.max_new_tokens", 0),
+    ("labels.iterations", 0),
+    ("labels.n_examples", -1),
+    ("labels.batch_size", 0),
+    ("labels.max_new_tokens", 0),
+    ("labels.tau", 1.5),
+    ("router.lr", -0.001),
+    ("router.weight_decay", -1.0),
+    ("router.epochs", 0),
+    ("router.batch_size", 1),
+    ("router.dropout", 1.5),
+    ("router.dropout", -0.1),
+    ("router.val_fraction", 1.0),
+    ("router.patience", 0),
+    ("router.seed", -1),
+    ("router.min_val_auc", 1.5),
+    ("router.logit_k", 0),
+    ("sweep.llm_fractions", [0.2, 1.5]),
+    ("sweep.n_examples", -1),
+    ("sweep.batch_size", 0),
+    ("sweep.max_new_tokens", 0),
+    ("sweep.seed", -1),
+    ("sweep.speculative_examples", -1),
+    ("sweep.speculative_tokens", 0),
+    ("sweep.query.train_examples", 1),
+    ("sweep.query.epochs", 0),
+    ("sweep.query.lr", 0.0),
+    ("sweep.query.weight_decay", -1.0),
+    ("sweep.intervals.resamples", 10),
+    ("sweep.intervals.level", 1.0),
+    ("sweep.rule.accuracy_ratio", 0.0),
+    ("sweep.rule.accuracy_ratio", 1.01),
+    ("sweep.rule.bytes_budget_rel_llm", 0.0),
+    ("registry.min_eval_examples", 0),
+    ("lock.timeout_s", 0),
+    ("inference.tau", 1.5),
+    ("inference.llm_fraction", -0.1),
+    ("inference.batch_size", 0),
+    ("inference.max_new_tokens", 0),
+    ("serve.port", 0),
+    ("serve.port", 65536),
+    ("serve.max_new_tokens", 0),
+    ("serve.tau", -0.1),
+    ("serve.llm_fraction", 2.0),
+    ("serve.max_prompts_per_request", 0),
+    ("serve.max_tokens_per_request", 0),
+    ("serve.max_queued_requests", 0),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD, ids=[f"{k}={v}" for k, v in BAD])
+def test_out_of_range_value_is_refused_naming_key_and_value(tmp_path, key, value):
+    f = _write(tmp_path / "params.yaml", _with(key, value))
+    with pytest.raises(ConfigError) as info:
+        load_params(f)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert f"{key}: {value!r} is not allowed (" in msg, msg
+
+
+def test_message_states_the_whole_range(tmp_path):
+    f = _write(tmp_path / "params.yaml", {"router": {"dropout": 1.5}})
+    with pytest.raises(ConfigError) as info:
+        load_params(f)
+    assert (
+        str(info.value) == f"{f}: invalid params -> router.dropout: 1.5 is not allowed (must be >= 0 and < 1)"
+    )
+    for raw, rule in [
+        ({"eval": {"n_examples": -298}}, "eval.n_examples: -298 is not allowed (must be >= 0)"),
+        ({"serve": {"port": 70000}}, "serve.port: 70000 is not allowed (must be >= 1 and <= 65535)"),
+        ({"inference": {"tau": 2}}, "inference.tau: 2 is not allowed (must be >= 0 and <= 1, or null)"),
+        (
+            {"finetune": {"max_steps": 0}},
+            "finetune.max_steps: 0 is not allowed (must be -1 (train for epochs) or >= 1)",
+        ),
+        (
+            {"synth": {"min_steps": 4, "max_steps": 3}},
+            "synth.max_steps: 3 is not allowed (must be >= min_steps = 4)",
+        ),
+        (
+            {"models": {"device": "tpu9"}},
+            "models.device: 'tpu9' is not allowed (must be cpu, cuda, cuda:N, mps or a device_map strategy: "
+            "auto, balanced, balanced_low_0, sequential)",
+        ),
+        (
+            {"models": {"dtype": "fp8"}},
+            "models.dtype: 'fp8' is not allowed (must be 'float32', 'bfloat16' or 'float16')",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_params(_write(f, raw))
+        assert str(info.value).endswith(rule), str(info.value)
+
+
+def test_every_bad_key_is_listed_in_one_line(tmp_path):
+    f = _write(
+        tmp_path / "params.yaml", {"eval": {"n_examples": -298, "batch_size": 0}, "router": {"lrr": 1}}
+    )
+    with pytest.raises(ConfigError) as info:
+        load_params(f)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for part in ("eval.n_examples: -298", "eval.batch_size: 0", "router.lrr: Extra inputs are not permitted"):
+        assert part in msg
+
+
+def test_wrong_type_names_the_value(tmp_path):
+    f = _write(tmp_path / "params.yaml", {"serve": {"port": "eighty"}})
+    with pytest.raises(ConfigError, match=r"serve\.port: Input should be a valid integer.*\(got 'eighty'\)"):
+        load_params(f)
+
+
+def test_odd_head_width_is_refused(tmp_path):
+    slm = {"hidden_size": 34, "intermediate_size": 64, "num_hidden_layers": 1}
+    f = _write(
+        tmp_path / "params.yaml",
+        {"bootstrap": {"slm": slm | {"num_attention_heads": 2, "num_key_value_heads": 1}}},
+    )
+    with pytest.raises(
+        ConfigError, match=r"bootstrap\.slm\.num_attention_heads: 2 is not allowed \(must leave an even"
+    ):
+        load_params(f)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("eval.n_examples", 0),
+        ("labels.n_examples", 0),
+        ("sweep.speculative_examples", 0),
+        ("finetune.max_steps", -1),
+        ("finetune.max_steps", 1),
+        ("finetune.epochs", 0.5),
+        ("router.dropout", 0.0),
+        ("finetune.warmup_ratio", 0.0),
+        ("serve.port", 65535),
+        ("serve.port", 1),
+        ("sweep.rule.accuracy_ratio", 1.0),
+        ("synth.max_steps", 2),  # == min_steps
+        ("synth.max_total", 29),  # == max_start + max_operand
+        ("bootstrap.vocab_size", 258),
+        ("inference.tau", None),
+        ("models.device", "cuda"),
+        ("models.device", "cuda:3"),  # absent devices are the loader's business, not the params'
+        ("models.device", "mps"),
+        ("models.device", "auto"),
+        ("models.dtype", "bfloat16"),
+        ("models.llm_device_map", "auto"),
+        ("models.llm_device_map", {"model.embed_tokens": 0, "model.layers.0": "cuda:1", "lm_head": "cpu"}),
+    ],
+)
+def test_boundary_values_are_accepted(tmp_path, key, value):
+    p = load_params(_write(tmp_path / "params.yaml", _with(key, value)))
+    obj = p
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    assert obj == value
+
+
+def test_device_checked_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from citer.config import ModelsParams; ModelsParams(device='cuda:0');"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    with pytest.raises(ValidationError, match="must be cpu, cuda, cuda:N, mps"):
+        ModelsParams(device="tpu9")
+
+
+def _blocks(model=Params, seen=None):
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return seen
+    seen.add(model)
+    for f in model.model_fields.values():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            _blocks(f.annotation, seen)
+    return seen
+
+
+def test_defaults_and_repo_params_are_valid():
+    # Defaults are not validated by pydantic when used: validate every one of them (nested blocks included).
+    assert Params.model_validate(Params().model_dump(by_alias=True)) == Params()
+    for block in _blocks():
+        if all(not f.is_required() for f in block.model_fields.values()):
+            assert block.model_validate(block().model_dump(by_alias=True)) == block()
+    load_params(REPO / "params.yaml")
+
+
+def test_every_number_has_a_lower_bound():
+    """A new numeric field comes with its range (or an explicit check, listed here)."""
+    checked = {("FinetuneParams", "max_steps")}
+    unbounded = []
+    for block in _blocks():
+        for name, f in block.model_fields.items():
+            if get_origin(f.annotation) in (list, tuple, dict):  # llm_fractions: checked item by item
+                continue
+            types = {a for a in (get_args(f.annotation) or (f.annotation,)) if a is not type(None)}
+            if not types & {int, float} or bool in types:
+                continue
+            if not any(getattr(m, b, None) is not None for m in f.metadata for b in ("ge", "gt")):
+                if (block.__name__, name) not in checked:
+                    unbounded.append(f"{block.__name__}.{name}")
+    assert not unbounded

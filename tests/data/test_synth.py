@@ -103,12 +103,27 @@ def test_write_splits_round_trips_through_the_reader(tmp_path):
 
 
 def test_bad_params_and_empty_splits_fail_without_writing(tmp_path):
+    # params.yaml refuses these when it is read; synthesize keeps its own check for callers that build params
+    # without validation (model_construct).
+    for bad, word in (
+        ({"min_steps": 3, "max_steps": 2}, "min_steps"),
+        ({"max_start": 30, "max_operand": 20, "max_total": 40}, "max_total"),
+        ({"n_test": 0}, "n_test"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            SynthParams(**bad)
     with pytest.raises(SynthError, match="min_steps"):
-        synthesize(SynthParams(min_steps=3, max_steps=2))
+        synthesize(
+            SynthParams.model_construct(**(SynthParams().model_dump() | {"min_steps": 3, "max_steps": 2}))
+        )
     with pytest.raises(SynthError, match="max_total"):
-        synthesize(SynthParams(max_start=30, max_operand=20, max_total=40))
+        synthesize(
+            SynthParams.model_construct(
+                **(SynthParams().model_dump() | {"max_start": 30, "max_operand": 20, "max_total": 40})
+            )
+        )
     with pytest.raises(SynthError, match="positive"):
-        synthesize(SynthParams(n_test=0))
+        synthesize(SynthParams.model_construct(**(SynthParams().model_dump() | {"n_test": 0})))
     with pytest.raises(SynthError, match="distinct"):
         # One step on tiny numbers allows only 10 names x 8 items x 8 verbs = 640 distinct problems.
         synthesize(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from conftest import make_qwen2
 
 from citer.data.prompts import build_prompt, build_target
@@ -84,3 +88,33 @@ def test_models_report_has_the_agreed_keys(tmp_path):
         "seconds": 12.5,
     }
     assert [p.name for p in path.parent.iterdir()] == ["models.json"]
+
+
+def test_stage_loads_each_model_as_params_say(prefect_server, project, tiny_pair_dirs, monkeypatch):
+    """eval_models honours models.dtype/device/trust_remote_code and the LLM's device_map, as the other stages do."""
+    import citer.models.loading as loading
+    from flows.evaluate_models import eval_models_flow
+
+    calls, real = [], loading.load_model
+
+    def spy(ref, dtype="float32", device="cpu", trust_remote_code=False):
+        calls.append((Path(ref).name, dtype, device, trust_remote_code))
+        return real(ref, dtype, device, trust_remote_code)
+
+    monkeypatch.setattr(loading, "load_model", spy)
+    data = project / "test.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    slm, llm = tiny_pair_dirs
+    params = {
+        "data": {"format": "math", "train": str(data), "dev": str(data), "test": str(data)},
+        "synth": {"enabled": False},
+        "bootstrap": {"enabled": False},
+        "finetune": {"enabled": False},
+        "models": {"slm": str(slm), "llm": str(llm), "dtype": "bfloat16", "llm_device_map": {"": "cpu"}},
+        "eval": {"batch_size": 2, "max_new_tokens": 4, "n_examples": 2},
+    }
+    (project / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    report = eval_models_flow("params.yaml")
+    assert calls == [("slm", "bfloat16", "cpu", False), ("llm", "bfloat16", {"": "cpu"}, False)]
+    assert report["slm"]["params"] < report["llm"]["params"]
+    assert read_json(project / "reports" / "models.json") == report

@@ -1,0 +1,95 @@
+"""Blocks of the sweep and promotion: the rule, the query router, intervals, the registry guard, the project lock."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from citer.config.base import (
+    Seed,
+    _Block,
+)
+
+
+class SelectionRule(_Block):
+    """How the sweep picks τ: least bytes at accuracy ≥ ratio × LLM-only, or most accuracy under a bytes budget."""
+
+    kind: Literal["min_bytes_at_accuracy", "max_accuracy_under_bytes"] = "min_bytes_at_accuracy"
+    accuracy_ratio: float = Field(0.98, gt=0.0, le=1.0)
+    bytes_budget_rel_llm: float = Field(0.4, gt=0.0)
+
+
+class QueryRouterParams(_Block):
+    """The query-level baseline (RouteLLM's recipe): per-question labels on the train split (does the SLM alone answer
+    correctly?), a logistic classifier on the SLM's mean hidden state over the prompt."""
+
+    train_examples: int = Field(1000, ge=2)  # train rows decoded by the SLM alone to label them
+    epochs: int = Field(300, ge=1)
+    lr: float = Field(0.05, gt=0.0)
+    weight_decay: float = Field(1e-3, ge=0.0)
+
+
+class IntervalParams(_Block):
+    """Paired bootstrap over the test questions: every row's accuracy and bytes and every claim get an interval."""
+
+    resamples: int = Field(1000, ge=100)
+    level: float = Field(0.95, gt=0.5, lt=1.0)
+
+
+class SweepParams(_Block):
+    """The evaluation sweep (``citer eval sweep``): every method chosen on ``dev``, reported on ``test``.
+
+    Each threshold method (CITER routers, confidence, query) gets one operating point per ``llm_fractions`` value:
+    the quantile of its own scores on dev at which that share of tokens (questions, for query) goes to the LLM, so all
+    methods span the same cost range whatever their score scale. The rule picks each method's point on dev; test
+    reports every point. Random routing sends each fraction at random; the oracle and speculative decoding are one
+    point each, on test. ``speculative_examples`` (0 = all) bounds the assisted-generation questions.
+    """
+
+    llm_fractions: list[float] = [0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5]
+    n_examples: int = Field(0, ge=0)  # per split; 0 = all
+    batch_size: int = Field(64, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
+    gpu: Literal["H100", "H200"] = "H100"
+    seed: Seed = 0
+    iter1: bool = True  # the iteration-1 router as its own method (labels.iterations >= 2)
+    oracle: bool = True
+    speculative: bool = True
+    speculative_examples: int = Field(0, ge=0)
+    speculative_tokens: int = Field(5, ge=1)
+    query: QueryRouterParams = QueryRouterParams()
+    intervals: IntervalParams = IntervalParams()
+    rule: SelectionRule = SelectionRule()
+
+    @field_validator("llm_fractions")
+    @classmethod
+    def _fractions_in_range(cls, v: list[float]) -> list[float]:
+        bad = [f for f in v if not 0.0 < f < 1.0]
+        if bad or not v:
+            raise ValueError(
+                f"must be a non-empty list of values in (0, 1); outside: {bad or '(empty list)'}"
+            )
+        return v
+
+
+class RegistryParams(_Block):
+    """The MLflow Model Registry side of the sweep and the guard on promotion.
+
+    A candidate takes ``alias`` only when, on at least ``min_eval_examples`` test questions, it meets the rule, moves
+    fewer bytes than LLM-only, and beats the champion re-evaluated on the same questions.
+    """
+
+    model_name: str = "citer-router"
+    alias: str = "champion"
+    experiment: str = "citer"
+    min_eval_examples: int = Field(200, ge=1)
+
+
+class LockParams(_Block):
+    """The project lock (a file under ``.state/``) held by every stage that writes shared state: the registry and
+    alias, ``reports/``, a route output. ``wait``: a second run waits up to ``timeout_s`` (with a message), else
+    it refuses at once with one line."""
+
+    wait: bool = True
+    timeout_s: float = Field(3600.0, gt=0.0)

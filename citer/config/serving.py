@@ -1,0 +1,44 @@
+"""Blocks of routed batch inference and the server."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from citer.config.base import (
+    _Block,
+)
+
+
+class InferenceParams(_Block):
+    """``citer route``: the champion router over a JSONL of questions; rerunning resumes where it stopped."""
+
+    input: str | None = None  # None: data.test, the split the sweep routed
+    output: str = "outputs/predictions.jsonl"
+    format: Literal["math", "mc"] | None = None  # None: data.format
+    tau: float | None = Field(None, ge=0.0, le=1.0)  # None: the champion's tau tag
+    # Ask for a share of tokens sent to the LLM instead of a raw τ (from the champion's dev score quantiles).
+    llm_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    batch_size: int = Field(32, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
+
+
+class ServeParams(_Block):
+    """``citer serve``: the OpenAI-compatible endpoint in front of the registry's champion router."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_new_tokens: int = Field(128, ge=1)
+    model_name: str = "citer"  # the OpenAI model id clients pass
+    prompt_format: Literal["auto", "math", "mc", "raw"] = "auto"  # chat prompts; auto = data.format
+    tau: float | None = Field(None, ge=0.0, le=1.0)  # None = the champion's τ
+    llm_fraction: float | None = Field(None, ge=0.0, le=1.0)  # instead of tau: a target share of LLM tokens
+    # Limits: over them a request gets 400 (too many prompts or tokens) or 429 (queue full) with a clear body.
+    max_prompts_per_request: int = Field(64, ge=1)
+    # prompts x max_tokens, the decoding work one request asks
+    max_tokens_per_request: int = Field(65536, ge=1)
+    max_queued_requests: int = Field(32, ge=1)
+    # A non-loopback host needs an API key (read from this environment variable) unless allow_remote_without_key.
+    api_key_env: str = "CITER_API_KEY"
+    allow_remote_without_key: bool = False
