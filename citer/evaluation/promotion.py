@@ -1,7 +1,9 @@
 """The promotion rule, as pure functions: choose τ, compare candidate and champion, build the registry record.
 
 Rows in, decisions and records out; the MLflow side (:mod:`citer.registry`) only carries them out. A candidate takes the
-alias only when it strictly beats the champion re-evaluated on the same examples in the same sweep.
+alias only when it passes every gate (:func:`decide_promotion`): enough test questions, the rule met on test, fewer
+bytes than LLM-only (by its 95% interval where it has one), and a significant win over the champion re-evaluated on
+the same questions in the same sweep. Anything else keeps the alias where it is, and the reason says which gate held.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from citer.config import SelectionRule
+from citer.evaluation.intervals import interval, resample_indices
 from citer.evaluation.rows import SweepError, SweepRow, llm_reference, rows_of
 
 
@@ -73,28 +78,123 @@ def choose_tau(rows: Sequence[SweepRow], rule: SelectionRule, method: str = "cit
     return best_row(rows, rule, method, feasible_only=True)
 
 
+@dataclass(frozen=True)
+class Guard:
+    """The gates a candidate must pass besides the rule (``registry.min_eval_examples``; the bootstrap of the
+    comparison with the champion: resamples, seed, level)."""
+
+    min_examples: int = 1
+    resamples: int = 1000
+    seed: int = 0
+    level: float = 0.95
+
+
+def paired_difference(
+    a: SweepRow, b: SweepRow, what: str, guard: Guard
+) -> tuple[float, tuple[float, float] | None]:
+    """``a - b`` in accuracy or in bytes relative to LLM-only (``what``: ``accuracy`` | ``bytes``) on the same
+    questions, and its paired-bootstrap interval (None without per-question data)."""
+    if what == "accuracy":
+        diff = float(a.accuracy) - float(b.accuracy)
+        va, vb = a.correct, b.correct
+    else:
+        diff = float(a.bytes_moved_rel_llm) - float(b.bytes_moved_rel_llm)
+        va, vb = a.question_bytes, b.question_bytes
+    n = len(va)
+    if n == 0 or len(vb) != n or a.examples_hash != b.examples_hash:
+        return diff, None
+    x, y = np.asarray(va, dtype=np.float64), np.asarray(vb, dtype=np.float64)
+    idx = resample_indices(n, guard.resamples, guard.seed)  # (B, n), the same draws for both rows
+    d = (x[idx] - y[idx]).mean(axis=1)  # (B,)
+    if what == "bytes":  # per-question bytes -> bytes relative to LLM-only (the full-sample scale)
+        llm_mean = float(a.bytes_moved) / max(float(a.bytes_moved_rel_llm), 1e-300) / n
+        d = d / llm_mean
+    return diff, interval(d, guard.level)
+
+
 def _describe(row: SweepRow) -> str:
-    return f"accuracy {row.accuracy:.4f}, bytes {row.bytes_moved_rel_llm:.4f} x LLM-only (tau={row.tau})"
+    return (
+        f"accuracy {row.accuracy:.4f}, bytes {row.bytes_moved_rel_llm:.4f} x LLM-only (tau={row.tau}, "
+        f"{row.n_examples} questions)"
+    )
+
+
+def _fmt_ci(ci: tuple[float, float] | None) -> str:
+    return "" if ci is None else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
+def _beats_llm(candidate: SweepRow) -> tuple[bool, str]:
+    """Fewer bytes than LLM-only, by the upper end of the row's bytes interval when it has one."""
+    hi = candidate.bytes_ci[1] if candidate.bytes_ci else candidate.bytes_moved_rel_llm
+    if hi < 1.0:
+        return True, ""
+    ci = f" (95% interval up to {hi:.4f})" if candidate.bytes_ci else ""
+    return (
+        False,
+        f"candidate moves no fewer bytes than LLM-only ({_describe(candidate)}{ci}): not routing is cheaper",
+    )
+
+
+def _significant_win(
+    candidate: SweepRow, champion: SweepRow, rule: SelectionRule, guard: Guard
+) -> tuple[bool, str]:
+    """Does the candidate beat the champion on the rule's primary measure, beyond chance (paired bootstrap)?
+
+    Both meet the rule: fewer bytes (``min_bytes_at_accuracy``) or more accuracy (``max_accuracy_under_bytes``), the
+    interval of the difference excluding 0. The champion misses the rule where the candidate meets it: the side the
+    champion misses on must differ significantly (a champion one question under the bar is not beaten by chance).
+    Without per-question data the point difference decides.
+    """
+    champ_ok = objective(champion, rule, candidate.llm_accuracy)[0] == 1.0
+    if rule.kind == "min_bytes_at_accuracy":
+        what, better = ("bytes", -1.0) if champ_ok else ("accuracy", 1.0)
+    else:
+        what, better = ("accuracy", 1.0) if champ_ok else ("bytes", -1.0)
+    diff, ci = paired_difference(candidate, champion, what, guard)
+    wins = better * diff > 1e-12 and (ci is None or min(better * ci[0], better * ci[1]) > 0.0)
+    measure = "bytes (x LLM-only)" if what == "bytes" else "accuracy"
+    text = f"candidate - champion {measure} {diff:+.4f}{_fmt_ci(ci)}"
+    if not champ_ok:
+        text += " (the champion misses the rule on this sample)"
+    if not wins and better * diff > 1e-12:
+        text += f", not significant at {guard.level:.0%}"
+    return wins, text
 
 
 def decide_promotion(
-    candidate: SweepRow | None, champion: SweepRow | None, rule: SelectionRule, previous: str | None = None
+    candidate: SweepRow | None,
+    champion: SweepRow | None,
+    rule: SelectionRule,
+    previous: str | None = None,
+    guard: Guard | None = None,
 ) -> Decision:
-    """Whether the candidate router takes the alias from the champion.
+    """Whether the candidate router takes the alias from the champion; every refusal names the gate that held.
 
-    Both rows must come from the same examples (the flow re-evaluates the champion at its own τ in the same sweep).
-    The candidate wins only if its :func:`objective` is strictly larger; an equal score keeps the champion.
-    ``previous`` (the champion's version) is carried into the decision for the log.
+    Gates, in order: the candidate was evaluated on at least ``guard.min_examples`` questions; it meets the rule on
+    them; it moves fewer bytes than LLM-only (by its bytes interval's upper end when it has one); and, with a champion
+    (re-evaluated on the same examples in the same sweep, which is checked), it wins on the rule's primary measure by
+    :func:`_significant_win`. A tie or a win within chance keeps the champion. ``previous`` (the champion's version)
+    is carried into the decision for the log.
     """
+    guard = guard or Guard()
     if candidate is None:
         return Decision(
             False, f"no tau of the candidate meets the rule {rule.kind}; alias unchanged", previous
         )
     cand_obj = objective(candidate, rule)
     details: dict[str, Any] = {"candidate": candidate.to_json(), "candidate_objective": list(cand_obj)}
+    if candidate.n_examples < guard.min_examples:
+        reason = (
+            f"candidate evaluated on {candidate.n_examples} questions, fewer than registry.min_eval_examples="
+            f"{guard.min_examples}; alias unchanged"
+        )
+        return Decision(False, reason, previous, details)
     if cand_obj[0] != 1.0:
         reason = f"candidate does not meet the rule {rule.kind} ({_describe(candidate)}); alias unchanged"
         return Decision(False, reason, previous, details)
+    cheaper, why = _beats_llm(candidate)
+    if not cheaper:
+        return Decision(False, f"{why}; alias unchanged", previous, details)
     if champion is None:
         return Decision(
             True, f"no champion yet; candidate promoted ({_describe(candidate)})", previous, details
@@ -107,13 +207,19 @@ def decide_promotion(
         )
     champ_obj = objective(champion, rule, candidate.llm_accuracy)
     details.update(champion=champion.to_json(), champion_objective=list(champ_obj))
-    if cand_obj > champ_obj:
+    wins, compared = _significant_win(candidate, champion, rule, guard)
+    details["comparison"] = compared
+    if cand_obj > champ_obj and wins:
         reason = (
-            f"candidate ({_describe(candidate)}) beats champion ({_describe(champion)}) under {rule.kind}"
+            f"candidate ({_describe(candidate)}) beats champion ({_describe(champion)}) under {rule.kind}: "
+            f"{compared}"
         )
         return Decision(True, reason, previous, details)
     word = "ties with" if cand_obj == champ_obj else "does not beat"
-    reason = f"candidate ({_describe(candidate)}) {word} champion ({_describe(champion)}) under {rule.kind}; alias kept"
+    reason = (
+        f"candidate ({_describe(candidate)}) {word} champion ({_describe(champion)}) under {rule.kind}: {compared}; "
+        "alias kept"
+    )
     return Decision(False, reason, previous, details)
 
 
@@ -140,6 +246,7 @@ def plan_promotion(
     rule: SelectionRule,
     champion_version: str | None = None,
     champion_note: str = "",
+    guard: Guard | None = None,
 ) -> PromotionPlan:
     """τ is chosen on dev (the candidate's, and the re-evaluated champion's by the sweep); both are compared on the
     same test examples (:func:`decide_promotion`).
@@ -162,7 +269,7 @@ def plan_promotion(
             champion_version,
         )
     else:
-        decision = decide_promotion(best, champion_row, rule, previous=champion_version)
+        decision = decide_promotion(best, champion_row, rule, previous=champion_version, guard=guard)
     return PromotionPlan(best, decision, best_dev)
 
 

@@ -158,3 +158,66 @@ def test_version_tags_and_promotion_record(sweep_rows):
     assert json.loads(json.dumps(rec)) == rec  # the record is plain JSON
     none = promotion_record(plan_promotion(sweep_rows, sweep_rows, NONE_MEETS), None, sweep_rows)
     assert none["promoted"] == 0 and none["tau"] is None and none["version"] is None
+
+
+# ------------------------------------------------------------------------------- gates that keep a worse router out
+
+
+def _measured(method, correct, qbytes, llm_q=10.0, h="same"):
+    """A row with per-question data: ``correct`` (bools) and bytes per question, LLM-only costing ``llm_q`` each."""
+    n = len(correct)
+    row = SweepRow(
+        method,
+        0.5,
+        sum(correct) / n,
+        0.1,
+        1,
+        float(sum(qbytes)),
+        float(sum(qbytes)) / (llm_q * n),
+        1e-3,
+        llm_accuracy=1.0,
+        examples_hash=h,
+        n_examples=n,
+    )
+    row.correct, row.question_bytes = list(correct), list(qbytes)
+    return row
+
+
+def test_too_few_questions_or_no_cheaper_than_llm_is_never_promoted():
+    from citer.evaluation.promotion import Guard
+
+    rule = SelectionRule(accuracy_ratio=0.9)
+    small = R("citer", 0.5, 0.95, 0.2, llm_acc=1.0, n=50)
+    d = decide_promotion(small, None, rule, guard=Guard(min_examples=200))
+    assert not d.promoted and "50 questions, fewer than registry.min_eval_examples=200" in d.reason
+    # The probe: the champion one question under the bar, the candidate on it at 1.089x LLM-only bytes.
+    costly = R("citer", 0.5, 0.98, 1.089, llm_acc=1.0, n=300)
+    champ = R("champion", 0.5, 0.977, 0.30, llm_acc=1.0, n=300)
+    d = decide_promotion(costly, champ, SelectionRule(accuracy_ratio=0.98), previous="1")
+    assert not d.promoted and "not routing is cheaper" in d.reason
+    # A bytes interval reaching 1 is not "cheaper" either.
+    near = R("citer", 0.5, 0.99, 0.97, llm_acc=1.0, n=300)
+    near.bytes_ci = (0.93, 1.01)
+    assert not decide_promotion(near, None, rule).promoted
+    near.bytes_ci = (0.93, 0.99)
+    assert decide_promotion(near, None, rule).promoted
+
+
+def test_a_win_within_chance_keeps_the_champion():
+    rule = SelectionRule(accuracy_ratio=0.98)
+    n = 300
+    # The champion misses the 98% bar by one question; the candidate meets it with one more correct: not significant.
+    champ = _measured("champion", [True] * 293 + [False] * 7, [3.0] * n)
+    cand = _measured("citer", [True] * 294 + [False] * 6, [3.0] * n)
+    assert objective(champ, rule)[0] == 0.0 and objective(cand, rule)[0] == 1.0
+    d = decide_promotion(cand, champ, rule, previous="1")
+    assert not d.promoted and "not significant at 95%" in d.reason and "misses the rule" in d.reason
+    # Both meet the bar; the candidate is cheaper on 151 questions and dearer on 149: a saving within chance, kept.
+    champ = _measured("champion", [True] * n, [3.0] * n)
+    cand = _measured("citer", [True] * n, [2.0] * 151 + [4.0] * 149)
+    d = decide_promotion(cand, champ, rule, previous="1")
+    assert not d.promoted and "not significant" in d.reason
+    # A saving on every question is beyond chance: promoted, the difference and its interval stated.
+    cand = _measured("citer", [True] * n, [2.5] * 150 + [2.0] * 150)
+    d = decide_promotion(cand, champ, rule, previous="1")
+    assert d.promoted and "candidate - champion bytes (x LLM-only) -0.0750 [" in d.reason
