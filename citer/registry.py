@@ -8,142 +8,53 @@ iteration, the data version and the git commit, plus the sweep metrics at the ch
 (:func:`citer.evaluation.promotion.version_tags`). Whether a version takes the alias is decided by
 :mod:`citer.evaluation.promotion`; this module carries the decision out.
 
-Portability: citer records models and files relative to the project root (:meth:`citer.project.Project.portable_ref`).
-MLflow itself cannot: ``create_experiment`` makes a relative artifact location absolute against the current
-directory, and every run, logged model and model version copies that absolute prefix. So a project's own sqlite store
-is *rebased* when it is opened (:func:`open_store`): when its experiments point at ``<old root>/<mlflow_artifacts>``
-and the project now lives elsewhere (copied or moved), every stored ``<old root>/`` prefix becomes the new root and the
-file is vacuumed, so the copy logs into, and loads from, its own ``mlartifacts``.
+The project's own MLflow store (opening, rebasing a copied project) is :mod:`citer.mlflow_store`; the alias
+(reading it fail-closed, moving it only from the version compared, finishing an interrupted promotion) is
+:mod:`citer.alias`.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import sqlite3
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
 
+from citer.alias import AliasMoved, finish_pending, get_alias, move_alias, set_alias
+from citer.mlflow_store import RegistryError, RouterVersion, _client, open_store, rebase_store
 from citer.project import Project
+
+__all__ = [
+    "AliasMoved",
+    "RegistryError",
+    "RouterVersion",
+    "champion_to_compare",
+    "finish_pending",
+    "get_alias",
+    "load_router_version",
+    "move_alias",
+    "open_store",
+    "publish_router",
+    "rebase_store",
+    "register_router",
+    "require_champion",
+    "set_alias",
+]
 
 PYFUNC_CODE = Path(__file__).parent / "routing" / "pyfunc.py"
 PIP_REQUIREMENTS = ["torch==2.13.0", "safetensors", "mlflow==3.17.2"]
 
 
-class RegistryError(ValueError):
-    """A registry state the user must fix (no champion yet, models gone); the message says how."""
+# Version tag: sha256 of each router file at registration; a load whose bytes differ is refused.
+DIGEST_TAG = "router_sha256"
+ROUTER_FILES = ("router.safetensors", "router.json")
 
 
-def _own_sqlite(proj: Project) -> Path | None:
-    """The project's sqlite store file when it lies inside the project (a store shared from outside is left alone)."""
-    uri = proj.tracking_uri
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri[len("sqlite:///") :])
-    try:
-        db.resolve().relative_to(proj.root.resolve())
-    except ValueError:
-        return None
-    return db if db.is_file() else None
+def router_digests(router_dir: str | Path) -> dict[str, str]:
+    from citer.io import file_digest
 
-
-def _local_path(location: str) -> str:
-    return location[len("file://") :] if location.startswith("file://") else location
-
-
-def _text_columns(con: sqlite3.Connection) -> list[tuple[str, str]]:
-    tables = con.execute(
-        "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%' "
-        "AND sql NOT LIKE 'CREATE VIRTUAL%'"
-    ).fetchall()
-    out = []
-    for (table,) in tables:
-        for _, col, typ, *_ in con.execute(f'PRAGMA table_info("{table}")'):
-            if any(t in (typ or "").upper() for t in ("CHAR", "TEXT", "CLOB")):
-                out.append((table, col))
-    return out
-
-
-def _substitute(old: str, new: str) -> Any:
-    """A replacer of the path prefix ``old``: not preceded by a path character, followed by a separator, a quote or
-    the end. Inside a ``file://`` URI the root is percent-encoded (a space is %20), elsewhere it is plain."""
-    forms = sorted({re.escape(old), re.escape(quote(old))}, key=len, reverse=True)
-    pat = re.compile(r"(?<![\w.~%-])(file://)?(" + "|".join(forms) + r")(?=/|$|\"|')")
-
-    def sub(value: str | None) -> str | None:
-        if value is None:
-            return None
-        return pat.sub(lambda m: m.group(1) + quote(new) if m.group(1) else new, value)
-
-    return sub
-
-
-def rebase_store(db: str | Path, root: Path, artifacts: str) -> list[str]:
-    """Rewrite a copied project's store onto ``root``; returns the old roots replaced (none: nothing to do).
-
-    An old root is the directory above ``artifacts`` (params ``paths.mlflow_artifacts``) in an experiment's artifact
-    location, when it is not ``root``. Only whole path prefixes are replaced (``/a/proj/`` never touches
-    ``/a/proj2/``), in every text column, so no stored string keeps naming the original.
-    """
-    rel = Path(artifacts)
-    if rel.is_absolute():
-        return []
-    new_root = str(root.resolve())
-    con = sqlite3.connect(str(db))
-    try:
-        olds = set()
-        for (loc,) in con.execute("SELECT artifact_location FROM experiments"):
-            path = Path(unquote(_local_path(loc or "")))
-            if path.is_absolute() and path.parts[-len(rel.parts) :] == rel.parts:
-                old = str(path.parents[len(rel.parts) - 1])
-                if old != new_root and len(old) > 1:
-                    olds.add(old)
-        if not olds:
-            return []
-        for old in sorted(olds, key=len, reverse=True):
-            con.create_function("citer_rebase", 1, _substitute(old, new_root))
-            with con:
-                for table, col in _text_columns(con):
-                    con.execute(
-                        f'UPDATE "{table}" SET "{col}" = citer_rebase("{col}") '
-                        f'WHERE instr("{col}", ?) > 0 OR instr("{col}", ?) > 0',
-                        (old, quote(old)),
-                    )
-        con.execute("VACUUM")  # else the old strings stay readable in freed pages
-        return sorted(olds)
-    finally:
-        con.close()
-
-
-def open_store(proj: Project) -> str:
-    """The project's tracking URI, its own sqlite store first rebased onto this root (see the module docstring)."""
-    db = _own_sqlite(proj)
-    if db is not None:
-        rebase_store(db, proj.root, proj.params.paths.mlflow_artifacts)
-    return proj.tracking_uri
-
-
-@dataclass(frozen=True)
-class RouterVersion:
-    name: str
-    version: str
-    tags: dict[str, str]
-    source: str
-
-    @property
-    def tau(self) -> float:
-        return float(self.tags["tau"])
-
-
-def _client(tracking_uri: str | None = None):
-    import mlflow
-
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    return mlflow.MlflowClient()
+    return {f: file_digest(Path(router_dir) / f) for f in ROUTER_FILES}
 
 
 # What the generating model's predict returns per prompt (citer/routing/pyfunc.py), as its logged signature says.
@@ -219,6 +130,7 @@ def register_router(
         if not (router_dir / f).is_file():
             raise RegistryError(f"{router_dir}: missing {f}; train the router first (dvc stage router_*)")
     client = _client(tracking_uri)
+    tags = {**tags, DIGEST_TAG: router_digests(router_dir)}
     str_tags = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in tags.items()}
     with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
         # An input example would make MLflow load the SLM and LLM to validate it; the signature says the schema.
@@ -239,20 +151,6 @@ def register_router(
             raise
     mv = client.create_model_version(model_name, info.model_uri, run_id=run_id, tags=str_tags)
     return RouterVersion(name=model_name, version=str(mv.version), tags=str_tags, source=info.model_uri)
-
-
-def get_alias(model_name: str, alias: str, tracking_uri: str | None = None) -> RouterVersion | None:
-    """The version holding ``alias``, or None when the model or the alias does not exist."""
-    client = _client(tracking_uri)
-    try:
-        mv = client.get_model_version_by_alias(model_name, alias)
-    except Exception:
-        return None
-    return RouterVersion(name=model_name, version=str(mv.version), tags=dict(mv.tags), source=mv.source)
-
-
-def set_alias(model_name: str, alias: str, version: str, tracking_uri: str | None = None) -> None:
-    _client(tracking_uri).set_registered_model_alias(model_name, alias, version)
 
 
 def require_champion(
@@ -301,8 +199,27 @@ def load_router_version(rv: RouterVersion, slm: Any = None):
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(mlflow.artifacts.download_artifacts(f"models:/{rv.name}/{rv.version}", dst_path=tmp))
         spec = mlflow.models.Model.load(str(local)).flavors["python_function"]["artifacts"]["router_dir"]
-        router, _ = load_router(local / spec["path"], slm=slm)
+        router_dir = local / spec["path"]
+        check_digests(rv, router_dir)
+        router, _ = load_router(router_dir, slm=slm)
     return router
+
+
+def check_digests(rv: RouterVersion, router_dir: Path) -> None:
+    """Refuse router files whose sha256 differs from what the version recorded at registration (or records none)."""
+    want = rv.tags.get(DIGEST_TAG)
+    if not want:
+        raise RegistryError(
+            f"router '{rv.name}' v{rv.version}: no {DIGEST_TAG} tag (registered before digests were recorded); "
+            "rerun the sweep to register a verifiable version"
+        )
+    got = router_digests(router_dir)
+    for f, digest in json.loads(want).items():
+        if got.get(f) != digest:
+            raise RegistryError(
+                f"router '{rv.name}' v{rv.version}: {f} in the artifact store does not match the sha256 recorded at "
+                "registration (tampered or corrupted); refusing to load it"
+            )
 
 
 @dataclass(frozen=True)
@@ -370,8 +287,13 @@ def publish_router(
     promote: bool,
     tracking_uri: str | None = None,
     model_config: dict[str, Any] | None = None,
+    expected_champion: str | None | bool = False,
 ) -> RouterVersion:
-    """Register ``router_dir`` as a new version and, when ``promote``, move ``alias`` to it."""
+    """Register ``router_dir`` as a new version and, when ``promote``, move ``alias`` to it.
+
+    ``expected_champion`` (the version the sweep compared against, None for none): the alias moves only if it still
+    points there (:func:`move_alias`, raising :class:`AliasMoved` after registering). False: no check.
+    """
     rv = register_router(
         router_dir,
         model_name=model_name,
@@ -380,6 +302,8 @@ def publish_router(
         tracking_uri=tracking_uri,
         model_config=model_config,
     )
-    if promote:
+    if promote and expected_champion is False:
         set_alias(model_name, alias, rv.version, tracking_uri)
+    elif promote:
+        move_alias(model_name, alias, rv.version, expected_champion or None, tracking_uri)
     return rv
