@@ -342,6 +342,10 @@ def serve_cmd(
 
 
 def main() -> None:  # pragma: no cover - console entry
+    if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:
+        from citer.reaper import start_reaper
+
+        start_reaper()  # a SIGKILLed command takes its children (Prefect's temporary server) with it
     sys.exit(app())
 
 

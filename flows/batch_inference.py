@@ -7,10 +7,11 @@ from typing import Any
 from prefect import flow
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @flow(name="batch-inference")
+@locked("route")
 def batch_inference_flow(
     params_path: str = "params.yaml",
     input: str | None = None,

@@ -8,10 +8,11 @@ from typing import Any
 from prefect import flow
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @flow(name="bootstrap-models")
+@locked("bootstrap")
 def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.io import write_json
     from citer.models.bootstrap import bootstrap_models

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow, task
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @task(name="collect-labels", task_run_name="collect labels, iteration {iteration}")
@@ -61,6 +61,7 @@ def labels_fingerprint(proj, iteration: int) -> str:
         "format": p.data.format,
         "labels": p.labels.model_dump(exclude={"iterations"}),
         "code": source_digest(LABELS_CODE),
+        "records": "pair_digests",  # label sets from before provenance was recorded are collected again
     }
     if iteration > 1:
         prev_router = proj.router_dir(iteration - 1)
@@ -70,9 +71,10 @@ def labels_fingerprint(proj, iteration: int) -> str:
 
 
 @flow(name="collect-preferences")
+@locked("labels")
 def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: bool = False) -> dict[str, Any]:
     """Collect one iteration's labels; with ``reuse``, keep the label set on disk when its inputs are unchanged."""
-    from citer.routing.iterations import recorded_fingerprint
+    from citer.routing.iterations import pair_digests, recorded_fingerprint
     from citer.routing.label_store import META_FILE, save_labels, validate_labels
 
     proj = load_project(params_path)
@@ -86,6 +88,10 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: boo
         return {"dir": str(out_dir), "reused": True, "fingerprint": fp}
     labelset, hidden = collect(proj, iteration)
     labelset.meta["fingerprint"] = fp
+    labelset.meta.update(slm=proj.slm_name, llm=proj.params.models.llm)
+    labelset.meta.update(
+        pair_digests(proj.slm_ref, proj.llm_ref)
+    )  # provenance: a router trains only on its pair
     report = validate_labels(labelset, hidden)
     out = save_labels(labelset, out_dir)
     counts = labelset.case_counts()

@@ -7,14 +7,16 @@ MLflow's active-run stack is thread-local and Prefect runs tasks in worker threa
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.project import Project, git_commit, project_root
+from citer.project import Project, git_commit, load_project, project_root
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -189,3 +191,45 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
         client.set_terminated(sr.run_id, status="FAILED")
         raise
     client.set_terminated(sr.run_id, status="FINISHED")
+
+
+def owned_dirs(proj: Project) -> list[Path]:
+    """The directories citer writes and may clean: reports, labels, routers, the route output's directory, and the
+    models/data it makes itself (never a user's own model directories)."""
+    p = proj.params
+    dirs = [proj.reports, proj.path(p.paths.labels_dir), proj.path(p.paths.routers_dir)]
+    dirs.append(proj.path(p.inference.output).parent)
+    if p.synth.enabled:
+        dirs.append(proj.path(p.paths.data_dir))
+    if p.bootstrap.enabled:
+        dirs.append(proj.path(p.paths.models_dir))
+    if p.finetune.enabled:
+        dirs.append(proj.path(p.models.finetuned_slm).parent)
+    root = proj.root.resolve()
+    return [
+        d for d in dirs if d.resolve() != root and d.resolve().is_relative_to(root)
+    ]  # never outside the project
+
+
+def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a stage flow's body holding the project lock (``lock`` params), after removing what a killed run left.
+
+    Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file.
+    """
+    from citer.locking import project_lock, remove_leftovers
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            params_path = kwargs.get("params_path", args[0] if args else "params.yaml")
+            proj = load_project(params_path)
+            lk = proj.params.lock
+            say = functools.partial(print, file=sys.stderr)
+            with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):
+                for p in remove_leftovers(owned_dirs(proj)):
+                    say(f"removed {proj.portable_ref(p)}, left by a killed run")
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return deco

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @task(name="finetune-disabled")
@@ -30,6 +30,7 @@ def finetune_disabled(proj) -> dict[str, Any]:
 
 
 @flow(name="finetune-slm")
+@locked("finetune")
 def finetune_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.io import write_json
     from citer.models.finetune import finetune_slm

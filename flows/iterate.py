@@ -14,9 +14,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from citer.project import load_project
+from flows.common import locked
 
 
 @flow(name="iterate")
+@locked("iterate")
 def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.routing.iterations import remove_stale_iterations
     from flows.collect_preferences import labels_flow

@@ -15,10 +15,11 @@ from typing import Any
 from prefect import flow
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @flow(name="citer-pipeline")
+@locked("pipeline")
 def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.registry import get_alias
     from flows.batch_inference import batch_inference_flow

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
+
+PENDING_FILE = ".state/promotion_pending.json"  # the intent of a registration + alias move in progress
 
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
@@ -43,6 +46,10 @@ def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str,
         slm=slm,
         vocab_size=vocab_size,
     )
+    from citer.routing.iterations import check_provenance, pair_digests
+
+    # A router reads one SLM's hidden states: refuse one trained for other weights under the same name.
+    check_provenance(meta, pair_digests(proj.slm_ref, proj.llm_ref), f"router {proj.router_dir(k)}", ("slm",))
     routers: dict[str, Any] = {"citer": router}
     extra = {"citer_iter1": proj.router_dir(1) if k >= 2 and p.sweep.iter1 else None}
     extra["citer_s"] = proj.router_dir("citer_s")
@@ -57,17 +64,22 @@ def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str,
 
 
 @flow(name="sweep-and-promote")
+@locked("sweep")
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.evaluation.promotion import plan_promotion, promotion_record, version_tags
+    from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
     from citer.evaluation.report import sweep_metrics, write_sweep_reports
     from citer.evaluation.sweep import run_sweep
     from citer.io import file_digest, write_json
     from citer.project import git_commit
-    from citer.registry import generator_config, publish_router
+    from citer.registry import AliasMoved, finish_pending, generator_config, open_store, publish_router
 
     logger = get_run_logger()
     proj = load_project(params_path)
     p = proj.params
+    pending = proj.root / PENDING_FILE
+    recovered = finish_pending(pending, proj.reports / "promotion.json", open_store(proj))
+    if recovered:
+        logger.warning("interrupted promotion: %s", recovered)
     slm, llm, tok = proj.load_pair()
     hidden = slm.config.hidden_size
     k = p.labels.iterations
@@ -90,12 +102,19 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         log=logger.info,
     )
     found = write_sweep_reports(proj.reports, result, p.sweep)
+    guard = Guard(
+        min_examples=p.registry.min_eval_examples,
+        resamples=p.sweep.intervals.resamples,
+        seed=p.sweep.seed,
+        level=p.sweep.intervals.level,
+    )
     plan = plan_promotion(
         result.dev,
         result.test,
         p.sweep.rule,
         champion.version.version if champion.version else None,
         champion.note,
+        guard=guard,
     )
 
     reg = p.registry
@@ -123,19 +142,29 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 },
                 dev_quantiles=result.quantiles["citer"],
             )
-            version = publish_router(
-                router_dir,
-                model_name=reg.model_name,
-                alias=reg.alias,
-                run_id=run.run_id,
-                tags=tags,
-                promote=plan.decision.promoted,
-                tracking_uri=proj.tracking_uri,
-                model_config=generator_config(proj, plan.best.tau, tags),
-            ).version
+            expected = champion.version.version if champion.version else None
+            intent = {"model": reg.model_name, "alias": reg.alias, "run_id": run.run_id, "expected": expected}
+            intent |= {"promote": plan.decision.promoted, "record": promotion_record(plan, None, result.test)}
+            write_json(pending, intent)  # a kill from here on is completed or retired by the next sweep
+            try:
+                version = publish_router(
+                    router_dir,
+                    model_name=reg.model_name,
+                    alias=reg.alias,
+                    run_id=run.run_id,
+                    tags=tags,
+                    promote=plan.decision.promoted,
+                    tracking_uri=proj.tracking_uri,
+                    model_config=generator_config(proj, plan.best.tau, tags),
+                    expected_champion=expected,
+                ).version
+            except AliasMoved as exc:
+                version = exc.version
+                plan = replace(plan, decision=replace(plan.decision, promoted=False, reason=str(exc)))
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
     promotion = promotion_record(plan, version, result.test)
     write_json(proj.reports / "promotion.json", promotion)
+    pending.unlink(missing_ok=True)
     return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}

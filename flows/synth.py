@@ -10,10 +10,11 @@ from typing import Any
 from prefect import flow
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @flow(name="synth")
+@locked("synth")
 def synth_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.data.synth import split_paths, synthesize, write_splits
     from citer.io import file_digest, write_json

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow, task
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import locked, stage_run
 
 
 @task(name="router-fingerprint")
@@ -65,6 +65,7 @@ def load_slm(proj) -> tuple[Any, int]:
 
 
 @flow(name="train-router")
+@locked("router")
 def router_flow(
     params_path: str = "params.yaml",
     iteration: int = 1,
@@ -78,12 +79,13 @@ def router_flow(
     """
     from citer.io import write_json
     from citer.routing.features import ABLATIONS, needs_slm
-    from citer.routing.iterations import recorded_fingerprint
+    from citer.routing.iterations import check_provenance, pair_digests, recorded_fingerprint
     from citer.routing.label_store import load_labels
     from citer.routing.labels import citer_s_labels
     from citer.routing.mlp import (
         META_FILE,
         iteration_summary,
+        require_quality,
         router_meta,
         save_router,
         train_router,
@@ -115,12 +117,15 @@ def router_flow(
                 router_report(proj, iteration)
             return {"dir": str(out), "reused": True, **summary}
     labelset = load_labels(labels_dir)
+    pair = pair_digests(proj.slm_ref, proj.llm_ref)
+    check_provenance(labelset.meta, pair, f"labels {proj.portable_ref(labels_dir)}", ("slm", "llm"))
     if citer_s and ablation is None:
         labelset = citer_s_labels(labelset)
     slm, vocab = load_slm(proj) if needs_slm(rp.features) else (None, None)
     router, metrics = train_router(labelset, rp, slm=slm, vocab_size=vocab)
+    require_quality(metrics, rp.min_val_auc, f"router {report_name}")
     summary = iteration_summary(labelset, metrics) | {"features": list(rp.features)}
-    meta = router_meta(labelset, metrics, slm=proj.slm_name, llm=p.models.llm)
+    meta = router_meta(labelset, metrics, slm=proj.slm_name, llm=p.models.llm) | pair
     save_router(router, out, meta | {"fingerprint": fp, "summary": summary})
     write_json(proj.reports / f"{report_name}.json", summary)
     if last:

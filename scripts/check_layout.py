@@ -22,18 +22,18 @@ from pathlib import Path
 
 # Bottom first. A module belongs to the first entry that is its name or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("citer.config", "citer.io", "citer.progress"),
+    ("citer.config", "citer.io", "citer.progress", "citer.locking", "citer.reaper"),
     ("citer.data",),
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),
-    ("citer.project", "citer.registry", "citer.serving"),
+    ("citer.project", "citer.mlflow_store", "citer.alias", "citer.registry", "citer.serving"),
     ("flows",),
     ("citer.cli",),
 )
 MAX_LINES = 400
 TOOL_IMPORTS = {
     "prefect": ("flows",),
-    "mlflow": ("citer.registry", "citer.routing.pyfunc", "flows"),
+    "mlflow": ("citer.mlflow_store", "citer.alias", "citer.registry", "citer.routing.pyfunc", "flows"),
 }
 FLOW_HELPERS = ("flows.common",)  # flows modules allowed to hold plain functions
 API_FACE = "citer"  # citer/__init__.py names the public API lazily and sits above every layer

@@ -130,3 +130,33 @@ def remove_stale_iterations(
             child.unlink()
         removed.append(child)
     return removed
+
+
+class ProvenanceError(ValueError):
+    """Labels or a router made with another model pair than the one in use."""
+
+
+def pair_digests(slm_ref: str | os.PathLike[str], llm_ref: str | os.PathLike[str]) -> dict[str, str]:
+    """``slm_digest``/``llm_digest``: what labels and routers record of the pair that made them
+    (:func:`model_fingerprint`: a local directory's files, a hub id as is)."""
+    return {"slm_digest": model_fingerprint(slm_ref), "llm_digest": model_fingerprint(llm_ref)}
+
+
+def check_provenance(
+    meta: Mapping[str, Any], want: Mapping[str, str], where: str, roles: Iterable[str]
+) -> None:
+    """Refuse ``meta`` (a label set's or router's) unless it records the digests ``want`` (:func:`pair_digests`) for
+    every role in ``roles`` (``slm``, ``llm``); one line naming the artifact, the role and both models."""
+    for role in roles:
+        key = f"{role}_digest"
+        got = meta.get(key)
+        if got is None:
+            raise ProvenanceError(
+                f"{where}: records no {key} (made before provenance was recorded); collect it again with the pair "
+                "in use"
+            )
+        if got != want[key]:
+            raise ProvenanceError(
+                f"{where}: made with {role.upper()} {meta.get(role)!r} ({got}), but the {role.upper()} in use is "
+                f"{want[key]}; collect labels / train the router again for this pair"
+            )

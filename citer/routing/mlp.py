@@ -273,6 +273,17 @@ def train_router(
 # Storage and report
 
 
+def require_quality(metrics: RouterMetrics, min_val_auc: float, what: str) -> None:
+    """Refuse a router whose validation AUC is below ``min_val_auc`` (``router.min_val_auc``; 0 disables the gate),
+    before anything is written: the previous router stays."""
+    auc = float(metrics.val_auc)
+    if min_val_auc > 0 and not auc >= min_val_auc:  # NaN (one class in validation) fails too
+        raise RouterError(
+            f"{what}: validation AUC {auc:.3f} is below router.min_val_auc={min_val_auc}; not written (the previous "
+            "router stays). More or better labels, or another learning rate, usually help"
+        )
+
+
 def save_router(
     router: MLPRouter | FeatureRouter, path: str | os.PathLike[str], meta: Mapping[str, Any]
 ) -> Path:

@@ -1,0 +1,101 @@
+"""No child outlives a killed ``citer`` command: a watchdog process that reaps its descendants.
+
+A SIGKILL gives a process no chance to stop its children, and Prefect's temporary API server (a uvicorn subprocess,
+~200 MB) would keep running. :func:`start_reaper` starts this module as a separate process in its own session: it
+notes the command's descendants every ``interval`` seconds and, once the command is gone, sends them SIGTERM, then
+SIGKILL to any still alive two seconds later. Linux only (it reads ``/proc``); elsewhere it does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = text[
+        text.rindex(")") + 2 :
+    ].split()  # after "pid (comm) ": state ppid ... starttime (22nd field)
+    return int(fields[1]), fields[19]
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of ``root``: pid -> start time (to tell a reused pid from the same process)."""
+    parent: dict[int, tuple[int, str]] = {}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            st = _stat(int(entry.name))
+            if st is not None:
+                parent[int(entry.name)] = st
+    out: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        p = frontier.pop()
+        for child, (ppid, start) in parent.items():
+            if ppid == p and child not in out:
+                out[child] = start
+                frontier.append(child)
+    return out
+
+
+def _alive(pid: int, start: str) -> bool:
+    st = _stat(pid)
+    return st is not None and st[1] == start
+
+
+def watch(target: int, interval: float = 0.5, grace: float = 2.0) -> list[int]:
+    """Block until ``target`` exits, then stop the descendants last seen; returns the pids signalled."""
+    me = os.getpid()
+    seen: dict[int, str] = {}
+    target_start = _stat(target)
+    while target_start is not None and _alive(target, target_start[1]):
+        seen = {pid: start for pid, start in descendants(target).items() if pid != me}
+        time.sleep(interval)
+    hit = [pid for pid, start in seen.items() if _alive(pid, start)]
+    for pid in hit:
+        with_signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(pid, seen[pid]) for pid in hit):
+        time.sleep(0.1)
+    for pid in hit:
+        if _alive(pid, seen[pid]):
+            with_signal(pid, signal.SIGKILL)
+    return hit
+
+
+def with_signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def start_reaper(target: int | None = None) -> subprocess.Popen | None:
+    """Start the watchdog for ``target`` (default: this process). None where /proc is missing, or when
+    ``CITER_NO_REAPER=1``."""
+    if not PROC.is_dir() or os.environ.get("CITER_NO_REAPER", "").strip() in {"1", "true", "yes"}:
+        return None
+    target = os.getpid() if target is None else target
+    return subprocess.Popen(
+        [sys.executable, "-m", "citer.reaper", str(target)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not in the command's process group: a Ctrl-C or group kill does not stop it first
+        close_fds=True,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover - the watchdog process itself
+    watch(int(sys.argv[1]))

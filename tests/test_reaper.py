@@ -1,0 +1,64 @@
+"""A SIGKILLed command takes its children with it: the reaper stops the descendants it saw."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from citer.reaper import descendants
+
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc (Linux)")
+
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from citer.reaper import start_reaper
+    start_reaper()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for a server
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A killed child stays a zombie until reaped by init; a zombie counts as gone.
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_parent_takes_its_child_along():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(1.5)  # the reaper has seen the child
+    assert child in descendants(parent.pid)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert _gone(child, 6.0), "the child outlived its killed parent"
+
+
+def test_a_running_parent_keeps_its_children():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.5)
+        os.kill(child, 0)  # still there
+    finally:
+        parent.kill()
+        parent.wait()
