@@ -325,7 +325,10 @@ def pipeline(params: ParamsOpt = "params.yaml") -> None:
 @friendly
 def serve_cmd(
     params: ParamsOpt = "params.yaml",
-    host: Annotated[str | None, typer.Option(help="default: serve.host")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(help="default: serve.host; other than loopback needs the key in serve.api_key_env set"),
+    ] = None,
     port: Annotated[int | None, typer.Option(help="default: serve.port")] = None,
     llm_fraction: Annotated[
         float | None,

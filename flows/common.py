@@ -24,6 +24,10 @@ QUIET_ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # "Creating initial MLflow database tables..." on every new store
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+    # An unreachable tracking server fails the stage in about a minute, not after MLflow's default ~4 minutes of
+    # retries (the registry fails closed either way).
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
     "DVC_NO_ANALYTICS": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",

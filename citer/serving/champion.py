@@ -94,7 +94,10 @@ def load_champion(
     if tau is None and llm_fraction is None:
         tau, llm_fraction = params.serve.tau, params.serve.llm_fraction
     tau = champion_tau(rv, tau, llm_fraction)
-    slm, llm, tok = load_pair(paths["slm"], paths["llm"], params.models.dtype, params.models.device)
+    m = params.models
+    slm, llm, tok = load_pair(
+        paths["slm"], paths["llm"], m.dtype, m.device, m.trust_remote_code, llm_device_map=m.llm_device_map
+    )
     router = load_router_version(rv, slm=slm)
     if router.hidden_size != slm.config.hidden_size:
         raise ChampionError(

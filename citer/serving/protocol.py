@@ -32,6 +32,7 @@ class RequestError(ValueError):
         status: int = 400,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -39,6 +40,7 @@ class RequestError(ValueError):
         self.status = status
         self.type = type_
         self.code = code
+        self.headers = dict(headers or {})
 
 
 def error_body(exc: RequestError) -> dict[str, Any]:
@@ -120,6 +122,36 @@ def sampling_of(req: CompletionRequest | ChatRequest, max_new_tokens: int) -> Sa
         raise RequestError(f"stop takes at most {MAX_STOP} non-empty strings", param="stop")
     include_usage = bool((req.stream_options or {}).get("include_usage", False))
     return Sampling(max_tokens, temperature, top_p, 0 if req.seed is None else req.seed, stop, include_usage)
+
+
+def check_size(
+    n_prompts: int,
+    max_tokens: int | None,
+    *,
+    max_prompts: int,
+    max_total_tokens: int,
+    prompt_param: str = "prompt",
+    tokens_param: str = "max_tokens",
+) -> None:
+    """Refuse (400) a request asking for more decoding than one request may: more than ``max_prompts`` prompts, or
+    more than ``max_total_tokens`` tokens to generate (prompts x max_tokens). Checked before anything is encoded, so
+    a huge request costs the server nothing and never holds the engine. ``max_tokens`` None checks the count only."""
+    if n_prompts > max_prompts:
+        raise RequestError(
+            f"{prompt_param} holds {n_prompts} prompts; this server takes at most {max_prompts} per request "
+            "(serve.max_prompts_per_request): split them over several requests",
+            param=prompt_param,
+            code="too_many_prompts",
+        )
+    total = n_prompts * (max_tokens or 0)
+    if total > max_total_tokens:
+        raise RequestError(
+            f"{n_prompts} prompt(s) x {tokens_param}={max_tokens} = {total} tokens to generate; this server takes "
+            f"at most {max_total_tokens} per request (serve.max_tokens_per_request): send fewer prompts or a "
+            f"smaller {tokens_param}",
+            param=tokens_param,
+            code="too_many_tokens",
+        )
 
 
 def check_model(requested: str, served: str) -> None:

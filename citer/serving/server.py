@@ -4,9 +4,18 @@
 carries the routing stats of its decode in an extra top-level field ``citer`` (streams: in the last chunk before
 ``data: [DONE]``), so a client sees how much of its answer the LLM wrote and what it cost in bytes moved.
 
-One decode runs at a time: a lock serialises requests around the engine, which keeps a KV cache per call and is not
-re-entrant. Streaming decodes the whole answer first and then streams it token by token (the engine has no step API);
-the chunks concatenate to exactly the non-streamed text.
+One decode runs at a time: the engine keeps a KV cache per call and is not re-entrant, so decodes run one after the
+other on one engine thread, under a lock. A request waiting for its turn holds no thread; at most
+``max_queued_requests`` wait, and one more is answered 429 with ``Retry-After``. What one request may ask is bounded
+(``max_prompts_per_request`` prompts, ``max_tokens_per_request`` = prompts x max_tokens; beyond: 400), so no single
+request holds the engine for long. ``/health`` answers from state kept outside the engine lock, at once, however busy
+the engine is; it names the models without absolute paths.
+
+Streaming decodes the whole answer first and then streams it token by token (the engine has no step API); the chunks
+concatenate to exactly the non-streamed text.
+
+A host other than loopback is refused unless an API key is set (or remote serving without one is allowed
+explicitly); with a key, every request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
 
 Differences from the OpenAI API, all deliberate: ``temperature`` defaults to 0 (greedy, the paper's setting) and
 ``seed`` to 0, so a request without them is reproducible; ``n > 1``, ``logprobs``, ``echo`` and tool calls are refused
@@ -15,21 +24,20 @@ with a 400 rather than ignored.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from citer.decoding.engine import EngineInputError
 from citer.project import Project, as_project
+from citer.serving.access import ServeError, check_bind, is_loopback, public_info, public_ref
 from citer.serving.champion import load_champion
 from citer.serving.protocol import (
     ChatRequest,
@@ -38,131 +46,33 @@ from citer.serving.protocol import (
     Sampling,
     chat_prompt,
     check_model,
+    check_size,
     error_body,
-    row_stats,
     sampling_of,
     sse_chunks,
-    stream_pieces,
-    total_stats,
-    truncate_at_stop,
+)
+from citer.serving.scheduler import (
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_QUEUED_REQUESTS,
+    MAX_TOKENS_PER_REQUEST,
+    PromptFormat,
+    _Decoded,
+    _Server,
 )
 
-PromptFormat = Literal["math", "mc", "raw"]
 log = logging.getLogger("citer.serving")
 
-__all__ = ["build_app", "serve", "serve_champion", "RequestError", "ServeError"]
-
-
-class ServeError(ValueError):
-    """The server cannot be built (no champion, models gone, router and SLM that do not fit)."""
-
-
-@dataclass
-class _Decoded:
-    """One prompt's answer: text after stop handling, its token pieces for streaming, and routing stats."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    pieces: list[tuple[str, list[bool]]]
-    stats: dict[str, Any]
-
-
-class _Server:
-    """The engine behind a lock, plus what every endpoint needs to encode, decode and describe it."""
-
-    def __init__(
-        self,
-        engine: Any,
-        tokenizer: Any,
-        *,
-        model_name: str,
-        max_new_tokens: int,
-        fmt: PromptFormat,
-        context_length: int | None,
-        info: Mapping[str, Any],
-    ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ServeError(
-                "tokenizer: field eos_token is not set; the server cannot tell when an answer ends"
-            )
-        self.engine = engine
-        self.tok = tokenizer
-        self.model_name = model_name
-        self.max_new_tokens = max_new_tokens
-        self.fmt = fmt
-        self.context_length = context_length
-        self.info = dict(info)
-        self.lock = threading.Lock()
-        self.created = int(time.time())
-
-    def encode(self, text: str, param: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False)
-        if not ids:
-            raise RequestError(f"{param} encodes to no tokens", param=param)
-        return ids
-
-    def decode(self, prompts: list[list[int]], s: Sampling) -> list[_Decoded]:
-        if self.context_length is not None:
-            for i, p in enumerate(prompts):
-                if len(p) + s.max_tokens > self.context_length:
-                    raise RequestError(
-                        f"prompt {i} has {len(p)} tokens; with max_tokens={s.max_tokens} it exceeds the model's "
-                        f"context of {self.context_length} tokens",
-                        param="max_tokens",
-                    )
-        eos = self.tok.eos_token_id
-        with self.lock:
-            t0 = time.perf_counter()
-            try:
-                res = self.engine.generate_batch(
-                    prompts,
-                    max_new_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=s.seed,
-                )
-            except EngineInputError as exc:  # the engine's own input checks are the client's fault, not ours
-                raise RequestError(str(exc), param="prompt") from exc
-            wall = time.perf_counter() - t0
-        out = []
-        for i, prompt in enumerate(prompts):
-            toks, flags = list(res.tokens[i]), list(res.from_llm[i])
-            ended = bool(toks) and toks[-1] == eos
-            body, body_flags = (toks[:-1], flags[:-1]) if ended else (toks, flags)
-            full = self.tok.decode(body, skip_special_tokens=True)
-            text, stopped = truncate_at_stop(full, s.stop)
-            pieces = stream_pieces(self.tok, body, body_flags, text)
-            out.append(
-                _Decoded(
-                    text=text,
-                    finish_reason="stop" if ended or stopped else "length",
-                    prompt_tokens=len(prompt),
-                    completion_tokens=len(toks),
-                    pieces=pieces,
-                    stats=row_stats(res.rows[i], flags),
-                )
-            )
-        total = total_stats([d.stats for d in out], getattr(self.engine, "tau", None), wall)
-        total.update({k: v for k, v in self.info.items() if k not in total})
-        for d in out:
-            d.stats = d.stats | {"total": total}
-        log.info(
-            "decoded %d prompt(s): %d tokens, %.1f%% by the LLM, %d LLM calls, %.3g bytes moved in %.2f s",
-            len(prompts),
-            sum(d.completion_tokens for d in out),
-            100 * total["llm_token_fraction"],
-            total["llm_calls"],
-            total["bytes_moved"],
-            wall,
-        )
-        return out
-
-    def usage(self, ds: list[_Decoded]) -> dict[str, int]:
-        p = sum(d.prompt_tokens for d in ds)
-        c = sum(d.completion_tokens for d in ds)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+__all__ = [
+    "build_app",
+    "check_bind",
+    "is_loopback",
+    "public_info",
+    "public_ref",
+    "serve",
+    "serve_champion",
+    "RequestError",
+    "ServeError",
+]
 
 
 def _context_length(engine: Any) -> int | None:
@@ -188,19 +98,37 @@ def build_app(
     context_length: int | None = None,
     api_key: str | None = None,
     info: Mapping[str, Any] | None = None,
+    max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+    max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST,
+    max_queued_requests: int = MAX_QUEUED_REQUESTS,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (a RoutedEngine) under the OpenAI model id ``model_name``.
 
     ``fmt`` decides how a chat message becomes a prompt: ``math`` and ``mc`` use :func:`build_prompt` (the training
     template), ``raw`` passes the text as is. Completions always take the prompt as is. ``max_new_tokens`` is the
     default and the ceiling of ``max_tokens``; ``context_length`` (default: the SLM's ``max_position_embeddings``)
-    bounds prompt + answer. With ``api_key`` set, requests need ``Authorization: Bearer <api_key>``. ``info`` (router
-    version, SLM, LLM) is shown by ``/health`` and added to each response's ``citer`` stats.
+    bounds prompt + answer. A request may carry at most ``max_prompts_per_request`` prompts and ask for at most
+    ``max_tokens_per_request`` tokens (prompts x max_tokens), else 400; beyond ``max_queued_requests`` requests
+    waiting for the engine, a request gets 429 with ``Retry-After``. With ``api_key`` set, every request but
+    ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401). ``info`` (router version, SLM, LLM) is shown by
+    ``/health`` and added to each response's ``citer`` stats, absolute paths cut to their last component.
     """
     if max_new_tokens < 1:
         raise ServeError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if fmt not in ("math", "mc", "raw"):
         raise ServeError(f"unknown prompt format {fmt!r}; expected 'math', 'mc' or 'raw'")
+    for name, value in (
+        ("max_prompts_per_request", max_prompts_per_request),
+        ("max_tokens_per_request", max_tokens_per_request),
+        ("max_queued_requests", max_queued_requests),
+    ):
+        if value < 1:
+            raise ServeError(f"serve.{name} must be >= 1, got {value}")
+    if max_tokens_per_request < max_new_tokens:
+        raise ServeError(
+            f"serve.max_tokens_per_request={max_tokens_per_request} is below serve.max_new_tokens={max_new_tokens}: "
+            "a one-prompt request at the default max_tokens would be refused"
+        )
     if context_length is None:
         context_length = _context_length(engine)
     srv = _Server(
@@ -210,14 +138,17 @@ def build_app(
         max_new_tokens=max_new_tokens,
         fmt=fmt,
         context_length=context_length,
-        info=info or {},
+        info=public_info(info or {}),
+        max_prompts=max_prompts_per_request,
+        max_total_tokens=max_tokens_per_request,
+        max_queued=max_queued_requests,
     )
     app = FastAPI(title="citer", description="CITER routed decoding, OpenAI-compatible", version="1")
     app.state.citer = srv
 
     @app.exception_handler(RequestError)
     async def _bad_request(_: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -229,38 +160,62 @@ def build_app(
         )
         return JSONResponse(error_body(err), status_code=400)
 
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
+
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if expected_auth is not None and request.url.path != "/health":
+            given = request.headers.get("authorization")
+            if given is None or not hmac.compare_digest(given.encode(), expected_auth):
                 err = RequestError(
-                    "invalid API key", status=401, type_="authentication_error", code="invalid_api_key"
+                    "missing API key: send the header 'Authorization: Bearer <key>'"
+                    if given is None
+                    else "invalid API key",
+                    status=401,
+                    type_="authentication_error",
+                    code="invalid_api_key",
                 )
-                return JSONResponse(error_body(err), status_code=401)
+                return JSONResponse(error_body(err), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
+    # Every endpoint is async: none holds a worker thread while it waits, so /health and refusals (400, 429) are
+    # answered at once however many requests wait for the engine.
+
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "model": srv.model_name, "tau": getattr(engine, "tau", None), **srv.info}
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": srv.model_name,
+            "tau": getattr(engine, "tau", None),
+            **srv.info,
+            "queue": srv.queue_state(),
+            "limits": {
+                "max_new_tokens": srv.max_new_tokens,
+                "max_prompts_per_request": srv.max_prompts,
+                "max_tokens_per_request": srv.max_total_tokens,
+                "max_queued_requests": srv.max_queued,
+            },
+        }
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    async def models() -> dict[str, Any]:
         card = {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "citer"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest) -> Any:
         check_model(req.model, srv.model_name)
-        s = sampling_of(req, srv.max_new_tokens)
         texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         if not texts:
             raise RequestError("prompt is an empty list", param="prompt")
+        # The count first: a request of 20,000 prompts is refused before anything else is looked at.
+        check_size(len(texts), None, max_prompts=srv.max_prompts, max_total_tokens=srv.max_total_tokens)
+        s = sampling_of(req, srv.max_new_tokens)
+        srv.check_size(len(texts), s, prompt_param="prompt", tokens_param="max_tokens")
         if req.stream and len(texts) != 1:
             raise RequestError("stream=true takes a single prompt", param="prompt")
-        prompts = [
-            srv.encode(t, "prompt" if len(texts) == 1 else f"prompt[{i}]") for i, t in enumerate(texts)
-        ]
-        ds = srv.decode(prompts, s)
+        params = ["prompt"] if len(texts) == 1 else [f"prompt[{i}]" for i in range(len(texts))]
+        ds = await srv.decode(list(zip(texts, params, strict=True)), s)
         if req.stream:
             return _sse_response(_stream(srv, ds[0], s, chat=False))
         choices = [
@@ -278,11 +233,12 @@ def build_app(
         }
 
     @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatRequest) -> Any:
+    async def chat_completions(req: ChatRequest) -> Any:
         check_model(req.model, srv.model_name)
         s = sampling_of(req, srv.max_new_tokens)
-        prompt = srv.encode(chat_prompt(req.messages, srv.fmt), "messages")
-        ds = srv.decode([prompt], s)
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        srv.check_size(1, s, prompt_param="messages", tokens_param=tokens_param)
+        ds = await srv.decode([(chat_prompt(req.messages, srv.fmt), "messages")], s)
         if req.stream:
             return _sse_response(_stream(srv, ds[0], s, chat=True))
         d = ds[0]
@@ -338,11 +294,19 @@ def serve(
     api_key: str | None = None,
     info: Mapping[str, Any] | None = None,
     log_level: str = "info",
+    max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+    max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST,
+    max_queued_requests: int = MAX_QUEUED_REQUESTS,
+    allow_remote_without_key: bool = False,
+    api_key_env: str = "CITER_API_KEY",
 ) -> None:
-    """Run the app with uvicorn until interrupted (one worker: the engine lives in this process)."""
+    """Run the app with uvicorn until interrupted (one worker: the engine lives in this process).
+
+    A non-loopback ``host`` needs ``api_key`` unless ``allow_remote_without_key`` (:func:`check_bind`)."""
     import uvicorn
 
     _setup_logging(log_level)
+    check_bind(host, api_key, allow_remote_without_key=allow_remote_without_key, api_key_env=api_key_env)
     app = build_app(
         engine,
         tokenizer,
@@ -351,6 +315,9 @@ def serve(
         fmt=fmt,
         api_key=api_key,
         info=info,
+        max_prompts_per_request=max_prompts_per_request,
+        max_tokens_per_request=max_tokens_per_request,
+        max_queued_requests=max_queued_requests,
     )
     # Access logs off: the per-request INFO line of citer.serving already says what happened.
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
@@ -364,16 +331,26 @@ def serve_champion(
     llm_fraction: float | None = None,
 ) -> None:
     """``citer serve``: the champion engine behind the endpoint, settings from ``serve`` in params (host/port
-    override). ``CITER_API_KEY`` in the environment, when set, becomes the bearer key the server requires.
+    override). The environment variable named by ``serve.api_key_env`` (``CITER_API_KEY``), when set, becomes the
+    bearer key the server requires; a non-loopback host without it is refused before any model is loaded, unless
+    ``serve.allow_remote_without_key``.
     """
     _setup_logging("info")
     proj = as_project(project)
-    engine, tok, info = load_champion(proj, llm_fraction=llm_fraction)
     s = proj.params.serve
-    fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
     host, port = host or s.host, port or s.port
+    api_key = (os.environ.get(s.api_key_env) or "").strip() or None
+    check_bind(host, api_key, allow_remote_without_key=s.allow_remote_without_key, api_key_env=s.api_key_env)
+    engine, tok, info = load_champion(proj, llm_fraction=llm_fraction)
+    fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
     log.info(
-        "serving %s (tau=%s) as %r on http://%s:%d/v1", info["router"], engine.tau, s.model_name, host, port
+        "serving %s (tau=%s) as %r on http://%s:%d/v1%s",
+        info["router"],
+        engine.tau,
+        s.model_name,
+        host,
+        port,
+        f" (requests need the key in {s.api_key_env})" if api_key else "",
     )
     serve(
         engine,
@@ -383,6 +360,11 @@ def serve_champion(
         model_name=s.model_name,
         max_new_tokens=s.max_new_tokens,
         fmt=fmt,
-        api_key=os.environ.get("CITER_API_KEY") or None,
-        info=info,
+        api_key=api_key,
+        info=public_info(info, proj.root),
+        max_prompts_per_request=s.max_prompts_per_request,
+        max_tokens_per_request=s.max_tokens_per_request,
+        max_queued_requests=s.max_queued_requests,
+        allow_remote_without_key=s.allow_remote_without_key,
+        api_key_env=s.api_key_env,
     )

@@ -132,11 +132,20 @@ def test_deploy_all_registers_scheduled_deployments(prefect_server, tmp_path):
 COMPOSE_FILE = REPO / "infra" / "docker-compose.yml"
 
 
+# What a user must set before `docker compose up` (``${VAR:?message}``: compose refuses to start without it).
+REQUIRED = {"CITER_DB_PASSWORD": "pw"}
+
+
 def _expand(value: str) -> str:
-    """Compose's ``${VAR:-default}`` with the variables unset, as on a fresh machine."""
+    """Compose's ``${VAR:-default}`` with the variables unset, as on a fresh machine, and ``${VAR:?...}`` with the
+    required ones set."""
     import re
 
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: m.group(2) or "", value)
+    return re.sub(
+        r"\$\{(\w+)(?::([-?])([^}]*))?\}",
+        lambda m: REQUIRED[m.group(1)] if m.group(2) == "?" else (m.group(3) or ""),
+        value,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +160,13 @@ def _env(svc: dict) -> dict[str, str]:
 
 def _command(svc: dict) -> list[str]:
     return [_expand(str(c)) for c in svc["command"]]
+
+
+def test_compose_has_no_default_password_and_binds_loopback(compose):
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
+    assert "${CITER_DB_PASSWORD:?" in text and "CITER_DB_PASSWORD:-" not in text
+    for name in ("mlflow", "prefect-server"):
+        assert all(str(p).startswith("127.0.0.1:") for p in compose[name].get("ports", [])), name
 
 
 def _published(svc: dict) -> dict[int, int]:
