@@ -19,14 +19,16 @@ PROC = Path("/proc")
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone."""
+    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone or a zombie (dead, not yet reaped:
+    its children have already been handed to init)."""
     try:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = text[
-        text.rindex(")") + 2 :
-    ].split()  # after "pid (comm) ": state ppid ... starttime (22nd field)
+    # After "pid (comm) ": state, ppid, ..., starttime (the 22nd field of the line).
+    fields = text[text.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
     return int(fields[1]), fields[19]
 
 

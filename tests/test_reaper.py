@@ -53,6 +53,18 @@ def test_a_killed_parent_takes_its_child_along():
     assert _gone(child, 6.0), "the child outlived its killed parent"
 
 
+def test_a_killed_parent_left_unreaped_still_takes_its_child_along():
+    # The killed command stays a zombie (nobody waits for it): its children are already orphaned.
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    time.sleep(1.5)
+    os.kill(parent.pid, signal.SIGKILL)
+    try:
+        assert _gone(child, 6.0), "the child outlived its killed (zombie) parent"
+    finally:
+        parent.wait()
+
+
 def test_a_running_parent_keeps_its_children():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:

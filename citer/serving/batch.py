@@ -292,6 +292,11 @@ def route_file(
         raise InferenceError(
             f"{output}: was written for another run ({'; '.join(changes)}); delete it or choose another output path"
         )
+    # Build the engine (load and verify the champion) before touching the output: a refused champion leaves the
+    # previous predictions as they were.
+    eng = None
+    if changes or len(written) < len(items):
+        eng = engine if hasattr(engine, "generate_batch") else engine()
     if changes:  # another input, champion or τ: those rows answer other questions, so start over
         written, ends = [], []
         _truncate(output, 0)
@@ -312,7 +317,8 @@ def route_file(
     if todo:
         from tqdm.auto import tqdm
 
-        eng = engine if hasattr(engine, "generate_batch") else engine()
+        if eng is None:
+            eng = engine if hasattr(engine, "generate_batch") else engine()
         bar = tqdm(total=sum(len(c) for c in todo), disable=not progress, desc=f"route {inp.name}", unit="q")
         with output.open("ab") as fh:
             for ch in todo:
