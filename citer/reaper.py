@@ -62,7 +62,8 @@ def watch(target: int, interval: float = 0.5, grace: float = 2.0) -> list[int]:
     seen: dict[int, str] = {}
     target_start = _stat(target)
     while target_start is not None and _alive(target, target_start[1]):
-        seen = {pid: start for pid, start in descendants(target).items() if pid != me}
+        # Accumulate: a poll landing while the target dies may find its children already handed to init.
+        seen.update({pid: start for pid, start in descendants(target).items() if pid != me})
         time.sleep(interval)
     hit = [pid for pid, start in seen.items() if _alive(pid, start)]
     for pid in hit:
