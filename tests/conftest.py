@@ -163,6 +163,20 @@ def answering_pair(char_tokenizer) -> AnsweringPair:
     return AnsweringPair(slm, llm, tok, router, labels)
 
 
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    """A real MLflow sqlite store in ``tmp_path`` (the tracking URI set for the test) and an experiment in it:
+    ``(client, experiment_id)``."""
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient()
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    return client, exp
+
+
 @pytest.fixture(scope="session")
 def tiny_pair_dirs(tiny_pair, tmp_path_factory):
     """The tiny pair saved as ordinary model directories (config, safetensors, tokenizer files)."""

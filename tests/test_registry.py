@@ -17,18 +17,6 @@ from citer.registry import (
 from citer.routing.mlp import MLPRouter, save_router
 
 
-@pytest.fixture()
-def store(tmp_path, monkeypatch):
-    import mlflow
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    mlflow.set_tracking_uri(uri)
-    client = mlflow.MlflowClient()
-    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
-    return client, exp
-
-
 def _router_dir(tmp_path, slm, llm, seed=0):
     torch.manual_seed(seed)
     r = MLPRouter(8).eval()
