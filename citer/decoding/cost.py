@@ -16,7 +16,9 @@ batch bytes:
 
     bytes_r = sum over calls c containing r of ( W_M / |R_c| + kv_M * (ctx_r + new_r) )
 
-``bytes_alone`` prices the same calls as if the row had been decoded by itself (batch 1, the latency regime the
+A row held back while it waits for a shared LLM call rides along in the SLM's calls without advancing: the KV it
+attends is read (counted in its ``bytes_moved``), but a row decoded alone would not make that call, so ``bytes_alone``
+leaves it out. ``bytes_alone`` prices the same calls as if the row had been decoded by itself (batch 1, the latency regime the
 CITER paper measures): ``sum over calls c containing r of ( W_M + kv_M * (ctx_r + new_r) )``. Because the engine's
 output for a row does not depend on its batch, this is exact, not an estimate.
 
@@ -83,6 +85,7 @@ class RowStats:
     projected_seconds: float
     # The same calls as if this row were decoded alone (batch 1): every call reads the whole weights.
     bytes_alone: float = 0.0
+    wait_steps: int = 0  # decoding steps this row spent waiting for a shared LLM call
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,28 +113,60 @@ class BatchStats:
     wall_seconds_per_token: float
     llm_fraction: float  # llm_tokens / new_tokens
     llm_calls_per_token: float  # llm_calls / new_tokens; <= llm_fraction by construction
+    decode_steps: int = 0  # scheduler steps (each: at most one SLM decode call and one LLM call)
+    llm_calls_per_step: float = 0.0  # how often a step reads the LLM's weights
+    wait_row_steps: int = 0  # row-steps spent waiting for a shared LLM call (the latency shared calls add)
+    wait_steps_per_llm_token: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-class CostMeter:
-    """Accumulates the cost of one ``generate_batch`` call; rows are indexed as in the caller's prompt list."""
+_ROW_FIELDS = ("calls", "wshare", "kv", "kv_idle", "tokens")
 
-    def __init__(self, slm: ModelCost, llm: ModelCost | None, n_rows: int, gpu: str = "H100") -> None:
+
+class CostMeter:
+    """Accumulates the cost of a decoding session; rows are numbered in the order they join (``add_rows``)."""
+
+    def __init__(self, slm: ModelCost, llm: ModelCost | None, n_rows: int = 0, gpu: str = "H100") -> None:
         if gpu not in GPU_BANDWIDTH:
             raise ValueError(f"unknown gpu {gpu!r}; expected one of {sorted(GPU_BANDWIDTH)}")
         self.costs: dict[str, ModelCost | None] = {"slm": slm, "llm": llm}
         self.gpu = gpu
-        self.n = n_rows
+        self.n = 0
         self.calls = {"slm": 0, "llm": 0}
-        # Per row, per model: calls, weight share (in units of W), kv token-columns moved.
-        self.row_calls = {k: np.zeros(n_rows, dtype=np.int64) for k in ("slm", "llm")}
-        self.row_wshare = {k: np.zeros(n_rows, dtype=np.float64) for k in ("slm", "llm")}
-        self.row_kv = {k: np.zeros(n_rows, dtype=np.int64) for k in ("slm", "llm")}
-        self.tokens = {k: np.zeros(n_rows, dtype=np.int64) for k in ("slm", "llm")}
-        self.llm_prompt = np.zeros(n_rows, dtype=np.int64)
-        self.llm_catchup = np.zeros(n_rows, dtype=np.int64)
+        self.steps = 0
+        # Per model and field, one entry per row: calls, weight share (in units of W), kv token-columns moved
+        # (kv_idle: while held), tokens emitted.
+        self._row: dict[tuple[str, str], np.ndarray] = {}
+        self._alloc = 0
+        self._grow(max(n_rows, 1))
+        self.llm_prompt = np.zeros(self._alloc, dtype=np.int64)
+        self.llm_catchup = np.zeros(self._alloc, dtype=np.int64)
+        self.wait = np.zeros(self._alloc, dtype=np.int64)
+        self.add_rows(n_rows)
+
+    def _grow(self, alloc: int) -> None:
+        def grown(a: np.ndarray | None, dtype: type) -> np.ndarray:
+            out = np.zeros(alloc, dtype=dtype)
+            if a is not None:
+                out[: len(a)] = a
+            return out
+
+        for m in ("slm", "llm"):
+            for f in _ROW_FIELDS:
+                self._row[m, f] = grown(self._row.get((m, f)), np.float64 if f == "wshare" else np.int64)
+        for name in ("llm_prompt", "llm_catchup", "wait"):
+            if hasattr(self, name):
+                setattr(self, name, grown(getattr(self, name), np.int64))
+        self._alloc = alloc
+
+    def add_rows(self, k: int) -> list[int]:
+        """Rows joining the session; returns their indices."""
+        if self.n + k > self._alloc:
+            self._grow(max(self.n + k, 2 * self._alloc))
+        self.n += k
+        return list(range(self.n - k, self.n))
 
     def forward(
         self, model: ModelKey, rows: Sequence[int], new_tokens: Sequence[int], context: Sequence[int]
@@ -139,11 +174,15 @@ class CostMeter:
         """One forward call of ``model`` over ``rows``: row r fed ``new_tokens[i]`` and attends ``context[i]``."""
         idx = np.asarray(rows, dtype=np.int64)
         self.calls[model] += 1
-        self.row_calls[model][idx] += 1
-        self.row_wshare[model][idx] += 1.0 / len(idx)
-        self.row_kv[model][idx] += np.asarray(context, dtype=np.int64) + np.asarray(
+        self._row[model, "calls"][idx] += 1
+        self._row[model, "wshare"][idx] += 1.0 / len(idx)
+        self._row[model, "kv"][idx] += np.asarray(context, dtype=np.int64) + np.asarray(
             new_tokens, dtype=np.int64
         )
+
+    def held(self, model: ModelKey, rows: Sequence[int], context: Sequence[int]) -> None:
+        """Rows that rode along in the last call of ``model`` without advancing (their KV was read)."""
+        self._row[model, "kv_idle"][np.asarray(rows, dtype=np.int64)] += np.asarray(context, dtype=np.int64)
 
     def llm_fed(
         self, rows: Sequence[int], prompt_tokens: Sequence[int], catchup_tokens: Sequence[int]
@@ -155,14 +194,20 @@ class CostMeter:
     def emitted(self, rows: Sequence[int], from_llm: Sequence[bool]) -> None:
         idx = np.asarray(rows, dtype=np.int64)
         llm = np.asarray(from_llm, dtype=bool)
-        self.tokens["llm"][idx[llm]] += 1
-        self.tokens["slm"][idx[~llm]] += 1
+        self._row["llm", "tokens"][idx[llm]] += 1
+        self._row["slm", "tokens"][idx[~llm]] += 1
+
+    def step(self, waiting: Sequence[int]) -> None:
+        """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
+        self.steps += 1
+        self.wait[np.asarray(waiting, dtype=np.int64)] += 1
 
     def _bytes(self, model: str) -> np.ndarray:
         cost = self.costs[model]
         if cost is None:
             return np.zeros(self.n, dtype=np.float64)
-        return self.row_wshare[model] * cost.weight_bytes + self.row_kv[model].astype(np.float64) * (
+        kv = self._row[model, "kv"][: self.n] + self._row[model, "kv_idle"][: self.n]
+        return self._row[model, "wshare"][: self.n] * cost.weight_bytes + kv.astype(np.float64) * (
             cost.kv_bytes_per_token
         )
 
@@ -170,24 +215,24 @@ class CostMeter:
         out = np.zeros(self.n, dtype=np.float64)
         for model, cost in self.costs.items():
             if cost is not None:
-                out += self.row_calls[model] * float(cost.weight_bytes)
-                out += self.row_kv[model].astype(np.float64) * cost.kv_bytes_per_token
+                out += self._row[model, "calls"][: self.n] * float(cost.weight_bytes)
+                out += self._row[model, "kv"][: self.n].astype(np.float64) * cost.kv_bytes_per_token
         return out
 
-    def finish(self, wall_seconds: float) -> tuple[list[RowStats], BatchStats]:
+    def row_stats(self, rows: Sequence[int] | None = None) -> list[RowStats]:
+        """Stats of ``rows`` (default: every row) as they stand now."""
         bw = GPU_BANDWIDTH[self.gpu]
-        sb, lb = self._bytes("slm"), self._bytes("llm")
-        alone = self._bytes_alone()
-        rows = []
-        for r in range(self.n):
-            st, lt = int(self.tokens["slm"][r]), int(self.tokens["llm"][r])
-            rows.append(
+        sb, lb, alone = self._bytes("slm"), self._bytes("llm"), self._bytes_alone()
+        out = []
+        for r in range(self.n) if rows is None else rows:
+            st, lt = int(self._row["slm", "tokens"][r]), int(self._row["llm", "tokens"][r])
+            out.append(
                 RowStats(
                     new_tokens=st + lt,
                     slm_tokens=st,
                     llm_tokens=lt,
-                    slm_calls=int(self.row_calls["slm"][r]),
-                    llm_calls=int(self.row_calls["llm"][r]),
+                    slm_calls=int(self._row["slm", "calls"][r]),
+                    llm_calls=int(self._row["llm", "calls"][r]),
                     llm_prompt_tokens=int(self.llm_prompt[r]),
                     llm_catchup_tokens=int(self.llm_catchup[r]),
                     slm_bytes=float(sb[r]),
@@ -195,29 +240,43 @@ class CostMeter:
                     bytes_moved=float(sb[r] + lb[r]),
                     projected_seconds=float((sb[r] + lb[r]) / bw),
                     bytes_alone=float(alone[r]),
+                    wait_steps=int(self.wait[r]),
                 )
             )
-        new = int(self.tokens["slm"].sum() + self.tokens["llm"].sum())
-        total = float(sb.sum() + lb.sum())
+        return out
+
+    def finish(self, wall_seconds: float) -> tuple[list[RowStats], BatchStats]:
+        bw = GPU_BANDWIDTH[self.gpu]
+        rows = self.row_stats()
+        n = self.n
+        sb, lb = self._bytes("slm").sum(), self._bytes("llm").sum()
+        slm_t, llm_t = int(self._row["slm", "tokens"][:n].sum()), int(self._row["llm", "tokens"][:n].sum())
+        new = slm_t + llm_t
+        total = float(sb + lb)
         proj = total / bw
+        waited = int(self.wait[:n].sum())
         batch = BatchStats(
-            rows=self.n,
+            rows=n,
             new_tokens=new,
-            slm_tokens=int(self.tokens["slm"].sum()),
-            llm_tokens=int(self.tokens["llm"].sum()),
+            slm_tokens=slm_t,
+            llm_tokens=llm_t,
             slm_calls=self.calls["slm"],
             llm_calls=self.calls["llm"],
-            llm_prompt_tokens=int(self.llm_prompt.sum()),
-            llm_catchup_tokens=int(self.llm_catchup.sum()),
-            slm_bytes=float(sb.sum()),
-            llm_bytes=float(lb.sum()),
+            llm_prompt_tokens=int(self.llm_prompt[:n].sum()),
+            llm_catchup_tokens=int(self.llm_catchup[:n].sum()),
+            slm_bytes=float(sb),
+            llm_bytes=float(lb),
             bytes_moved=total,
             wall_seconds=float(wall_seconds),
             gpu=self.gpu,
             projected_seconds=proj,
             projected_seconds_per_token=proj / max(new, 1),
             wall_seconds_per_token=float(wall_seconds) / max(new, 1),
-            llm_fraction=int(self.tokens["llm"].sum()) / max(new, 1),
+            llm_fraction=llm_t / max(new, 1),
             llm_calls_per_token=self.calls["llm"] / max(new, 1),
+            decode_steps=self.steps,
+            llm_calls_per_step=self.calls["llm"] / max(self.steps, 1),
+            wait_row_steps=waited,
+            wait_steps_per_llm_token=waited / max(llm_t, 1),
         )
         return rows, batch

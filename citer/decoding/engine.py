@@ -3,7 +3,13 @@
 Each step, for every active row: the SLM's last-layer hidden state (after the final norm, at the position that
 predicts the next token) goes to a router; rows scoring below tau are sent to the LLM, which first catches up on every
 token of the row it has not yet seen -- all selected rows in ONE forward call -- and its token replaces the SLM's.
-The emitted token is then fed to the SLM. Rows stop at EOS or ``max_new_tokens`` and leave the batch.
+The emitted token is then fed to the SLM. Rows stop at EOS or ``max_new_tokens`` and leave the batch. The steps are
+run by :class:`~citer.decoding.session.DecodeSession`, which also lets rows join a running batch; ``generate_batch``
+is a loop over it.
+
+At batch > 1 some row needs the LLM at almost every step, so the LLM's weights would be read almost every step.
+``llm_min_rows``/``llm_max_wait_steps`` let a routed row wait (without advancing) until that many rows want the LLM or
+it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
 
 Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call.
 Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
@@ -21,16 +27,14 @@ import torch
 from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
-from citer.decoding.cost import BatchStats, CostMeter, ModelCost, RowStats
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
-    cut_logits,
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.sampling import select_tokens
+from citer.decoding.session import DecodeSession
 
 
 class EngineInputError(ValueError):
@@ -57,6 +61,8 @@ class RoutedEngine:
     bandwidth used for the projected time (:data:`citer.decoding.cost.GPU_BANDWIDTH`). ``vocab_size``: the token ids
     the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
     models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
+    ``llm_min_rows`` (>= 1) and ``llm_max_wait_steps`` (>= 0): shared LLM calls (module docstring); 1 and 0 call the
+    LLM at the step a row is routed to it.
     """
 
     def __init__(
@@ -69,6 +75,8 @@ class RoutedEngine:
         pad_token_id: int | None = None,
         gpu: str = "H100",
         vocab_size: int | None = None,
+        llm_min_rows: int = 1,
+        llm_max_wait_steps: int = 0,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
@@ -100,12 +108,19 @@ class RoutedEngine:
         self._router_ctx = wants_row_ids(router)
         # The router runs at every SLM step, so its reads join the SLM's (docs/cost_model.md).
         self.router_bytes = router_read_bytes(router, slm)
-        self._cost_slm = ModelCost.from_model(slm).plus(self.router_bytes)
-        self._cost_llm = ModelCost.from_model(llm) if llm is not None else None
+        self.cost_slm = ModelCost.from_model(slm).plus(self.router_bytes)
+        self.cost_llm = ModelCost.from_model(llm) if llm is not None else None
+        for name, v in (("llm_min_rows", llm_min_rows), ("llm_max_wait_steps", llm_max_wait_steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "llm_min_rows" else 0):
+                raise EngineInputError(
+                    f"{name} must be an integer >= {1 if name == 'llm_min_rows' else 0}, got {v!r}"
+                )
+        self.llm_min_rows, self.llm_max_wait_steps = llm_min_rows, llm_max_wait_steps
 
-    def _check(
+    def check_prompts(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
     ) -> None:
+        """Raise :class:`EngineInputError` for prompts or a budget these models cannot take."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if len(prompts) == 0:
@@ -129,11 +144,34 @@ class RoutedEngine:
                         f"(max_position_embeddings {mx} - max_new_tokens {max_new_tokens} = {mx - max_new_tokens})"
                     )
 
+    def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """Router scores (b,) for hidden (b, H); ``row_ids``/``steps`` (b,) on the CPU key a random router."""
+        if self._router_ctx:
+            dev = hidden.device
+            scores = self.router(hidden.float(), row_ids=row_ids.to(dev), steps=steps.to(dev))
+        else:
+            scores = self.router(hidden.float())
+        scores = scores.reshape(-1)
+        if scores.shape[0] != hidden.shape[0]:
+            raise ValueError(f"router returned {tuple(scores.shape)} scores for {hidden.shape[0]} rows")
+        return scores
+
+    def session(
+        self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    ) -> DecodeSession:
+        """A step-level scheduler over this engine: add rows at any time, step, collect tokens as they come."""
+        if temperature < 0.0 or not 0.0 < top_p <= 1.0:
+            raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        if max_rows is not None and (
+            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
+        ):
+            raise EngineInputError(f"max_rows must be an integer >= 1 or None, got {max_rows!r}")
+        return DecodeSession(self, max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
+
     def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> GenerationResult:
         """One row: ``generate_batch([prompt], ...)``."""
         return self.generate_batch([prompt], max_new_tokens, **kwargs)
 
-    @torch.inference_mode()
     def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
@@ -142,84 +180,25 @@ class RoutedEngine:
         top_p: float = 1.0,
         seed: int = 0,
         row_ids: Sequence[int] | None = None,
+        max_rows: int | None = None,
     ) -> GenerationResult:
-        """Generate for every prompt. ``row_ids`` (default 0..n-1) key the random router and the sampler, so a
-        caller splitting a long list into batches passes each row's global index to keep results batch-invariant."""
-        self._check(prompts, max_new_tokens, row_ids)
-        if temperature < 0.0 or not 0.0 < top_p <= 1.0:
-            raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        """Generate for every prompt: a :class:`DecodeSession` stepped until every row is done. ``row_ids`` (default
+        0..n-1) key the random router and the sampler, so a caller splitting a long list into batches passes each
+        row's global index to keep results batch-invariant. ``max_rows``: at most this many rows decode at once; the
+        others join as rows finish (continuous batching)."""
+        self.check_prompts(prompts, max_new_tokens, row_ids)
         t0 = time.perf_counter()
-        n = len(prompts)
-        ids = list(range(n)) if row_ids is None else [int(r) for r in row_ids]
-        seqs = [list(map(int, p)) for p in prompts]
-        plen = [len(p) for p in prompts]
-        cap = max(plen) + max_new_tokens
-        meter = CostMeter(self._cost_slm, self._cost_llm, n, self.gpu)
-        out_tok: list[list[int]] = [[] for _ in range(n)]
-        out_llm: list[list[bool]] = [[] for _ in range(n)]
-
-        slm_cache = RaggedKVCache(self.slm, n, cap)
-        llm_cache = RaggedKVCache(self.llm, n, cap) if self.llm is not None else None
-        llm_seen = [0] * n  # tokens of row r in the LLM cache
-        active = list(range(n))  # slot -> row
-
-        logits, hidden = ragged_append(self.slm, slm_cache, seqs)  # prefill: (n, V_slm), (n, H)
-        meter.forward("slm", active, plen, plen)
-        step = 0
-        while active:
-            b = len(active)
-            rid = torch.tensor([ids[r] for r in active], dtype=torch.long)  # (b,) on CPU: keys for the noise
-            steps = torch.full((b,), step, dtype=torch.long)
-            if self._router_ctx:
-                dev = hidden.device
-                scores = self.router(hidden.float(), row_ids=rid.to(dev), steps=steps.to(dev))
-            else:
-                scores = self.router(hidden.float())
-            scores = scores.reshape(-1)
-            if scores.shape[0] != b:
-                raise ValueError(f"router returned {tuple(scores.shape)} scores for {b} rows")
-            tok = select_tokens(
-                cut_logits(logits, self.vocab_size), temperature, top_p, seed, rid, steps
-            )  # (b,)
-            to_llm = (scores < self.tau).tolist()
-            sel = [s for s in range(b) if to_llm[s]]
-            if sel:
-                if llm_cache is None:
-                    raise ValueError("router sent a token to the LLM but the engine has llm=None")
-                rows = [active[s] for s in sel]
-                chunks = [seqs[r][llm_seen[r] :] for r in rows]
-                llm_logits, _ = ragged_append(self.llm, llm_cache, chunks, slots=sel)  # (len(sel), V)
-                meter.forward("llm", rows, [len(c) for c in chunks], [len(seqs[r]) for r in rows])
-                meter.llm_fed(
-                    rows,
-                    [max(plen[r] - llm_seen[r], 0) for r in rows],
-                    [len(seqs[r]) - max(llm_seen[r], plen[r]) for r in rows],
-                )
-                for r in rows:
-                    llm_seen[r] = len(seqs[r])
-                llm_tok = select_tokens(
-                    cut_logits(llm_logits, self.vocab_size), temperature, top_p, seed, rid[sel], steps[sel]
-                )
-                tok[torch.tensor(sel, device=tok.device)] = llm_tok.to(tok.device)
-            toks = tok.tolist()
-            meter.emitted(active, to_llm)
-            keep = []
-            for s, r in enumerate(active):
-                seqs[r].append(toks[s])
-                out_tok[r].append(toks[s])
-                out_llm[r].append(bool(to_llm[s]))
-                if toks[s] not in self.eos and len(out_tok[r]) < max_new_tokens:
-                    keep.append(s)
-            step += 1
-            if not keep:
-                break
-            if len(keep) < b:  # rows finished: drop them from both caches so they are never computed again
-                slm_cache.keep(keep)
-                if llm_cache is not None:
-                    llm_cache.keep(keep)
-                active = [active[s] for s in keep]
-            feed = [[seqs[r][-1]] for r in active]
-            logits, hidden = ragged_append(self.slm, slm_cache, feed)  # (b', V), (b', H)
-            meter.forward("slm", active, [1] * len(active), [len(seqs[r]) for r in active])
-        row_stats, batch = meter.finish(time.perf_counter() - t0)
-        return GenerationResult(tokens=out_tok, from_llm=out_llm, rows=row_stats, batch=batch)
+        sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
+        sess.reserve(max(len(p) for p in prompts) + max_new_tokens)
+        ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+        keys = [sess.add(p, max_new_tokens, row_id=r) for p, r in zip(prompts, ids, strict=True)]
+        out_tok: dict[int, list[int]] = {k: [] for k in keys}
+        out_llm: dict[int, list[bool]] = {k: [] for k in keys}
+        while sess.busy:
+            for em in sess.step():
+                out_tok[em.key].append(em.token)
+                out_llm[em.key].append(em.from_llm)
+        rows, batch = sess.meter.finish(time.perf_counter() - t0)
+        return GenerationResult(
+            tokens=[out_tok[k] for k in keys], from_llm=[out_llm[k] for k in keys], rows=rows, batch=batch
+        )

@@ -40,7 +40,8 @@ class RaggedKVCache(Cache):
         self.values: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
         self.device = input_device(model)  # where ids, positions, masks and index tensors are built
         self.capacity = capacity
-        self.lengths = [0] * n_rows  # valid columns per slot
+        self.lengths = [0] * n_rows  # valid columns per active slot; the active slots are 0..len-1
+        self._alloc = n_rows  # slots the buffers hold (>= active)
         # Set by `append` for the duration of one forward call.
         self._slots: torch.Tensor | None = None  # (b,) slot indices, None = the prefix 0..b-1
         self._cols: torch.Tensor | None = None  # (b, Q) column each new key goes to
@@ -60,10 +61,64 @@ class RaggedKVCache(Cache):
         self.keys = [sel(k) for k in self.keys]
         self.values = [sel(v) for v in self.values]
         self.lengths = [self.lengths[s] for s in slots]
+        self._alloc = len(self.lengths)
+
+    def add_slots(self, k: int) -> list[int]:
+        """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""
+        n = len(self.lengths)
+        if n + k > self._alloc:
+            alloc = max(n + k, 2 * self._alloc)
+            self.keys = [self._grown(t, rows=alloc) for t in self.keys]
+            self.values = [self._grown(t, rows=alloc) for t in self.values]
+            self._alloc = alloc
+        self.lengths += [0] * k
+        return list(range(n, n + k))
+
+    def remove_slots(self, slots: Sequence[int]) -> dict[int, int]:
+        """Free ``slots``; the active slots stay a prefix by moving tail rows into the holes (one row copy per hole,
+        not a compaction of every row). Returns ``{old_slot: new_slot}`` for the rows that moved."""
+        gone = set(slots)
+        n = len(self.lengths)
+        keep_n = n - len(gone)
+        holes = sorted(s for s in gone if s < keep_n)
+        movers = [s for s in range(keep_n, n) if s not in gone]
+        moved = dict(zip(movers, holes, strict=True))
+        if moved:
+            src = torch.tensor(list(moved), dtype=torch.long)
+            dst = torch.tensor(list(moved.values()), dtype=torch.long)
+            for t in (*self.keys, *self.values):
+                if t is not None:
+                    t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
+            for a, b in moved.items():
+                self.lengths[b] = self.lengths[a]
+        del self.lengths[keep_n:]
+        return moved
+
+    def ensure_capacity(self, columns: int) -> None:
+        """Grow every slot to hold ``columns`` tokens (the trash column moves to the new end)."""
+        if columns <= self.capacity:
+            return
+        cap = max(columns, self.capacity + self.capacity // 2)
+        self.keys = [self._grown(t, cols=cap) for t in self.keys]
+        self.values = [self._grown(t, cols=cap) for t in self.values]
+        self.capacity = cap
+        self._row_shape = (self._row_shape[0], cap + 1, self._row_shape[2])
+
+    def _grown(
+        self, t: torch.Tensor | None, rows: int | None = None, cols: int | None = None
+    ) -> torch.Tensor | None:
+        if t is None:
+            return None
+        r = t.shape[0] if rows is None else rows
+        c = t.shape[2] if cols is None else cols + 1
+        out = torch.zeros((r, t.shape[1], c, t.shape[3]), dtype=t.dtype, device=t.device)
+        keep_c = min(t.shape[2] - 1, c - 1)  # the old trash column is not carried over
+        out[: t.shape[0], :, :keep_c] = t[:, :, :keep_c]
+        return out
 
     def _buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer_idx] is None:
-            shape = (len(self.lengths), *self._row_shape)
+            shape = (self._alloc, *self._row_shape)
             self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
             self.values[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self.keys[layer_idx], self.values[layer_idx]  # type: ignore[return-value]
@@ -120,9 +175,10 @@ def ragged_append(
     slots: Sequence[int] | None = None,
     packed: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed ``chunks[i]`` (>= 1 token) to slot ``slots[i]`` (default: slot i) in one forward call.
+    """Feed ``chunks[i]`` to slot ``slots[i]`` (default: slot i) in one forward call.
 
-    ``packed``: None chooses -- pack when padding would at least double the tokens computed (catch-up calls with
+    An empty chunk holds its row: the row rides along (so a call over the active prefix keeps its cheap views) but
+    writes nothing and its returned logits/hidden are meaningless. ``packed``: None chooses -- pack when padding would at least double the tokens computed (catch-up calls with
     mixed gaps) and the packed mask stays small, pad otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
     hidden (b, H) at each row's last fed token.
     """
@@ -131,6 +187,12 @@ def ragged_append(
     sl = list(range(b)) if slots is None else list(slots)
     gaps = [len(c) for c in chunks]
     q = max(gaps)
+    if q == 0:
+        raise ValueError("every chunk is empty: nothing to feed")
+    if 0 in gaps:
+        if packed:
+            raise ValueError("a packed call cannot hold rows (empty chunks)")
+        packed = False
     if packed is None:
         # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
@@ -140,11 +202,12 @@ def ragged_append(
     starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
     g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
     ids = torch.tensor(
-        [list(c) + [c[-1]] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
+        [list(c) + [c[-1] if c else 0] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
     )  # (b, Q)
     j = torch.arange(q, device=dev)[None, :]  # (1, Q)
     real = j < g[:, None]  # (b, Q)
-    # Pad queries repeat the last real position, so they see exactly the row's valid columns (never all-masked).
+    # Pad queries repeat the last real position, so they see exactly the row's valid columns (never all-masked); a
+    # held row's queries sit at its last cached position.
     pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
     cache._cols = torch.where(real, starts[:, None] + j, torch.full_like(pos, cache.capacity))  # (b, Q)
     cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))

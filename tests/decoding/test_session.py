@@ -1,0 +1,151 @@
+"""The step-level scheduler: rows joining a running batch, slots reused, shared LLM calls -- tokens never change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_qwen2
+
+from citer.decoding.baselines import AlwaysLLM, RandomRouter
+from citer.decoding.engine import EngineInputError, RoutedEngine
+from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+
+V = 97
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40], [3, 4, 5], [60, 61]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    slm = make_qwen2(V, hidden_size=32, num_hidden_layers=1, seed=1)
+    llm = make_qwen2(V, hidden_size=64, num_hidden_layers=2, seed=2)
+    return slm, llm
+
+
+def alone(eng, i, n, **kw):
+    return eng.generate(PROMPTS[i], n, row_ids=[i], **kw)
+
+
+@pytest.mark.parametrize("max_rows", [1, 2, 4])
+def test_rows_joining_as_others_finish_get_the_tokens_they_get_alone(pair, max_rows):
+    slm, llm = pair
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=5), tau=0.5, eos_token_id=[7, 50])
+    budgets = [4, 9, 6, 12, 3, 8]  # rows end at different steps, so slots are freed and refilled mid-batch
+    sess = eng.session(max_rows=max_rows)
+    keys = [sess.add(p, n, row_id=i) for i, (p, n) in enumerate(zip(PROMPTS, budgets, strict=True))]
+    got: dict[int, list[int]] = {k: [] for k in keys}
+    peak = 0
+    while sess.busy:
+        for em in sess.step():
+            got[em.key].append(em.token)
+        peak = max(peak, len(sess.rows))
+    assert peak <= max_rows
+    for i, k in enumerate(keys):
+        assert got[k] == alone(eng, i, budgets[i]).tokens[0], i
+
+
+def test_a_row_added_mid_flight_matches_the_row_alone_and_streams_token_by_token(pair):
+    slm, llm = pair
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=5), tau=0.5)
+    sess = eng.session()
+    a = sess.add(PROMPTS[0], 10, row_id=0)
+    seen: dict[int, list[int]] = {a: []}
+    for _ in range(4):
+        for em in sess.step():
+            seen[em.key].append(em.token)
+    assert len(seen[a]) == 4  # one token per row per step, as it is chosen
+    b = sess.add(PROMPTS[2], 10, row_id=2)
+    seen[b] = []
+    while sess.busy:
+        for em in sess.step():
+            seen[em.key].append(em.token)
+            assert not em.done or len(seen[em.key]) == 10
+    assert seen[a] == alone(eng, 0, 10).tokens[0]
+    assert seen[b] == alone(eng, 2, 10).tokens[0]
+    assert sess.stats(b).new_tokens == 10
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others_untouched(pair):
+    slm, llm = pair
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=5), tau=0.5)
+    sess = eng.session(max_rows=2)
+    keys = [sess.add(PROMPTS[i], 8, row_id=i) for i in range(3)]
+    got: dict[int, list[int]] = {k: [] for k in keys}
+    for em in sess.step():
+        got[em.key].append(em.token)
+    assert sess.cancel(keys[0]) and not sess.cancel(keys[0])
+    while sess.busy:
+        for em in sess.step():
+            got[em.key].append(em.token)
+    assert len(got[keys[0]]) == 1
+    for i in (1, 2):
+        assert got[keys[i]] == alone(eng, i, 8).tokens[0]
+
+
+@pytest.mark.parametrize("min_rows,max_wait", [(2, 3), (4, 8), (32, 2)])
+def test_shared_llm_calls_change_no_token_and_cut_llm_calls(pair, min_rows, max_wait):
+    slm, llm = pair
+    prompts = [[(7 * i + j) % V for j in range(3 + i % 5)] for i in range(16)]
+    base = RoutedEngine(slm, llm, RandomRouter(0.15, seed=2), tau=0.5)
+    shared = RoutedEngine(
+        slm, llm, RandomRouter(0.15, seed=2), tau=0.5, llm_min_rows=min_rows, llm_max_wait_steps=max_wait
+    )
+    a, b = base.generate_batch(prompts, 20), shared.generate_batch(prompts, 20)
+    assert b.tokens == a.tokens and b.from_llm == a.from_llm
+    assert b.batch.llm_tokens == a.batch.llm_tokens
+    assert b.batch.llm_calls < a.batch.llm_calls
+    assert b.batch.wait_row_steps > 0 and a.batch.wait_row_steps == 0
+    assert b.batch.wait_row_steps == sum(r.wait_steps for r in b.rows)
+    assert max(r.wait_steps for r in b.rows) <= max_wait * max(r.llm_tokens for r in b.rows)
+    # Per-row catch-up is the same, so the row priced alone is the same; held rows add only KV reads.
+    for ra, rb in zip(a.rows, b.rows, strict=True):
+        assert rb.llm_calls == ra.llm_calls and rb.bytes_alone == pytest.approx(ra.bytes_alone)
+    assert b.batch.llm_bytes < a.batch.llm_bytes
+
+
+def test_shared_calls_bring_llm_calls_per_step_down_at_batch_32(pair):
+    slm, llm = pair
+    prompts = [[(3 * i + j) % V for j in range(4)] for i in range(32)]
+    kw = dict(tau=0.5)
+    a = RoutedEngine(slm, llm, RandomRouter(0.1, seed=1), **kw).generate_batch(prompts, 24)
+    b = RoutedEngine(slm, llm, RandomRouter(0.1, seed=1), llm_min_rows=8, llm_max_wait_steps=4, **kw)
+    b = b.generate_batch(prompts, 24)
+    assert a.batch.llm_calls_per_step > 0.8  # some row needs the LLM at almost every step
+    assert b.batch.llm_calls_per_step <= 0.4
+    assert b.tokens == a.tokens
+
+
+def test_always_llm_with_shared_calls_is_still_llm_greedy(pair):
+    slm, llm = pair
+    a = RoutedEngine(slm, llm, AlwaysLLM()).generate_batch(PROMPTS, 8)
+    b = RoutedEngine(slm, llm, AlwaysLLM(), llm_min_rows=4, llm_max_wait_steps=2).generate_batch(PROMPTS, 8)
+    assert a.tokens == b.tokens and b.batch.llm_calls == a.batch.llm_calls
+
+
+@pytest.mark.parametrize("bad", [dict(llm_min_rows=0), dict(llm_max_wait_steps=-1), dict(llm_min_rows=True)])
+def test_bad_shared_call_params_are_refused(pair, bad):
+    slm, llm = pair
+    with pytest.raises(EngineInputError, match=next(iter(bad))):
+        RoutedEngine(slm, llm, RandomRouter(0.1), **bad)
+
+
+def test_slot_pool_grows_recycles_and_keeps_rows_exact(pair):
+    _, llm = pair
+    ref = RaggedKVCache(llm, 3, 32)
+    ref_lg, _ = ragged_append(llm, ref, [PROMPTS[0], PROMPTS[1], PROMPTS[2]])
+    pool = RaggedKVCache(llm, 0, 4)
+    pool.ensure_capacity(20)
+    s = pool.add_slots(2)
+    ragged_append(llm, pool, [PROMPTS[3], PROMPTS[0]], slots=s)
+    s = pool.add_slots(2)  # the pool doubles
+    ragged_append(llm, pool, [PROMPTS[1], PROMPTS[2]], slots=s)
+    moved = pool.remove_slots([0])  # slot 3 (PROMPTS[2]) moves into the hole
+    assert moved == {3: 0} and pool.lengths == [len(PROMPTS[2]), len(PROMPTS[0]), len(PROMPTS[1])]
+    # Held rows (empty chunks) ride along and write nothing.
+    lg, _ = ragged_append(llm, pool, [[30], [], [31]])
+    assert pool.lengths == [len(PROMPTS[2]) + 1, len(PROMPTS[0]), len(PROMPTS[1]) + 1]
+    ref_next, _ = ragged_append(llm, ref, [[31], [30]], slots=[1, 2])
+    torch.testing.assert_close(lg[0], ref_next[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lg[2], ref_next[0], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="nothing to feed"):
+        ragged_append(llm, pool, [[], []], slots=[0, 1])
+    assert ref_lg.shape[0] == 3
