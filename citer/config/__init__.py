@@ -38,7 +38,7 @@ from citer.config.models import (
     PretrainParams,
 )
 from citer.config.routing import LabelsParams, RouterParams
-from citer.config.serving import InferenceParams, ServeParams
+from citer.config.serving import EngineParams, InferenceParams, ServeParams
 
 __all__ = [
     "DEVICE_STRATEGIES",
@@ -48,6 +48,7 @@ __all__ = [
     "DataParams",
     "EvalParams",
     "FinetuneParams",
+    "EngineParams",
     "InferenceParams",
     "IntervalParams",
     "LabelsParams",
@@ -87,6 +88,7 @@ class Params(_Block):
     sweep: SweepParams = SweepParams()
     registry: RegistryParams = RegistryParams()
     lock: LockParams = LockParams()
+    engine: EngineParams = EngineParams()
     inference: InferenceParams = InferenceParams()
     serve: ServeParams = ServeParams()
 

@@ -11,6 +11,19 @@ from citer.config.base import (
 )
 
 
+class EngineParams(_Block):
+    """The routed decoder as ``citer route``, ``citer serve`` and ``citer.load_champion`` build it.
+
+    Shared LLM calls: a row the router sends to the LLM may wait, without advancing, until ``llm_min_rows`` rows want
+    the LLM or it has waited ``llm_max_wait_steps`` steps, so one read of the LLM's weights serves several rows.
+    Tokens never change, only when they arrive; 1 and 0 (the default) call the LLM at once -- the batch-1 latency
+    regime the paper measures. Worth turning on where many rows decode together (a busy server, ``citer route``).
+    """
+
+    llm_min_rows: int = Field(1, ge=1, le=4096)
+    llm_max_wait_steps: int = Field(0, ge=0, le=4096)
+
+
 class InferenceParams(_Block):
     """``citer route``: the champion router over a JSONL of questions; rerunning resumes where it stopped."""
 
@@ -39,6 +52,10 @@ class ServeParams(_Block):
     # prompts x max_tokens, the decoding work one request asks
     max_tokens_per_request: int = Field(65536, ge=1)
     max_queued_requests: int = Field(32, ge=1)
+    # Continuous batching: requests join the running batch at any step, up to this many rows decoding at once.
+    # false: one request at a time (the old behaviour; benchmarks compare against it).
+    continuous_batching: bool = True
+    max_batch_rows: int = Field(32, ge=1, le=4096)
     # A non-loopback host needs an API key (read from this environment variable) unless allow_remote_without_key.
     api_key_env: str = "CITER_API_KEY"
     allow_remote_without_key: bool = False

@@ -34,11 +34,7 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.session import DecodeSession
-
-
-class EngineInputError(ValueError):
-    """Bad arguments to the engine; raised before any generation."""
+from citer.decoding.session import DecodeSession, EngineInputError
 
 
 @dataclass

@@ -55,6 +55,10 @@ class Engine(Protocol):
     def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
 
 
+class EngineInputError(ValueError):
+    """Bad arguments to the engine; raised before any generation."""
+
+
 @dataclass
 class Emitted:
     """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch."""
@@ -74,6 +78,7 @@ class _Row:
     max_new: int
     out: list[int] = field(default_factory=list)
     from_llm: list[bool] = field(default_factory=list)
+    sampling: tuple[float, float, int] = (0.0, 1.0, 0)  # temperature, top_p, seed
     llm_seen: int = 0  # tokens of this row in the LLM cache
     waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
 
@@ -104,13 +109,32 @@ class DecodeSession:
         self._fed: set[int] = set()  # keys of the rows whose new token the SLM has not seen yet
 
     # -- the caller's side ------------------------------------------------------------------------------------------
-    def add(self, prompt: Sequence[int], max_new_tokens: int, row_id: int | None = None) -> int:
-        """Queue a row (checked now, admitted at the next step); returns its key."""
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        row_id: int | None = None,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> int:
+        """Queue a row (checked now, admitted at the next step); returns its key. Sampling settings default to the
+        session's; rows of one batch may differ (each server request brings its own)."""
         self.e.check_prompts([prompt], max_new_tokens, None)
+        samp = (
+            self.temperature if temperature is None else float(temperature),
+            self.top_p if top_p is None else float(top_p),
+            self.seed if seed is None else int(seed),
+        )
+        if samp[0] < 0.0 or not 0.0 < samp[1] <= 1.0:
+            raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {samp[0]}, {samp[1]}")
         key = self.meter.add_rows(1)[0]
         seq = [int(t) for t in prompt]
         rid = key if row_id is None else int(row_id)
-        self.queue.append(_Row(key=key, row_id=rid, seq=seq, prompt_len=len(seq), max_new=max_new_tokens))
+        self.queue.append(
+            _Row(key=key, row_id=rid, seq=seq, prompt_len=len(seq), max_new=max_new_tokens, sampling=samp)
+        )
         return key
 
     @torch.inference_mode()
@@ -159,9 +183,7 @@ class DecodeSession:
             hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
             scores = e.score(hidden, rid, steps)  # (k,)
-            proposal = select_tokens(
-                cut_logits(logits, e.vocab_size), self.temperature, self.top_p, self.seed, rid, steps
-            ).tolist()
+            proposal = self._choose(logits, [self.rows[s] for s in ready], rid, steps)
             for i, s in enumerate(ready):
                 if scores[i] < e.tau:
                     self.rows[s].waited = 0
@@ -205,9 +227,26 @@ class DecodeSession:
             r.llm_seen = len(r.seq)
         rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
         steps = torch.tensor([len(r.out) for r in rows], dtype=torch.long)
-        return select_tokens(
-            cut_logits(logits, e.vocab_size), self.temperature, self.top_p, self.seed, rid, steps
-        ).tolist()
+        return self._choose(logits, rows, rid, steps)
+
+    def _choose(
+        self, logits: torch.Tensor, rows: list[_Row], rid: torch.Tensor, steps: torch.Tensor
+    ) -> list[int]:
+        """Tokens for ``rows`` from logits (k, V), one sampler call per distinct sampling setting."""
+        logits = cut_logits(logits, self.e.vocab_size)
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r.sampling, []).append(i)
+        if len(groups) == 1:
+            ((t, p, seed),) = groups
+            return select_tokens(logits, t, p, seed, rid, steps).tolist()
+        out = [0] * len(rows)
+        for (t, p, seed), idx in groups.items():
+            sel = torch.tensor(idx, dtype=torch.long)
+            toks = select_tokens(logits[sel.to(logits.device)], t, p, seed, rid[sel], steps[sel]).tolist()
+            for i, tok in zip(idx, toks, strict=True):
+                out[i] = tok
+        return out
 
     def _emit(self, tok: dict[int, int]) -> list[Emitted]:
         out, done = [], []

@@ -6,9 +6,11 @@ Output: one JSON line per non-blank input line, in input order::
      "llm_token_fraction": 0.129, "llm_calls": 2, "bytes_moved": 1.2e6}
     {"index": 1, "line": 2, "error": "field 'problem': missing required key"}
 
-``correct`` is present only when the row carries a reference (math ``solution`` / mc ``answerKey``). Input lines are
-cut into chunks of ``batch_size`` (errors included) and each chunk is appended in one write followed by fsync. A
-rerun drops a torn last line and any chunk not written in full, then decodes the remaining chunks; with the same
+``correct`` is present only when the row carries a reference (math ``solution`` / mc ``answerKey``). Up to
+``batch_size`` rows decode at once, and a row that finishes is replaced by the next at the following step
+(continuous batching, :class:`~citer.decoding.session.DecodeSession`). Input lines are cut into chunks of
+``CHUNK_BATCHES * batch_size`` (errors included) and each chunk is appended in one write followed by fsync. A rerun
+drops a torn last line and any chunk not written in full, then decodes the remaining chunks; with the same
 ``batch_size`` they line up with the first run's, so the final file is identical to an uninterrupted run's.
 A sidecar ``<output>.meta.json`` records the input's hash and the settings (router version, τ, models); an output
 written with other settings is refused, or started over with ``restart_on_change`` (what the pipeline does).
@@ -30,6 +32,9 @@ from citer.data.jsonl import iter_raw_lines
 from citer.data.prompts import build_prompt
 from citer.decoding.engine import EngineInputError
 from citer.io import file_digest, write_json
+
+# Input lines per durable write, in batches: a chunk keeps its rows' batch full as rows finish (continuous batching).
+CHUNK_BATCHES = 4
 
 # Reference fields: a question without them is routed but not graded.
 _REFERENCE = {"math": ("solution",), "mc": ("answerKey",)}
@@ -171,7 +176,7 @@ def _stats_out(st: Any, n_tokens: int) -> dict[str, Any]:
 
 
 def _generate(
-    engine: Any, pairs: list[tuple[_Item, list[int]]], max_new_tokens: int
+    engine: Any, pairs: list[tuple[_Item, list[int]]], max_new_tokens: int, batch_size: int
 ) -> list[tuple[list[int], Any]]:
     # row_ids = input indices: a random router or sampler then draws the same numbers whatever the batch.
     res = engine.generate_batch(
@@ -179,12 +184,13 @@ def _generate(
         max_new_tokens=max_new_tokens,
         temperature=0.0,
         row_ids=[it.index for it, _ in pairs],
+        max_rows=batch_size,
     )
     return list(zip(res.tokens, res.rows, strict=True))
 
 
 def _decode_chunk(
-    engine: Any, tokenizer: Any, chunk: list[_Item], fmt: Format, max_new_tokens: int
+    engine: Any, tokenizer: Any, chunk: list[_Item], fmt: Format, max_new_tokens: int, batch_size: int
 ) -> list[dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     ok: list[tuple[_Item, list[int]]] = []
@@ -200,14 +206,14 @@ def _decode_chunk(
         ok.append((it, list(ids)))
     if ok:
         try:
-            results = _generate(engine, ok, max_new_tokens)
+            results = _generate(engine, ok, max_new_tokens, batch_size)
         except EngineInputError:
             # One prompt the engine refuses (too long for a model's context) must not sink its batch-mates:
             # decode row by row and report the refused ones. Deterministic, so a rerun writes the same lines.
             results = []
             for pair in ok:
                 try:
-                    results += _generate(engine, [pair], max_new_tokens)
+                    results += _generate(engine, [pair], max_new_tokens, batch_size)
                 except EngineInputError as exc:
                     err = f"engine refused the prompt: {exc}"
                     out[pair[0].index] = {"index": pair[0].index, "line": pair[0].line, "error": err}
@@ -303,7 +309,8 @@ def route_file(
     write_json(meta_path, run_meta)
     # Keep whole chunks only: a chunk cut short is decoded again in full, so every row is decoded in the same
     # batch as in an uninterrupted run (bytes_moved shares each call's weight read among the rows of its batch).
-    chunk_ends = [min(s + batch_size, len(items)) for s in range(0, len(items), batch_size)]
+    rows = CHUNK_BATCHES * batch_size
+    chunk_ends = [min(s + rows, len(items)) for s in range(0, len(items), rows)]
     n_keep = max([e for e in chunk_ends if e <= len(written)], default=0)
     size = ends[n_keep - 1] if n_keep else 0
     if output.exists() and output.stat().st_size != size:
@@ -311,7 +318,7 @@ def route_file(
     done = {i: written[i] for i in range(n_keep)}
     n_skipped = len(done)
     # Chunks are fixed by position, so a rerun decodes exactly the batches the killed run would have.
-    chunks = [items[s : s + batch_size] for s in range(0, len(items), batch_size)]
+    chunks = [items[s : s + rows] for s in range(0, len(items), rows)]
     todo = [ch for ch in chunks if ch[0].index not in done]
     n_processed = 0
     if todo:
@@ -322,7 +329,7 @@ def route_file(
         bar = tqdm(total=sum(len(c) for c in todo), disable=not progress, desc=f"route {inp.name}", unit="q")
         with output.open("ab") as fh:
             for ch in todo:
-                recs = _decode_chunk(eng, tokenizer, ch, fmt, max_new_tokens)
+                recs = _decode_chunk(eng, tokenizer, ch, fmt, max_new_tokens, batch_size)
                 fh.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in recs))
                 fh.flush()
                 os.fsync(fh.fileno())

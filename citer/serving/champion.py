@@ -106,7 +106,14 @@ def load_champion(
         )
     router = router.to(slm.device).eval()
     engine = RoutedEngine(
-        slm, llm, router, tau=tau, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        slm,
+        llm,
+        router,
+        tau=tau,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        llm_min_rows=params.engine.llm_min_rows,
+        llm_max_wait_steps=params.engine.llm_max_wait_steps,
     )
     info = {
         "router": f"{rv.name}/{rv.version}",

@@ -1,4 +1,4 @@
-"""The OpenAI wire format as ``citer serve`` speaks it: request models, their validation, prompts and stream pieces.
+"""The OpenAI wire format as ``citer serve`` speaks it: request models, their validation, prompts and streamed text.
 
 Kept apart from the app so the rules (what a 400 says, how a chat becomes a prompt, how tokens become stream chunks)
 can be read and tested without a server.
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,32 +225,67 @@ def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def stream_pieces(
-    tokenizer: Any, tokens: Sequence[int], from_llm: Sequence[bool], text: str
-) -> list[tuple[str, list[bool]]]:
-    """``text`` cut into one piece per token (with who wrote it), concatenating exactly to ``text``.
+def _stop_prefix(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that could still grow into a stop string (held back from a stream)."""
+    best = 0
+    for st in stop:
+        for k in range(min(len(st) - 1, len(text)), best, -1):
+            if text.endswith(st[:k]):
+                best = k
+                break
+    return best
 
-    A token that ends inside a multi-byte character decodes to U+FFFD; it is held back and sent with the next one.
-    Pieces are slices of ``text`` itself, so a stop-truncated or normalised final text still streams exactly.
+
+class TextStream:
+    """An answer's text as its tokens arrive: :meth:`push` returns the piece now safe to send, with the LLM flags of
+    the tokens it covers; the pieces concatenate exactly to :attr:`text`, the non-streamed answer.
+
+    Held back: a token that ends inside a multi-byte character (it decodes to U+FFFD) until the character completes,
+    and any end of the text that could still become a stop string. At a stop string the text is cut before it and
+    :attr:`stopped` is set; at EOS (not part of the text) :attr:`ended`.
     """
-    pieces: list[tuple[str, list[bool]]] = []
-    emitted = 0
-    pending: list[bool] = []
-    for i in range(len(tokens)):
-        if emitted >= len(text):
-            break
-        pending.append(bool(from_llm[i]))
-        # Decoding the prefix each step is quadratic, but answers are a few hundred tokens at most.
-        prefix = tokenizer.decode(tokens[: i + 1], skip_special_tokens=True)
-        if prefix.endswith("\ufffd"):
-            continue
-        end = min(len(prefix), len(text))
-        if end > emitted:
-            pieces.append((text[emitted:end], pending))
-            emitted, pending = end, []
-    if emitted < len(text):
-        pieces.append((text[emitted:], pending))
-    return pieces
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], eos_token_id: int | None) -> None:
+        self.tok, self.stop, self.eos = tokenizer, tuple(stop), eos_token_id
+        self.tokens: list[int] = []  # every token consumed, EOS included
+        self.from_llm: list[bool] = []  # per consumed token: the LLM wrote it
+        self.text = ""
+        self.stopped = self.ended = False
+        self._sent = 0
+        self._flags: list[bool] = []  # flags of the tokens not yet covered by a piece
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or self.ended
+
+    def push(self, token: int, from_llm: bool) -> tuple[str, list[bool]] | None:
+        if self.done:
+            return None
+        self.tokens.append(int(token))
+        self.from_llm.append(bool(from_llm))
+        if token == self.eos:
+            self.ended = True
+            return self._piece(len(self.text))
+        self._flags.append(bool(from_llm))
+        # Decoding the prefix each token is quadratic, but answers are a few hundred tokens at most.
+        full = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return None
+        self.text, self.stopped = truncate_at_stop(full, self.stop)
+        return self._piece(
+            len(self.text) if self.stopped else len(self.text) - _stop_prefix(self.text, self.stop)
+        )
+
+    def finish(self) -> tuple[str, list[bool]] | None:
+        """The rest of the text once no token will come (the budget ran out, or EOS/stop already)."""
+        return self._piece(len(self.text))
+
+    def _piece(self, end: int) -> tuple[str, list[bool]] | None:
+        if end <= self._sent:
+            return None
+        piece = (self.text[self._sent : end], self._flags)
+        self._sent, self._flags = end, []
+        return piece
 
 
 def row_stats(row: Any, from_llm: Sequence[bool]) -> dict[str, Any]:
@@ -266,6 +299,7 @@ def row_stats(row: Any, from_llm: Sequence[bool]) -> dict[str, Any]:
         "llm_catchup_tokens": int(row.llm_catchup_tokens),
         "bytes_moved": float(row.bytes_moved),
         "projected_seconds": float(getattr(row, "projected_seconds", 0.0)),
+        "wait_steps": int(getattr(row, "wait_steps", 0)),
     }
 
 
@@ -280,6 +314,7 @@ def total_stats(rows: list[dict[str, Any]], tau: float | None, wall: float) -> d
         "llm_catchup_tokens": sum(r["llm_catchup_tokens"] for r in rows),
         "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "projected_seconds": sum(r["projected_seconds"] for r in rows),
+        "wait_steps": sum(r["wait_steps"] for r in rows),
         "wall_seconds": round(wall, 4),
     }
     if len(rows) > 1:
@@ -289,45 +324,3 @@ def total_stats(rows: list[dict[str, Any]], tau: float | None, wall: float) -> d
 
 def sse_event(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def sse_chunks(
-    model_name: str,
-    pieces: Sequence[tuple[str, list[bool]]],
-    finish_reason: str,
-    *,
-    chat: bool,
-    usage: dict[str, int] | None,
-    citer: dict[str, Any],
-) -> Iterator[str]:
-    """An answer as OpenAI stream events: (chat: a role chunk), one chunk per piece, a finish chunk, then a last
-    chunk with no choices carrying the routing stats (and usage when asked), then ``data: [DONE]``."""
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    head = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model_name,
-    }
-
-    def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-        if not chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-    if chat:
-        yield sse_event(head | {"choices": [choice("", None, role=True)]})
-    for text, flags in pieces:
-        # Per chunk: which of its tokens the LLM wrote, so a client can highlight them.
-        yield sse_event(head | {"choices": [choice(text, None)], "citer": {"from_llm": flags}})
-    yield sse_event(head | {"choices": [choice(None if chat else "", finish_reason)]})
-    last = head | {"choices": [], "citer": citer}
-    if usage is not None:
-        last["usage"] = usage
-    yield sse_event(last)
-    yield "data: [DONE]\n\n"

@@ -1,7 +1,14 @@
-"""The engine behind its lock and its bounded queue: one decode at a time on one engine thread.
+"""The engine behind the server: one engine thread steps a continuous batch that requests join and leave.
 
-A request waiting for its turn holds no thread; at most ``max_queued_requests`` wait, and one more is refused with a
-429 and a ``Retry-After`` estimated from recent decodes. What one request may ask is bounded before it is queued.
+Requests wait in a bounded inbox (``max_queued_requests``; one more is refused with a 429 and a ``Retry-After``
+estimated from recent requests). The engine thread moves them into a :class:`~citer.decoding.session.DecodeSession`
+whenever the batch has room (``max_batch_rows`` rows), steps it, and hands every token to its request's asyncio
+queue as it is chosen -- so answers stream as they are decoded and a new request starts at the next step, not after
+the others. A request that stops (a stop string, a client gone) is cancelled and frees its rows' slots. With
+``continuous=False`` one request decodes at a time (the old behaviour, kept to compare against).
+
+The engine thread holds ``lock`` while it admits and steps; nothing else holds it (tests hold it to stall the
+engine). ``/health`` and admission read counters kept under ``_cv``, never the engine.
 """
 
 from __future__ import annotations
@@ -11,24 +18,16 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from starlette.concurrency import run_in_threadpool
 
 from citer.decoding.engine import EngineInputError
 from citer.serving.access import ServeError
-from citer.serving.protocol import (
-    RequestError,
-    Sampling,
-    check_size,
-    row_stats,
-    stream_pieces,
-    total_stats,
-    truncate_at_stop,
-)
+from citer.serving.protocol import RequestError, Sampling, TextStream, check_size, row_stats, total_stats
 
 PromptFormat = Literal["math", "mc", "raw"]
 log = logging.getLogger("citer.serving")
@@ -37,13 +36,16 @@ log = logging.getLogger("citer.serving")
 MAX_PROMPTS_PER_REQUEST = 64
 MAX_TOKENS_PER_REQUEST = 65536
 MAX_QUEUED_REQUESTS = 32
-# Retry-After bounds (seconds) of a 429: the expected wait for the queue, estimated from recent decodes.
+MAX_BATCH_ROWS = 32
+# Retry-After bounds (seconds) of a 429: the expected wait for the queue, estimated from recent requests.
 _RETRY_MIN_S, _RETRY_MAX_S = 1, 60
+# A session's cost meter keeps a record per row; an idle session is replaced after this many rows.
+_ROWS_PER_SESSION = 4096
 
 
 @dataclass
 class _Decoded:
-    """One prompt's answer: text after stop handling, its token pieces for streaming, and routing stats."""
+    """One prompt's answer: text after stop handling, its streamed pieces, and routing stats."""
 
     text: str
     finish_reason: str
@@ -53,13 +55,26 @@ class _Decoded:
     stats: dict[str, Any]
 
 
-class _Server:
-    """The engine behind its lock and its queue, plus what every endpoint needs to encode, decode and describe it.
+@dataclass(eq=False)
+class _Job:
+    """One request on its way through the engine; events go to ``events`` on the request's event loop."""
 
-    Decodes run on one engine thread (a single-worker executor), each under ``lock``. ``waiting`` counts requests
-    admitted to the queue that do not hold the lock yet; it is changed only under ``_state``, a lock that is never
-    held across a decode, so ``/health`` and admission never wait for the engine.
-    """
+    prompts: list[list[int]]
+    s: Sampling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    keys: dict[int, int] = field(default_factory=dict)  # session key -> prompt index
+    t0: float = field(default_factory=time.perf_counter)
+
+    def post(self, *event: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the request's loop is gone (client and server shut down): nobody listens
+            pass
+
+
+class _Server:
+    """The engine thread, the inbox, and what every endpoint needs to encode, decode and describe answers."""
 
     def __init__(
         self,
@@ -74,6 +89,8 @@ class _Server:
         max_prompts: int,
         max_total_tokens: int,
         max_queued: int,
+        max_rows: int = MAX_BATCH_ROWS,
+        continuous: bool = True,
     ) -> None:
         if tokenizer.eos_token_id is None:
             raise ServeError(
@@ -89,14 +106,21 @@ class _Server:
         self.max_prompts = max_prompts
         self.max_total_tokens = max_total_tokens
         self.max_queued = max_queued
-        self.lock = threading.Lock()  # the engine: held by the one decode running
-        self._state = threading.Lock()  # guards the fields below; never held across a decode
-        self.waiting = 0
-        self.busy = False
-        self.decode_seconds = 1.0  # running estimate of one decode's wall time, for Retry-After
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="citer-engine")
+        self.max_rows = max_rows
+        self.continuous = continuous
+        self.lock = threading.Lock()  # held by the engine thread while it admits and steps
+        self._cv = threading.Condition()  # guards the fields below; never held across a step
+        self._inbox: deque[_Job] = deque()
+        self._cancels: list[tuple[_Job, list[int] | None]] = []
+        self._closed = False
+        self.active_rows = 0
+        self.request_seconds = 1.0  # running estimate of one request's wall time, for Retry-After
+        self._sess: Any = None
+        self._owner: dict[int, _Job] = {}  # session key -> its request (engine thread only)
+        self._thread: threading.Thread | None = None
         self.created = int(time.time())
 
+    # -- the request side (event loop) ------------------------------------------------------------------------------
     def check_size(self, n_prompts: int, s: Sampling, *, prompt_param: str, tokens_param: str) -> None:
         check_size(
             n_prompts,
@@ -124,15 +148,21 @@ class _Server:
         return prompts
 
     def queue_state(self) -> dict[str, Any]:
-        with self._state:
-            return {"busy": self.busy, "waiting": self.waiting, "max_queued_requests": self.max_queued}
+        with self._cv:
+            return {
+                "busy": self.active_rows > 0,
+                "waiting": len(self._inbox),
+                "active_rows": self.active_rows,
+                "max_queued_requests": self.max_queued,
+            }
 
-    def _enqueue(self, prompts: list[list[int]], s: Sampling) -> Future:
-        """Admit one decode to the engine queue, or refuse it (429) when ``max_queued`` already wait."""
-        with self._state:
-            if self.waiting >= self.max_queued:
-                n = self.waiting
-                retry = min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(self.decode_seconds * (n + 1))))
+    def _submit(self, prompts: list[list[int]], s: Sampling) -> _Job:
+        """Put one request in the inbox, or refuse it (429) when ``max_queued`` already wait."""
+        job = _Job(prompts, s, asyncio.get_running_loop())
+        with self._cv:
+            if len(self._inbox) >= self.max_queued:
+                n = len(self._inbox)
+                retry = min(_RETRY_MAX_S, max(_RETRY_MIN_S, math.ceil(self.request_seconds * (n + 1))))
                 raise RequestError(
                     f"server busy: {n} requests are already waiting for the engine, the most this server queues "
                     f"(serve.max_queued_requests={self.max_queued}); retry in {retry} s",
@@ -141,73 +171,76 @@ class _Server:
                     code="queue_full",
                     headers={"Retry-After": str(retry)},
                 )
-            self.waiting += 1
-        try:
-            fut = self._worker.submit(self._generate, prompts, s)
-        except BaseException:
-            self._leave_queue()
-            raise
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="citer-engine", daemon=True)
+                self._thread.start()
+            self._inbox.append(job)
+            self._cv.notify()
+        return job
 
-        def _cancelled(f: Future) -> None:
-            # Cancelled before it ran (the client went away while waiting): _generate never decrements.
-            if f.cancelled():
-                self._leave_queue()
+    def _cancel(self, job: _Job, prompts: list[int] | None = None) -> None:
+        """Stop decoding ``prompts`` of ``job`` (all: None); a request still in the inbox just leaves it."""
+        with self._cv:
+            if prompts is None and job in self._inbox:
+                self._inbox.remove(job)
+                return
+            self._cancels.append((job, prompts))
+            self._cv.notify()
 
-        fut.add_done_callback(_cancelled)
-        return fut
+    async def answers(
+        self,
+        texts: list[tuple[str, str]],
+        s: Sampling,
+        on_piece: Callable[[str, list[bool]], Awaitable[None]] | None = None,
+    ) -> list[_Decoded]:
+        """Decode ``texts``; ``on_piece`` (single-prompt streams) gets each piece of text as it is decoded.
 
-    def _leave_queue(self) -> None:
-        with self._state:
-            self.waiting -= 1
-
-    def _generate(self, prompts: list[list[int]], s: Sampling) -> tuple[Any, float]:
-        """On the engine thread: one ``generate_batch`` under the engine lock."""
-        with self.lock:
-            with self._state:
-                self.waiting -= 1
-                self.busy = True
-            t0 = time.perf_counter()
-            try:
-                res = self.engine.generate_batch(
-                    prompts,
-                    max_new_tokens=s.max_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=s.seed,
-                )
-            except EngineInputError as exc:  # the engine's own input checks are the client's fault, not ours
-                raise RequestError(str(exc), param="prompt") from exc
-            finally:
-                wall = time.perf_counter() - t0
-                with self._state:
-                    self.busy = False
-                    self.decode_seconds = 0.7 * self.decode_seconds + 0.3 * wall
-        return res, wall
-
-    async def decode(self, texts: list[tuple[str, str]], s: Sampling) -> list[_Decoded]:
-        """Encode (a worker thread), wait for the engine (no thread held), decode the answers (a worker thread)."""
+        Raises :class:`RequestError` before the first piece when the engine refuses the request; if the caller is
+        cancelled (a client went away) the request's rows are cancelled and free their slots."""
         prompts = await run_in_threadpool(self.encode, texts, s)
-        res, wall = await asyncio.wrap_future(self._enqueue(prompts, s))
-        return await run_in_threadpool(self._answers, prompts, res, wall, s)
-
-    def _answers(self, prompts: list[list[int]], res: Any, wall: float, s: Sampling) -> list[_Decoded]:
-        eos = self.tok.eos_token_id
+        job = self._submit(prompts, s)
+        streams = [TextStream(self.tok, s.stop, self.tok.eos_token_id) for _ in prompts]
+        stats: dict[int, Any] = {}
+        pieces: list[list[tuple[str, list[bool]]]] = [[] for _ in prompts]
+        try:
+            while len(stats) < len(prompts):
+                kind, i, *rest = await job.events.get()
+                if kind == "error":
+                    raise rest[0]
+                if kind == "done":
+                    stats[i] = rest[0]
+                    continue
+                ts = streams[i]
+                if ts.done:  # tokens decoded after a stop string, before the engine saw the cancel
+                    continue
+                piece = ts.push(*rest)
+                if ts.stopped:
+                    self._cancel(job, [i])
+                if piece is not None:
+                    pieces[i].append(piece)
+                    if on_piece is not None:
+                        await on_piece(*piece)
+        except BaseException:
+            self._cancel(job)
+            raise
+        wall = time.perf_counter() - job.t0
+        with self._cv:
+            self.request_seconds = 0.7 * self.request_seconds + 0.3 * wall
         out = []
-        for i, prompt in enumerate(prompts):
-            toks, flags = list(res.tokens[i]), list(res.from_llm[i])
-            ended = bool(toks) and toks[-1] == eos
-            body, body_flags = (toks[:-1], flags[:-1]) if ended else (toks, flags)
-            full = self.tok.decode(body, skip_special_tokens=True)
-            text, stopped = truncate_at_stop(full, s.stop)
-            pieces = stream_pieces(self.tok, body, body_flags, text)
+        for i, ts in enumerate(streams):
+            tail = ts.finish()
+            if tail is not None:
+                pieces[i].append(tail)
+                if on_piece is not None:
+                    await on_piece(*tail)
             out.append(
                 _Decoded(
-                    text=text,
-                    finish_reason="stop" if ended or stopped else "length",
-                    prompt_tokens=len(prompt),
-                    completion_tokens=len(toks),
-                    pieces=pieces,
-                    stats=row_stats(res.rows[i], flags),
+                    text=ts.text,
+                    finish_reason="stop" if ts.done else "length",
+                    prompt_tokens=len(prompts[i]),
+                    completion_tokens=len(ts.tokens),
+                    pieces=pieces[i],
+                    stats=row_stats(stats[i], ts.from_llm),
                 )
             )
         total = total_stats([d.stats for d in out], getattr(self.engine, "tau", None), wall)
@@ -225,7 +258,104 @@ class _Server:
         )
         return out
 
+    async def stream(self, text: tuple[str, str], s: Sampling) -> AsyncIterator[tuple[str, Any]]:
+        """One prompt's answer as ``("piece", (text, flags))`` events, then ``("done", _Decoded)``."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def on_piece(t: str, f: list[bool]) -> None:
+            await q.put(("piece", (t, f)))
+
+        task = asyncio.ensure_future(self.answers([text], s, on_piece))
+        task.add_done_callback(lambda _: q.put_nowait(("end", None)))
+        try:
+            while True:
+                kind, val = await q.get()
+                if kind == "end":
+                    yield "done", task.result()[0]  # re-raises a RequestError
+                    return
+                yield kind, val
+        finally:
+            if not task.done():
+                task.cancel()
+
     def usage(self, ds: list[_Decoded]) -> dict[str, int]:
         p = sum(d.prompt_tokens for d in ds)
         c = sum(d.completion_tokens for d in ds)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the engine thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closed or self._inbox or self._cancels or self._owner):
+                    self._cv.wait()
+                if self._closed:
+                    return
+            with self.lock:
+                try:
+                    self._turn()
+                except Exception as exc:  # a failed step must not take the server down: fail its requests
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+
+    def _turn(self) -> None:
+        if self._sess is None or (not self._owner and self._sess.meter.n >= _ROWS_PER_SESSION):
+            self._sess = self.engine.session(max_rows=self.max_rows)
+        sess = self._sess
+        with self._cv:
+            cancels, self._cancels = self._cancels, []
+            admit = []
+            rows = len(sess.rows) + len(sess.queue)
+            while self._inbox:
+                n = len(self._inbox[0].prompts)
+                fits = rows == 0 or (self.continuous and rows + n <= self.max_rows)
+                if not fits:
+                    break
+                admit.append(self._inbox.popleft())
+                rows += n
+        for job, which in cancels:
+            for key, i in list(job.keys.items()):
+                if (which is None or i in which) and sess.cancel(key):
+                    self._finish(key, i)
+        for job in admit:
+            self._admit(job)
+        if sess.busy:
+            for em in sess.step():
+                job = self._owner[em.key]
+                job.post("tok", job.keys[em.key], em.token, em.from_llm)
+                if em.done:
+                    self._finish(em.key, job.keys[em.key])
+        with self._cv:
+            self.active_rows = len(sess.rows)
+
+    def _admit(self, job: _Job) -> None:
+        s = job.s
+        try:
+            for i, p in enumerate(job.prompts):
+                key = self._sess.add(
+                    p, s.max_tokens, row_id=i, temperature=s.temperature, top_p=s.top_p, seed=s.seed
+                )
+                job.keys[key] = i
+                self._owner[key] = job
+        except EngineInputError as exc:  # the engine's own input checks are the client's fault, not ours
+            for key in job.keys:
+                self._sess.cancel(key)
+                self._owner.pop(key, None)
+            job.post("error", -1, RequestError(str(exc), param="prompt"))
+
+    def _finish(self, key: int, i: int) -> None:
+        job = self._owner.pop(key)
+        job.post("done", i, self._sess.stats(key))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for job in {id(j): j for j in self._owner.values()}.values():
+            job.post("error", -1, RequestError(f"the engine failed: {exc}", status=500, type_="server_error"))
+        self._owner.clear()
+        self._sess = None

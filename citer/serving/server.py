@@ -4,15 +4,15 @@
 carries the routing stats of its decode in an extra top-level field ``citer`` (streams: in the last chunk before
 ``data: [DONE]``), so a client sees how much of its answer the LLM wrote and what it cost in bytes moved.
 
-One decode runs at a time: the engine keeps a KV cache per call and is not re-entrant, so decodes run one after the
-other on one engine thread, under a lock. A request waiting for its turn holds no thread; at most
-``max_queued_requests`` wait, and one more is answered 429 with ``Retry-After``. What one request may ask is bounded
-(``max_prompts_per_request`` prompts, ``max_tokens_per_request`` = prompts x max_tokens; beyond: 400), so no single
-request holds the engine for long. ``/health`` answers from state kept outside the engine lock, at once, however busy
-the engine is; it names the models without absolute paths.
-
-Streaming decodes the whole answer first and then streams it token by token (the engine has no step API); the chunks
-concatenate to exactly the non-streamed text.
+Requests share one continuous batch: an engine thread steps a
+:class:`~citer.decoding.session.DecodeSession`, a request's rows join it at the next step (up to ``max_batch_rows``
+rows decode at once) and leave when they finish, and every token goes to its request as it is chosen -- streams send
+each piece of text as it is decoded, and a client that disconnects frees its rows. A row's tokens never depend on
+what else is in the batch, so every answer is the one the request would get alone. At most ``max_queued_requests``
+wait for room, and one more is answered 429 with ``Retry-After``. What one request may ask is bounded
+(``max_prompts_per_request`` prompts, ``max_tokens_per_request`` = prompts x max_tokens; beyond: 400). ``/health``
+answers from counters kept outside the engine, at once, however busy it is; it names the models without absolute
+paths. ``continuous_batching=False`` decodes one request at a time (the old behaviour, for comparison).
 
 A host other than loopback is refused unless an API key is set (or remote serving without one is allowed
 explicitly); with a key, every request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
@@ -24,17 +24,19 @@ with a 400 rather than ignored.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from citer.project import Project, as_project
 from citer.serving.access import ServeError, check_bind, is_loopback, public_info, public_ref
@@ -43,15 +45,14 @@ from citer.serving.protocol import (
     ChatRequest,
     CompletionRequest,
     RequestError,
-    Sampling,
     chat_prompt,
     check_model,
     check_size,
     error_body,
     sampling_of,
-    sse_chunks,
 )
 from citer.serving.scheduler import (
+    MAX_BATCH_ROWS,
     MAX_PROMPTS_PER_REQUEST,
     MAX_QUEUED_REQUESTS,
     MAX_TOKENS_PER_REQUEST,
@@ -59,6 +60,7 @@ from citer.serving.scheduler import (
     _Decoded,
     _Server,
 )
+from citer.serving.streaming import stream_response
 
 log = logging.getLogger("citer.serving")
 
@@ -101,6 +103,8 @@ def build_app(
     max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
     max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST,
     max_queued_requests: int = MAX_QUEUED_REQUESTS,
+    max_batch_rows: int = MAX_BATCH_ROWS,
+    continuous_batching: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (a RoutedEngine) under the OpenAI model id ``model_name``.
 
@@ -109,7 +113,8 @@ def build_app(
     default and the ceiling of ``max_tokens``; ``context_length`` (default: the SLM's ``max_position_embeddings``)
     bounds prompt + answer. A request may carry at most ``max_prompts_per_request`` prompts and ask for at most
     ``max_tokens_per_request`` tokens (prompts x max_tokens), else 400; beyond ``max_queued_requests`` requests
-    waiting for the engine, a request gets 429 with ``Retry-After``. With ``api_key`` set, every request but
+    waiting for the engine, a request gets 429 with ``Retry-After``. Up to ``max_batch_rows`` rows decode together
+    (``continuous_batching=False``: one request at a time). With ``api_key`` set, every request but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401). ``info`` (router version, SLM, LLM) is shown by
     ``/health`` and added to each response's ``citer`` stats, absolute paths cut to their last component.
     """
@@ -121,6 +126,7 @@ def build_app(
         ("max_prompts_per_request", max_prompts_per_request),
         ("max_tokens_per_request", max_tokens_per_request),
         ("max_queued_requests", max_queued_requests),
+        ("max_batch_rows", max_batch_rows),
     ):
         if value < 1:
             raise ServeError(f"serve.{name} must be >= 1, got {value}")
@@ -142,8 +148,18 @@ def build_app(
         max_prompts=max_prompts_per_request,
         max_total_tokens=max_tokens_per_request,
         max_queued=max_queued_requests,
+        max_rows=max_batch_rows,
+        continuous=continuous_batching,
     )
-    app = FastAPI(title="citer", description="CITER routed decoding, OpenAI-compatible", version="1")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(srv.close)  # stop the engine thread with the app
+
+    app = FastAPI(
+        title="citer", description="CITER routed decoding, OpenAI-compatible", version="1", lifespan=lifespan
+    )
     app.state.citer = srv
 
     @app.exception_handler(RequestError)
@@ -215,9 +231,9 @@ def build_app(
         if req.stream and len(texts) != 1:
             raise RequestError("stream=true takes a single prompt", param="prompt")
         params = ["prompt"] if len(texts) == 1 else [f"prompt[{i}]" for i in range(len(texts))]
-        ds = await srv.decode(list(zip(texts, params, strict=True)), s)
         if req.stream:
-            return _sse_response(_stream(srv, ds[0], s, chat=False))
+            return await stream_response(srv, (texts[0], "prompt"), s, chat=False)
+        ds = await srv.answers(list(zip(texts, params, strict=True)), s)
         choices = [
             {"index": i, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
             for i, d in enumerate(ds)
@@ -238,9 +254,10 @@ def build_app(
         s = sampling_of(req, srv.max_new_tokens)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         srv.check_size(1, s, prompt_param="messages", tokens_param=tokens_param)
-        ds = await srv.decode([(chat_prompt(req.messages, srv.fmt), "messages")], s)
+        text = (chat_prompt(req.messages, srv.fmt), "messages")
         if req.stream:
-            return _sse_response(_stream(srv, ds[0], s, chat=True))
+            return await stream_response(srv, text, s, chat=True)
+        ds = await srv.answers([text], s)
         d = ds[0]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -266,17 +283,6 @@ def _citer(ds: list[_Decoded]) -> dict[str, Any]:
     return dict(ds[0].stats["total"])
 
 
-def _stream(srv: _Server, d: _Decoded, s: Sampling, *, chat: bool) -> Iterator[str]:
-    usage = srv.usage([d]) if s.include_usage else None
-    return sse_chunks(
-        srv.model_name, d.pieces, d.finish_reason, chat=chat, usage=usage, citer=dict(d.stats["total"])
-    )
-
-
-def _sse_response(chunks: Iterator[str]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
 def _setup_logging(level: str) -> None:
     # A no-op when the caller (the CLI, a test) configured logging already.
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -297,6 +303,8 @@ def serve(
     max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
     max_tokens_per_request: int = MAX_TOKENS_PER_REQUEST,
     max_queued_requests: int = MAX_QUEUED_REQUESTS,
+    max_batch_rows: int = MAX_BATCH_ROWS,
+    continuous_batching: bool = True,
     allow_remote_without_key: bool = False,
     api_key_env: str = "CITER_API_KEY",
 ) -> None:
@@ -318,6 +326,8 @@ def serve(
         max_prompts_per_request=max_prompts_per_request,
         max_tokens_per_request=max_tokens_per_request,
         max_queued_requests=max_queued_requests,
+        max_batch_rows=max_batch_rows,
+        continuous_batching=continuous_batching,
     )
     # Access logs off: the per-request INFO line of citer.serving already says what happened.
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
@@ -365,6 +375,8 @@ def serve_champion(
         max_prompts_per_request=s.max_prompts_per_request,
         max_tokens_per_request=s.max_tokens_per_request,
         max_queued_requests=s.max_queued_requests,
+        max_batch_rows=s.max_batch_rows,
+        continuous_batching=s.continuous_batching,
         allow_remote_without_key=s.allow_remote_without_key,
         api_key_env=s.api_key_env,
     )

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from citer.serving.batch import InferenceError, route_file
+from citer.serving.batch import CHUNK_BATCHES, InferenceError, route_file
 
 GOOD = [{"problem": f"{a} + {a % 4}", "solution": f"\\boxed{{{a + a % 4}}}", "id": f"q{a}"} for a in range(7)]
 
@@ -82,23 +82,24 @@ def test_resume_after_kill_gives_the_same_file(engine, tiny_pair, tmp_path):
     tok = tiny_pair[2]
     inp = _write_input(tmp_path / "in.jsonl")
     full = tmp_path / "full.jsonl"
-    route_file(engine, tok, inp, full, "math", batch_size=3, max_new_tokens=6, progress=False)
+    route_file(engine, tok, inp, full, "math", batch_size=1, max_new_tokens=6, progress=False)
     reference = full.read_bytes()
 
-    # A kill mid-write: the first chunk (3 lines) complete, then half of the next line.
+    # A kill mid-write: the first chunk (CHUNK_BATCHES lines at batch_size 1) complete, then half of the next line.
+    n = CHUNK_BATCHES
     killed = tmp_path / "killed.jsonl"
-    route_file(engine, tok, inp, killed, "math", batch_size=3, max_new_tokens=6, progress=False)
+    route_file(engine, tok, inp, killed, "math", batch_size=1, max_new_tokens=6, progress=False)
     lines = reference.split(b"\n")
-    killed.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][: len(lines[3]) // 2])
-    s = route_file(engine, tok, inp, killed, "math", batch_size=3, max_new_tokens=6, progress=False)
-    assert s.n_skipped == 3 and s.n_processed == 8 and s.n == 11
+    killed.write_bytes(b"\n".join(lines[:n]) + b"\n" + lines[n][: len(lines[n]) // 2])
+    s = route_file(engine, tok, inp, killed, "math", batch_size=1, max_new_tokens=6, progress=False)
+    assert s.n_skipped == n and s.n_processed == 11 - n and s.n == 11
     assert killed.read_bytes() == reference
 
     # Rerunning a finished file decodes nothing and never builds an engine.
     def factory():
         raise AssertionError("the engine factory must not be called when nothing is left")
 
-    s = route_file(factory, tok, inp, killed, "math", batch_size=3, max_new_tokens=6, progress=False)
+    s = route_file(factory, tok, inp, killed, "math", batch_size=1, max_new_tokens=6, progress=False)
     assert s.n_processed == 0 and s.n_skipped == 11 and killed.read_bytes() == reference
 
 
@@ -106,19 +107,20 @@ def test_resume_with_factory_and_no_newline_tail(engine, tiny_pair, tmp_path):
     tok = tiny_pair[2]
     inp = _write_input(tmp_path / "in.jsonl", with_bad=False)
     ref = tmp_path / "ref.jsonl"
-    route_file(engine, tok, inp, ref, "math", batch_size=2, max_new_tokens=5, progress=False)
+    route_file(engine, tok, inp, ref, "math", batch_size=1, max_new_tokens=5, progress=False)
     part = tmp_path / "part.jsonl"
     first = ref.read_bytes().split(b"\n")
-    # Three whole lines (chunk 0 and half of chunk 1), then line 4 without its newline: chunk 1 is decoded again.
-    part.write_bytes(b"\n".join(first[:3]) + b"\n" + first[3])
+    # Chunk 0 and half of chunk 1 as whole lines, then one more line without its newline: chunk 1 is decoded again.
+    n = CHUNK_BATCHES  # lines per chunk at batch_size 1
+    part.write_bytes(b"\n".join(first[: n + n // 2]) + b"\n" + first[n + n // 2])
     calls = []
 
     def factory():
         calls.append(1)
         return engine
 
-    s = route_file(factory, tok, inp, part, "math", batch_size=2, max_new_tokens=5, progress=False)
-    assert calls == [1] and s.n_skipped == 2 and s.n_processed == len(GOOD) - 2
+    s = route_file(factory, tok, inp, part, "math", batch_size=1, max_new_tokens=5, progress=False)
+    assert calls == [1] and s.n_skipped == n and s.n_processed == len(GOOD) - n
     assert part.read_bytes() == ref.read_bytes()
 
 

@@ -6,11 +6,7 @@ load through uvicorn on loopback with concurrent clients, the bind and key check
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +14,7 @@ import httpx
 import pytest
 from conftest import REPO, spread_router
 from fastapi.testclient import TestClient
+from live import serving, wait_for
 
 from citer.decoding.engine import RoutedEngine
 from citer.serving.server import ServeError, build_app, check_bind, is_loopback, public_ref
@@ -47,36 +44,6 @@ def _completion(prompt, **kw) -> dict:
     return {"model": MODEL, "prompt": prompt, **kw}
 
 
-@contextlib.contextmanager
-def _serving(app) -> Iterator[str]:
-    """The app under uvicorn in a background thread on a free loopback port; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
-def _wait_for(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # 400: too many prompts, too many tokens
 
@@ -101,8 +68,8 @@ def test_twenty_thousand_prompts_are_refused_without_touching_the_engine(engine,
         def __getattr__(self, name):
             return getattr(engine, name)
 
-        def generate_batch(self, prompts, **kw):
-            raise AssertionError(f"the engine was asked to decode {len(prompts)} prompts")
+        def session(self, **kw):
+            raise AssertionError("the engine was asked to decode")
 
     app = _app(Spy(), tiny_pair[2])  # the defaults: 64 prompts per request
     with TestClient(app) as tc:
@@ -145,16 +112,21 @@ def test_full_queue_is_429_with_retry_after(engine, tiny_pair):
     app = _app(engine, tiny_pair[2], max_queued_requests=4)
     srv = app.state.citer
     body = _completion("Question: 3\nAnswer:", max_tokens=2)
-    with _serving(app) as base, ThreadPoolExecutor(10) as pool:
+    with serving(app) as base, ThreadPoolExecutor(10) as pool:
         assert srv.lock.acquire(timeout=5)
         try:
             futs = [
                 pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=60) for _ in range(10)
             ]
-            _wait_for(lambda: sum(f.done() for f in futs) >= 6, "the refused requests")
+            wait_for(lambda: sum(f.done() for f in futs) >= 6, "the refused requests")
             refused = [f.result() for f in futs if f.done()]
             assert len(refused) == 6 and {r.status_code for r in refused} == {429}
-            assert srv.queue_state() == {"busy": False, "waiting": 4, "max_queued_requests": 4}
+            assert srv.queue_state() == {
+                "busy": False,
+                "waiting": 4,
+                "active_rows": 0,
+                "max_queued_requests": 4,
+            }
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
             err = r.json()["error"]
@@ -165,7 +137,7 @@ def test_full_queue_is_429_with_retry_after(engine, tiny_pair):
             srv.lock.release()
         waited = [f.result() for f in futs if f.result().status_code != 429]
     assert len(waited) == 4 and all(r.status_code == 200 and r.json()["choices"] for r in waited)
-    assert srv.queue_state() == {"busy": False, "waiting": 0, "max_queued_requests": 4}
+    assert srv.queue_state() == {"busy": False, "waiting": 0, "active_rows": 0, "max_queued_requests": 4}
 
 
 def test_health_answers_while_the_engine_is_busy(engine, tiny_pair, tmp_path):
@@ -176,13 +148,13 @@ def test_health_answers_while_the_engine_is_busy(engine, tiny_pair, tmp_path):
     srv = app.state.citer
     n = 45
     body = _completion("Question: 4\nAnswer:", max_tokens=1)
-    with _serving(app) as base, ThreadPoolExecutor(n) as pool:
+    with serving(app) as base, ThreadPoolExecutor(n) as pool:
         assert srv.lock.acquire(timeout=5)
         try:
             futs = [
                 pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120) for _ in range(n)
             ]
-            _wait_for(lambda: srv.queue_state()["waiting"] == n, f"{n} waiting requests")
+            wait_for(lambda: srv.queue_state()["waiting"] == n, f"{n} waiting requests")
             t0 = time.perf_counter()
             h = httpx.get(f"{base}/health", timeout=5)
             took = time.perf_counter() - t0
@@ -191,7 +163,7 @@ def test_health_answers_while_the_engine_is_busy(engine, tiny_pair, tmp_path):
         done = [f.result() for f in futs]
     assert h.status_code == 200 and took < 2.0
     health = h.json()
-    assert health["queue"] == {"busy": False, "waiting": n, "max_queued_requests": 64}
+    assert health["queue"] == {"busy": False, "waiting": n, "active_rows": 0, "max_queued_requests": 64}
     assert (
         health["router"] == "test/7"
         and health["slm"] == "slm"

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import openai
 import pytest
 from conftest import spread_router
+from live import serving
 
 from citer.decoding.engine import RoutedEngine
-from citer.serving.protocol import RequestError, stream_pieces, truncate_at_stop
+from citer.serving.protocol import RequestError, TextStream, truncate_at_stop
 from citer.serving.server import build_app
 
 MODEL = "citer-test"
@@ -34,29 +31,13 @@ def engine(tiny_pair):
 
 @pytest.fixture(scope="module")
 def server(engine, tiny_pair):
-    """Base URL of the app served by uvicorn in a background thread on a socket bound to a free loopback port."""
-    import uvicorn
-
+    """Base URL of the app served by uvicorn on a free loopback port."""
     _, _, tok = tiny_pair
     app = build_app(
         engine, tok, model_name=MODEL, max_new_tokens=MAX_NEW, fmt="math", info={"router": "test/1"}
     )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
-    assert not thread.is_alive(), "uvicorn did not shut down"
+    with serving(app) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -192,15 +173,34 @@ def test_api_key_required_when_set(engine, tiny_pair):
         assert tc.get("/health").status_code == 200
 
 
-def test_stop_and_stream_pieces(tiny_pair):
+def _pieces(ts, ids, flags):
+    out = [p for t, f in zip(ids, flags, strict=True) if (p := ts.push(t, f)) is not None]
+    if (tail := ts.finish()) is not None:
+        out.append(tail)
+    return out
+
+
+def test_stop_strings_cut_the_text_and_hold_back_what_may_become_one(tiny_pair):
     _, _, tok = tiny_pair
     assert truncate_at_stop("a = 5. b", [".", " b"]) == ("a = 5", True)
     assert truncate_at_stop("abc", ["x"]) == ("abc", False)
-    ids = tok.encode("12 + 30", add_special_tokens=False)
+    ids = tok.encode("12 + 30 = 42", add_special_tokens=False)
     flags = [i % 2 == 0 for i in range(len(ids))]
-    pieces = stream_pieces(tok, ids, flags, "12 + 3")  # final text shorter than the tokens (a stop cut it)
-    assert "".join(p for p, _ in pieces) == "12 + 3"
-    assert [f for _, fl in pieces for f in fl] == flags[: len(pieces)]
+    ts = TextStream(tok, ["0 ="], tok.eos_token_id)
+    pieces = _pieces(ts, ids, flags)
+    assert ts.stopped and ts.text == "12 + 3" and "".join(p for p, _ in pieces) == "12 + 3"
+    # "0 = " could still grow into the stop string "0 = 4": no piece ever sends text the stop string later cuts.
+    ts2 = TextStream(tok, ["0 = 4"], tok.eos_token_id)
+    sent = ""
+    for t, f in zip(ids, flags, strict=True):
+        if (p := ts2.push(t, f)) is not None:
+            sent += p[0]
+        assert "12 + 3".startswith(sent), sent
+    assert ts2.stopped and ts2.text == "12 + 3" and sent == "12 + 3"
+    # EOS ends the text and is not part of it; its flag still counts as a token.
+    ts3 = TextStream(tok, [], tok.eos_token_id)
+    _pieces(ts3, ids[:3] + [tok.eos_token_id], [True, False, True, True])
+    assert ts3.ended and ts3.text == tok.decode(ids[:3]) and ts3.from_llm == [True, False, True, True]
 
 
 def test_mc_chat_prompt_uses_training_template():
@@ -217,7 +217,7 @@ def test_mc_chat_prompt_uses_training_template():
         chat_prompt([{"role": "user", "content": "no choices here"}], "mc")
 
 
-def test_stream_pieces_hold_back_split_characters():
+def test_streamed_text_holds_back_split_characters():
     """With a byte-level BPE a character can span tokens: no piece may carry half of one (U+FFFD)."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
@@ -229,7 +229,7 @@ def test_stream_pieces_hold_back_split_characters():
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) > len(text)  # the non-ASCII characters really are split over several byte tokens
     assert any("\ufffd" in tok.decode(ids[: i + 1]) for i in range(len(ids)))
-    pieces = stream_pieces(tok, ids, [True] * len(ids), text)
+    pieces = _pieces(TextStream(tok, [], None), ids, [True] * len(ids))
     assert "".join(p for p, _ in pieces) == text
     assert not any("\ufffd" in p for p, _ in pieces)
     assert sum(len(f) for _, f in pieces) == len(ids)  # every token is accounted to exactly one piece
