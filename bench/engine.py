@@ -3,7 +3,9 @@
 Two scales: ``embedded`` (the pipeline's own pair from ``models/`` when present, tiny random models otherwise) and
 ``memory_bound`` (random Qwen2-architecture models of ~30M and ~300M parameters, where reading weights rather than
 Python overhead dominates a step). Routed rows use the random router at p = 0.1/0.3/0.5 and report the ratio of their
-time per token to the ideal ``f * t_LLM + t_SLM`` (f = the measured LLM fraction, t at the same batch size). Writes
+time per token to the ideal ``f * t_LLM + t_SLM`` (f = the measured LLM fraction, t at the same batch size), at
+batch 1, 8 and 32; at batch > 1 also with shared LLM calls (``routed_shared``: a routed row waits for a quarter of
+the batch, at most 4 steps), with the LLM calls per decoding step and the wait they add. Writes
 ``reports/bench_engine.json`` (atomically). ``--quick``: a < 1 minute smoke version with smaller models.
 """
 
@@ -92,8 +94,12 @@ def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, prof
     for batch in batches:
         prompts = prompts_for(vocab, batch, seed=batch)
         engines = {"slm": RoutedEngine(slm, llm, AlwaysSLM()), "llm": RoutedEngine(slm, llm, AlwaysLLM())}
+        # Shared LLM calls: a routed row waits for a quarter of the batch (at most 4 steps); batch 1 has no one to wait for.
+        share = dict(llm_min_rows=max(2, batch // 4), llm_max_wait_steps=4)
         for p in (0.1, 0.3, 0.5):
-            engines[p] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5)
+            engines[p, False] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5)
+            if batch > 1 and p < 0.5:
+                engines[p, True] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **share)
         engines["llm"].generate_batch(prompts, 2)  # warm-up (allocator, kernels)
         best = {k: float("inf") for k in engines}
         res = {}
@@ -104,15 +110,22 @@ def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, prof
         t = {k: best[k] / res[k].batch.new_tokens for k in engines}
         for k in ("slm", "llm"):
             rows.append(dict(scale=scale, method=k, batch=batch, llm_fraction=res[k].batch.llm_fraction,
-                             sec_per_token=t[k]))  # fmt: skip
-        for p in (0.1, 0.3, 0.5):
-            f = res[p].batch.llm_fraction
-            rows.append(dict(scale=scale, method="routed", batch=batch, llm_fraction=f, sec_per_token=t[p],
-                             ratio_to_ideal=t[p] / (f * t["llm"] + t["slm"]),
-                             llm_calls_per_token=res[p].batch.llm_calls_per_token, p=p))  # fmt: skip
+                             sec_per_token=t[k], llm_calls_per_step=res[k].batch.llm_calls_per_step))  # fmt: skip
+        for k in engines:
+            if isinstance(k, str):
+                continue
+            p, shared = k
+            b = res[k].batch
+            f = b.llm_fraction
+            rows.append(dict(scale=scale, method="routed_shared" if shared else "routed", batch=batch,
+                             llm_fraction=f, sec_per_token=t[k], ratio_to_ideal=t[k] / (f * t["llm"] + t["slm"]),
+                             llm_calls_per_token=b.llm_calls_per_token, llm_calls_per_step=b.llm_calls_per_step,
+                             wait_steps_per_llm_token=b.wait_steps_per_llm_token, p=p,
+                             **({"llm_min_rows": share["llm_min_rows"], "llm_max_wait_steps": 4} if shared else {}),
+                             vs_llm_throughput=t["llm"] / t[k]))  # fmt: skip
             if profile and batch == 1 and p == 0.3:
                 prof = cProfile.Profile()
-                prof.runcall(engines[p].generate_batch, prompts, new_tokens)
+                prof.runcall(engines[k].generate_batch, prompts, new_tokens)
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
                 print(
@@ -170,22 +183,24 @@ def main(argv: list[str] | None = None) -> int:
         slm, llm, desc = embedded_pair(args.quick)
         print(f"embedded: {desc}")
         print(f"speculative (HF assisted generation): {check_speculative_batch(slm, llm)}; reporting batch 1")
-        rows += bench_scale("embedded", slm, llm, [1, 16], 8 if args.quick else 48, 1 if args.quick else 2,
+        rows += bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 2,
                             True, args.profile)  # fmt: skip
         slm, llm, desc = memory_bound_pair(args.quick)
         print(f"memory_bound: {desc}")
         cc = chunk_costs(llm)
         print("memory_bound LLM, one call feeding q tokens (ms): "
               + ", ".join(f"q={q}: {1000 * v:.1f}" for q, v in cc.items()))  # fmt: skip
-        rows += bench_scale("memory_bound", slm, llm, [1, 16], 4 if args.quick else 32, 1 if args.quick else 2,
+        rows += bench_scale("memory_bound", slm, llm, [1, 8, 32], 4 if args.quick else 32, 1 if args.quick else 2,
                             False, args.profile)  # fmt: skip
-    print(f"{'scale':<13}{'method':<12}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}")
+    print(f"{'scale':<13}{'method':<14}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}{'llm/step':>9}"
+          f"{'wait/llm':>9}")  # fmt: skip
     for r in rows:
         f = "" if r["llm_fraction"] is None else f"{r['llm_fraction']:.2f}"
         ratio = f"{r['ratio_to_ideal']:.2f}" if "ratio_to_ideal" in r else ""
-        print(
-            f"{r['scale']:<13}{r['method']:<12}{r['batch']:>6}{f:>9}{1000 * r['sec_per_token']:>10.2f}{ratio:>8}"
-        )
+        per_step = f"{r['llm_calls_per_step']:.2f}" if "llm_calls_per_step" in r else ""
+        wait = f"{r['wait_steps_per_llm_token']:.2f}" if "wait_steps_per_llm_token" in r else ""
+        print(f"{r['scale']:<13}{r['method']:<14}{r['batch']:>6}{f:>9}{1000 * r['sec_per_token']:>10.2f}{ratio:>8}"
+              f"{per_step:>9}{wait:>9}")  # fmt: skip
     write_json(args.out, rows)
     print(f"wrote {args.out}")
     return 0

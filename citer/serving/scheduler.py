@@ -304,6 +304,9 @@ class _Server:
                 except Exception as exc:  # a failed step must not take the server down: fail its requests
                     log.exception("engine step failed")
                     self._fail_all(exc)
+            # Let the event loop run now: it streams the tokens just posted and admits new requests. Without this
+            # the loop waits for the interpreter's switch interval (5 ms), longer than a small model's step.
+            time.sleep(0)
 
     def _turn(self) -> None:
         if self._sess is None or (not self._owner and self._sess.meter.n >= _ROWS_PER_SESSION):

@@ -1,0 +1,221 @@
+"""Serving throughput and latency of `citer serve` under concurrent clients: ``python bench/serving.py``.
+
+The server is the real app on 127.0.0.1 (uvicorn in this process; the clients run in a child process so they do
+not take the server's interpreter lock), the pair the pipeline's embedded architectures (random weights over a
+character tokenizer: throughput does not depend on what the weights say) or ``--models DIR`` (a trained pair with
+``slm``/``llm`` subdirectories). Three servers, each measured at 1, 8 and 32 concurrent clients, every client
+streaming its requests one after another:
+
+- ``continuous``: requests join the running batch (the default);
+- ``one_at_a_time``: ``continuous_batching=False``, the old behaviour;
+- ``llm_only``: continuous batching with every token routed to the LLM.
+
+Per level: throughput (completion tokens/s), p50/p99 latency, p50 time to first token and its ratio to the full
+answer's time, requests lost (not 200), and answers that differ from the same request served alone. Ratios between
+servers are taken within this one run. Writes ``reports/bench_serving.json`` atomically. ``--quick``: a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from citer.config import BootstrapParams  # noqa: E402
+from citer.decoding.baselines import AlwaysLLM, RandomRouter  # noqa: E402
+from citer.decoding.engine import RoutedEngine  # noqa: E402
+from citer.io import write_json  # noqa: E402
+from citer.serving.local import serving_in_background  # noqa: E402
+from citer.serving.server import build_app  # noqa: E402
+
+MODEL = "citer-bench"
+
+
+def char_tokenizer():
+    """Printable ASCII, one token per character: every token streams at once (a byte-level BPE under random weights
+    emits stray high bytes, and a piece ending inside a character is rightly held back, which hides the latency)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {chr(i): i - 29 for i in range(32, 127)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def embedded_pair(models: str | None):
+    """(slm, llm, tokenizer): a trained pair from ``models``, else the bootstrap architectures with random weights
+    over a character tokenizer."""
+    if models:
+        from citer.models.loading import load_pair
+
+        return load_pair(str(Path(models) / "slm"), str(Path(models) / "llm"), "float32", "cpu", False)
+    from citer.models.bootstrap import build_model
+
+    bp, tok = BootstrapParams(), char_tokenizer()
+    return build_model(bp.slm, tok, seed=1).eval(), build_model(bp.llm, tok, seed=2).eval(), tok
+
+
+async def _client(base: str, bodies: list[dict], out: list[dict]) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+        for body in bodies:
+            t0 = time.perf_counter()
+            first, text, usage, status = None, "", None, 0
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                status = r.status_code
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("usage"):
+                        usage = ev["usage"]
+                    for ch in ev.get("choices", []):
+                        if ch.get("text"):
+                            first = first or time.perf_counter() - t0
+                            text += ch["text"]
+            out.append(dict(prompt=body["prompt"], status=status, text=text, ttft=first,
+                            latency=time.perf_counter() - t0, tokens=(usage or {}).get("completion_tokens", 0)))  # fmt: skip
+
+
+def load(
+    base: str, prompts: list[str], clients: int, per_client: int, max_tokens: int
+) -> tuple[list[dict], float]:
+    """Run the clients in a separate process (the server's GIL stays the server's); returns results and wall time."""
+    spec = dict(base=base, prompts=prompts, clients=clients, per_client=per_client, max_tokens=max_tokens)
+    proc = subprocess.run([sys.executable, __file__, "--load", json.dumps(spec)], capture_output=True, text=True,
+                          check=False, timeout=1800)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed: {proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out["results"], out["wall_s"]
+
+
+def _load_here(spec: dict) -> None:
+    clients, max_tokens, prompts = spec["clients"], spec["max_tokens"], spec["prompts"]
+    bodies = [dict(model=MODEL, prompt=prompts[i % len(prompts)], max_tokens=max_tokens, stream=True,
+                   stream_options={"include_usage": True}) for i in range(clients * spec["per_client"])]  # fmt: skip
+    out: list[dict] = []
+
+    async def run() -> None:
+        await asyncio.gather(*(_client(spec["base"], bodies[k::clients], out) for k in range(clients)))
+
+    t0 = time.perf_counter()
+    asyncio.run(run())
+    print(json.dumps({"results": out, "wall_s": time.perf_counter() - t0}))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))] if xs else float("nan")
+
+
+def summarise(server: str, clients: int, res: list[dict], wall: float, alone: dict[str, str]) -> dict:
+    ok = [r for r in res if r["status"] == 200]
+    lat = [r["latency"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    return dict(server=server, clients=clients, requests=len(res), lost=len(res) - len(ok),
+                differ_from_alone=sum(r["text"] != alone[r["prompt"]] for r in ok if r["prompt"] in alone),
+                completion_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, p50_latency_s=_pct(lat, 0.5),
+                p99_latency_s=_pct(lat, 0.99), p50_ttft_s=statistics.median(ttft) if ttft else None,
+                ttft_over_latency=statistics.median(r["ttft"] / r["latency"] for r in ok if r["ttft"])
+                if ttft else None)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a smoke run: fewer requests and tokens")
+    ap.add_argument(
+        "--models", default=None, help="a directory with slm/ and llm/ (default: random embedded pair)"
+    )
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--llm-fraction", type=float, default=0.1, help="the random router's share of LLM tokens")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_serving.json"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--load", default=None, help=argparse.SUPPRESS)  # internal: run the clients of one level
+    args = ap.parse_args(argv)
+    if args.load:
+        _load_here(json.loads(args.load))
+        return 0
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    max_tokens = args.max_tokens or (16 if args.quick else 64)
+    levels = [int(c) for c in args.clients.split(",")]
+    per_client = {c: max(1, (8 if args.quick else 32) // c) for c in levels}  # >= 32 requests per level
+    slm, llm, tok = embedded_pair(args.models)
+    prompts = [f"Question: What is {a} + {3 * a % 17}?\nAnswer:" for a in range(40)]
+    eos = tok.eos_token_id
+    servers = {
+        "continuous": (
+            RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos),
+            True,
+        ),
+        "one_at_a_time": (
+            RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos),
+            False,
+        ),
+        "llm_only": (RoutedEngine(slm, llm, AlwaysLLM(), eos_token_id=eos), True),
+    }
+    rows, alone = [], {}
+    for name, (engine, continuous) in servers.items():
+        app = build_app(engine, tok, model_name=MODEL, max_new_tokens=max_tokens, fmt="raw",
+                        continuous_batching=continuous, max_batch_rows=64, max_queued_requests=256)  # fmt: skip
+        with serving_in_background(app) as base:
+            load(base, prompts[:2], 1, 1, 2)  # warm-up
+            if name == "continuous":  # the reference: each prompt served alone
+                res, _ = load(base, prompts, 1, len(prompts), max_tokens)
+                alone = {r["prompt"]: r["text"] for r in res}
+            for c in levels:
+                res, wall = load(base, prompts, c, per_client[c], max_tokens)
+                rows.append(summarise(name, c, res, wall, alone if name != "llm_only" else {}))
+                r = rows[-1]
+                print(f"{name:<14} clients {c:>3}: {r['tokens_per_s']:8.1f} tok/s  p50 {r['p50_latency_s']:.3f} s  "
+                      f"p99 {r['p99_latency_s']:.3f} s  ttft/latency {r['ttft_over_latency'] or float('nan'):.2f}  "
+                      f"lost {r['lost']}  differ {r['differ_from_alone']}", flush=True)  # fmt: skip
+    by = {(r["server"], r["clients"]): r for r in rows}
+    ratios = {
+        f"continuous_vs_one_at_a_time_at_{c}": by["continuous", c]["tokens_per_s"]
+        / by["one_at_a_time", c]["tokens_per_s"]
+        for c in levels
+    }
+    ratios |= {
+        f"continuous_vs_llm_only_at_{c}": by["continuous", c]["tokens_per_s"]
+        / by["llm_only", c]["tokens_per_s"]
+        for c in levels
+    }
+    report = dict(
+        pair=args.models or "embedded architectures, random weights",
+        llm_fraction=args.llm_fraction,
+        max_tokens=max_tokens,
+        torch_threads=torch.get_num_threads(),
+        rows=rows,
+        ratios=ratios,
+        note="one run on a shared CPU; compare ratios, not absolute numbers",
+    )
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    write_json(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
