@@ -184,8 +184,9 @@ class DecodeSession:
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
             scores = e.score(hidden, rid, steps)  # (k,)
             proposal = self._choose(logits, [self.rows[s] for s in ready], rid, steps)
+            to_llm = (scores < e.tau).tolist()  # one device sync for the whole batch, not one per row
             for i, s in enumerate(ready):
-                if scores[i] < e.tau:
+                if to_llm[i]:
                     self.rows[s].waited = 0
                 else:
                     tok[s] = proposal[i]

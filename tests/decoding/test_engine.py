@@ -230,9 +230,14 @@ def test_bench_quick_writes_report(tmp_path):
     keys = {(r["scale"], r["method"], r["batch"]) for r in rows}
     for scale in ("embedded", "memory_bound"):
         for method in ("slm", "llm", "routed"):
-            assert {(scale, method, 1), (scale, method, 16)} <= keys
+            assert {(scale, method, b) for b in (1, 8, 32)} <= keys
+        assert {(scale, "routed_shared", 8), (scale, "routed_shared", 32)} <= keys
     assert ("embedded", "speculative", 1) in keys
     for r in rows:
         assert r["sec_per_token"] > 0
-        if r["method"] == "routed":
+        if r["method"].startswith("routed"):
             assert r["ratio_to_ideal"] > 0 and r["llm_calls_per_token"] <= r["llm_fraction"] + 1e-12
+    # Shared LLM calls read the LLM's weights at fewer steps than routing alone, at the same p.
+    plain = {(r["scale"], r["batch"], r["p"]): r for r in rows if r["method"] == "routed"}
+    for r in (r for r in rows if r["method"] == "routed_shared"):
+        assert r["llm_calls_per_step"] <= plain[r["scale"], r["batch"], r["p"]]["llm_calls_per_step"]
