@@ -7,22 +7,24 @@ each copy as a subprocess, one torch thread each (``PREFECT_API_URL`` points at 
 unless set already):
 
 - kill: SIGKILL ``citer eval sweep`` early (while it starts its own temporary Prefect server: no ``PREFECT_API_URL``),
-  then the next sweep 8 s after it took the project lock, then the next one right after the registry gains a version
+  then the next sweep 4 s after it took the project lock, then the next one right after the registry gains a version
   (one copy, started without a champion, so the last killed sweep meant to move the alias), then a sweep to the end;
-  SIGKILL ``citer route`` while it writes and ``citer router iterate`` while it retrains, then each again. Checked: no process of the killed command (the Prefect server included)
-  outlives it by more than 5 s; the alias points at an existing version whose files load (``citer route`` works);
+  SIGKILL ``citer route`` while it writes and ``citer router iterate`` while it retrains, then each again (the route
+  rerun is the first of the two concurrent routes below). Checked: no process of the killed command (the Prefect
+  server included) outlives it by more than 5 s; the alias points at an existing version whose files load (``citer route`` works);
   ``reports/promotion.json`` parses and names an existing version; no ``.tmp`` leftovers under reports/, artifacts/,
   outputs/; no promotion pending; a route output has exactly one row per input; every router directory loads.
 - concurrent: two sweeps, the second started 1 s after the first holds the lock (it waits, then compares against
   the champion the first made; the alias, sampled every 0.1 s, never points at a version that lost), the same with
   ``lock.wait: false`` (the second refuses in one line naming the lock; the first succeeds), two ``citer route`` into
-  one output (exactly N rows).
+  one output, the second started 0.5 s after the first holds the lock (exactly N rows, the second skips them all).
 - bad_params: out-of-range values each give exit 1, one ``error:`` line naming the key, no traceback, no file changed.
 - corrupt: a truncated router file (``citer eval sweep``) and a truncated labels parquet (``citer router train``):
-  one-line error, nothing promoted, nothing changed.
+  one-line error naming the file, nothing promoted, nothing changed.
 - tampered: a changed router.json in the MLflow artifact store (``citer route --llm-fraction 0.3`` over the
   pipeline's finished predictions must load the router: it refuses, naming sha256, and leaves the predictions as they
-  were); a line that writes a marker file added to the stored pyfunc code (``citer route`` never runs it).
+  were); a line that writes a marker file added to the stored pyfunc code (the three routes of the kill and
+  concurrent route faults run in that copy: none runs it).
 - registry: a dangling alias (the champion's version deleted through MlflowClient: sweep and route stop in one line,
   nothing promoted; deleting the alias tag as the message says leaves a consistent project without a champion), and
   ``registry.min_eval_examples`` above ``sweep.n_examples`` with no champion (not promoted, the reason naming the key;
@@ -32,8 +34,9 @@ Each entry: ``fault``, ``kind``, ``what_was_left`` (the state found right after 
 next command ended in a consistent state: for a refusal, the refusal itself left the project consistent), ``ok`` (the
 expected behaviour held), ``seconds`` and ``detail`` (the commands run with exit code, duration and stderr tail).
 Writes ``reports/faults.json`` in the base project (and ``--out``): ``{"faults": [...], "totals": {"faults", "ok",
-"recovered"}}``; exits 1 when an entry is not ok. About 4-5 minutes on 2 idle cores with ``--jobs 2`` (1 min of it
-the base project); ``--base DIR --only NAME`` reruns single faults on a project kept by ``--keep``.
+"recovered"}}``; exits 1 when an entry is not ok. About 3 minutes on 2 idle cores with ``--jobs 2`` (under 1 min of it
+the base project; most of a command's time is its imports and stores, so the faults share commands where one
+command can show two of them); ``--base DIR --only NAME`` reruns single faults on a project kept by ``--keep``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from typing import Any
 
 import yaml
 
+from citer.reaper import alive, descendants, pids, stat
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL, ALIAS = "citer-router", "champion"
@@ -66,27 +71,33 @@ PENDING = ".state/promotion_pending.json"
 OWNED = ("reports", "artifacts", "outputs")
 GRACE_S = 5.0  # a process of a killed command may outlive it this long (the reaper's poll + SIGTERM grace)
 SMALL, BIG = "data/faults_small.jsonl", "data/faults_route.jsonl"  # route inputs: a check, a longer run
-N_BIG = 80
+N_BIG = 40
+MID_S = 4.0  # the mid-sweep kill, this long after the sweep took the project lock (the locked part: ~15 s)
 
-# The tests' tiny project (tests/conftest.py TINY), cut further: no ablation routers, no speculative decoding, small
-# route chunks (a killed route leaves a partial file).
+# The tests' tiny project (tests/conftest.py TINY), cut further: a command's cost is mostly its imports and stores,
+# so the work is kept to the least that still exercises each stage: 16 new tokens, one τ, no ablation routers, no
+# iteration-1/oracle/speculative sweep methods, small route chunks (a killed route leaves a partial file).
 PROJECT_PARAMS: dict[str, Any] = {
-    "synth": {"n_train": 400, "n_dev": 24, "n_test": 24},
-    "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
-    "finetune": {"max_steps": 10, "eval_examples": 8},
-    "eval": {"n_examples": 12},
-    "labels": {"n_examples": 24},
+    "synth": {"n_train": 200, "n_dev": 12, "n_test": 12},
+    "validate": {"files": [["data/embedded/math_test.jsonl", "math"]]},  # one split: each costs a GE context
+    "bootstrap": {"slm_pretrain": {"steps": 20, "lr": 3e-3}, "llm_pretrain": {"steps": 30, "lr": 3e-3}},
+    "finetune": {"max_steps": 5, "eval_examples": 4},
+    "eval": {"n_examples": 4, "max_new_tokens": 16},
+    "labels": {"n_examples": 12, "max_new_tokens": 16},
     "router": {"epochs": 3, "min_val_auc": 0.0, "ablations": []},
     "registry": {"min_eval_examples": 1},
     "sweep": {
-        "n_examples": 12,
-        "llm_fractions": [0.1, 0.3],
+        "n_examples": 6,
+        "llm_fractions": [0.3],
+        "max_new_tokens": 16,
+        "iter1": False,
+        "oracle": False,
         "speculative": False,
-        "query": {"train_examples": 16, "epochs": 20},
-        "intervals": {"resamples": 200},
+        "query": {"train_examples": 8, "epochs": 5},
+        "intervals": {"resamples": 100},
         "rule": {"kind": "max_accuracy_under_bytes", "bytes_budget_rel_llm": 0.99},
     },
-    "inference": {"batch_size": 8},
+    "inference": {"batch_size": 8, "max_new_tokens": 16},
 }
 
 # (key, value, command): each must fail before any work, in one line naming the key.
@@ -113,34 +124,6 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 # Processes (/proc)
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of ``pid``, or None when it is gone."""
-    try:
-        text = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return int(fields[1]), fields[19]
-
-
-def _pids() -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-
-
-def descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root``: pid -> start time."""
-    parent = {pid: st for pid in _pids() if (st := _stat(pid)) is not None}
-    out: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        p = frontier.pop()
-        for child, (ppid, start) in parent.items():
-            if ppid == p and child not in out:
-                out[child] = start
-                frontier.append(child)
-    return out
-
-
 def cmdline(pid: int) -> str:
     try:
         raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
@@ -149,31 +132,19 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
 
 
-def alive(pid: int, start: str) -> bool:
-    st = _stat(pid)
-    return st is not None and st[1] == start and not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        text = (Path("/proc") / str(pid) / "stat").read_text()
-    except OSError:
-        return True
-    return text[text.rindex(")") + 2 :].split()[0] == "Z"
-
-
 def in_dir(root: Path) -> dict[int, str]:
-    """Live processes (not this one) whose working directory is ``root`` or below it: pid -> start time."""
+    """Live processes (not this one, no zombies) whose working directory is ``root`` or below it: pid -> start
+    time."""
     out = {}
-    for pid in _pids():
+    for pid in pids():
         if pid == os.getpid():
             continue
         try:
             cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
         except OSError:
             continue
-        st = _stat(pid)
-        if st is not None and cwd.is_relative_to(root) and not _zombie(pid):
+        st = stat(pid)
+        if st is not None and cwd.is_relative_to(root):
             out[pid] = st[1]
     return out
 
@@ -189,7 +160,8 @@ class TreeWatch:
         self._thread.start()
 
     def snapshot(self) -> None:
-        for pid, start in descendants(self.pid).items():
+        # Zombies too: a child that already died still counts as one the command started.
+        for pid, start in descendants(self.pid, zombies=True).items():
             if pid not in self.seen:
                 self.seen[pid] = (start, cmdline(pid))
 
@@ -655,13 +627,13 @@ def fault_kill_sweep(ctx: Ctx) -> list[dict[str, Any]]:
 
     def mid(
         proc: Proc,
-    ) -> Callable[[TreeWatch], bool]:  # 8 s into the locked stage: routers, champion, decoding
+    ) -> Callable[[TreeWatch], bool]:  # MID_S into the locked stage: routers, champion, decoding
         held: list[float] = []
 
         def point(_w: TreeWatch) -> bool:
             if not held and lock_held_by(proj.root, proc.pid):
                 held.append(time.monotonic())
-            return bool(held) and time.monotonic() - held[0] >= 8.0
+            return bool(held) and time.monotonic() - held[0] >= MID_S
 
         return point
 
@@ -676,7 +648,7 @@ def fault_kill_sweep(ctx: Ctx) -> list[dict[str, Any]]:
             server,
             False,
         ),
-        ("kill_sweep_mid", "project lock held + 8 s", mid, True),
+        ("kill_sweep_mid", f"project lock held + {MID_S:g} s", mid, True),
         ("kill_sweep_after_register", "the registry gained a version", registered, True),
     ]
     for name, where, make, api in steps:
@@ -729,39 +701,6 @@ def fault_kill_sweep(ctx: Ctx) -> list[dict[str, Any]]:
             )
         )
     return out
-
-
-def fault_kill_route(ctx: Ctx) -> list[dict[str, Any]]:
-    t0 = time.monotonic()
-    proj = ctx.copy("kill_route")
-    out = proj.root / "outputs" / "faults_route.jsonl"
-    args = ("route", "--input", BIG, "--output", str(out.relative_to(proj.root)))
-    proc = proj.start(*args)
-    kill = kill_when(proj, proc, lambda _w: len(output_rows(out)[0]) >= 8, timeout=150)
-    rows, torn = output_rows(out)
-    left = f"killed at {kill.at_s} s: {len(rows)} of {N_BIG} rows" + (", a torn last line" if torn else "")
-    left += f", {len(leftovers(proj.root))} leftover(s); {kill.text()}"
-    rerun = proj.run(*args, timeout=240)
-    after, torn_after = output_rows(out)
-    skipped = rerun.json().get("n_skipped")
-    recovered = rerun.rc == 0 and after == list(range(N_BIG)) and not torn_after and not leftovers(proj.root)
-    ok = kill.fired and 0 < len(rows) < N_BIG and not kill.survivors and recovered
-    return [
-        entry(
-            "kill_route",
-            "kill",
-            left,
-            recovered,
-            ok,
-            t0,
-            proj,
-            rows_at_kill=len(rows),
-            rows_after_rerun=len(after),
-            unique_indices=len(set(after)),
-            n_skipped_by_rerun=skipped,
-            survivors=kill.survivors,
-        )
-    ]
 
 
 def fault_kill_iterate(ctx: Ctx) -> list[dict[str, Any]]:
@@ -932,29 +871,75 @@ def fault_nowait_and_min_eval(ctx: Ctx) -> list[dict[str, Any]]:
     return [nowait, gate]
 
 
-def fault_concurrent_routes(ctx: Ctx) -> list[dict[str, Any]]:
+def fault_routes(ctx: Ctx) -> list[dict[str, Any]]:
+    """Three faults, one copy and three routes into one output: the champion's stored pyfunc code gains a line that
+    writes a marker file (no route may run it); a route is killed while it writes; the rerun resumes it while a
+    second route into the same output starts 0.5 s after the first holds the lock (it waits, then skips every row)."""
     t0 = time.monotonic()
-    proj = ctx.copy("concurrent_routes")
-    args = ("route", "--input", BIG, "--output", "outputs/concurrent.jsonl")
-    a = proj.start(*args)
+    proj = ctx.copy("routes")
+    marker = proj.root / "PYFUNC_CODE_RAN"
+    code = sorted(p for p in _champion_artifacts(proj).rglob("*.py"))
+    line = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('the stored pyfunc code ran')\n"
+    for f in code:
+        f.write_text(line + f.read_text())
+    out = proj.root / "outputs" / "faults_route.jsonl"
+    args = ("route", "--input", BIG, "--output", str(out.relative_to(proj.root)))
+    proc = proj.start(*args)
+    kill = kill_when(proj, proc, lambda _w: len(output_rows(out)[0]) >= 8, timeout=150)
+    rows, torn = output_rows(out)
+    left = f"killed at {kill.at_s} s: {len(rows)} of {N_BIG} rows" + (", a torn last line" if torn else "")
+    left += f", {len(leftovers(proj.root))} leftover(s); {kill.text()}"
+    a = proj.start(*args)  # the rerun, resuming
     b = _second_after_lock(proj, a, args, 0.5)
     ra, rb = proj.finish(a, 240), proj.finish(b, 240) if b else None
-    rows, torn = output_rows(proj.root / "outputs" / "concurrent.jsonl")
-    recovered = ra.rc == 0 and rb is not None and rb.rc == 0 and rows == list(range(N_BIG)) and not torn
-    left = f"{len(rows)} rows for {N_BIG} inputs ({len(set(rows))} distinct), torn={torn}"
-    if rb is not None:
-        left += f"; second: rc {rb.rc}, n_skipped {rb.json().get('n_skipped')}"
+    after, torn_after = output_rows(out)
+    exact = after == list(range(N_BIG)) and not torn_after and not leftovers(proj.root)
+    recovered = ra.rc == 0 and exact
+    both = recovered and rb is not None and rb.rc == 0 and rb.json().get("n_skipped") == N_BIG
+    ran = marker.exists()
+    common = {"rows_after": len(after), "unique_indices": len(set(after)), "torn_after": torn_after}
     return [
+        entry(
+            "kill_route",
+            "kill",
+            left,
+            recovered,
+            kill.fired and 0 < len(rows) < N_BIG and not kill.survivors and recovered,
+            t0,
+            proj,
+            rows_at_kill=len(rows),
+            n_skipped_by_rerun=ra.json().get("n_skipped"),
+            survivors=kill.survivors,
+            **common,
+        ),
         entry(
             "concurrent_routes",
             "concurrent",
-            left,
-            recovered,
-            recovered and b is not None,
+            f"{len(after)} rows for {N_BIG} inputs ({len(set(after))} distinct), torn={torn_after}; second: "
+            + (
+                f"rc {rb.rc}, n_skipped {rb.json().get('n_skipped')}"
+                if rb
+                else "not started (the first ended)"
+            ),
+            both,
+            both,
             t0,
             proj,
             second_started_while_first_ran=b is not None,
-        )
+            **common,
+        ),
+        entry(
+            "tampered_pyfunc_code",
+            "tampered",
+            f"{len(proj.cmds)} routes loaded the champion, marker written={ran}, {len(after)} rows routed",
+            recovered,
+            bool(code) and not ran and recovered,
+            t0,
+            proj,
+            tampered=[str(f.relative_to(proj.root)) for f in code],
+            note="router_sha256 covers router.safetensors and router.json only; citer's loads never import the "
+            "stored code (mlflow.pyfunc.load_model of the registry model would)",
+        ),
     ]
 
 
@@ -1021,59 +1006,30 @@ def _clean(r: dict[str, Any], allow_changes: bool = False) -> bool:
     )
 
 
-def fault_corrupt_router(ctx: Ctx) -> list[dict[str, Any]]:
+def _corrupt(ctx: Ctx, fault: str, rel: str, *args: str) -> list[dict[str, Any]]:
+    """Truncate the file ``rel`` to half its size, run ``citer *args``: one line naming the file, nothing changed."""
     t0 = time.monotonic()
-    proj = ctx.copy("corrupt_router")
-    f = proj.root / "artifacts" / "routers" / "iter2" / "router.safetensors"
+    proj = ctx.copy(fault)
+    f = proj.root / rel
     with f.open("r+b") as fh:
         fh.truncate(f.stat().st_size // 2)
     before, reg0 = files_state(proj.root), registry(proj.root)
-    cmd = proj.run("eval", "sweep", timeout=180)
-    r = _refusal(proj, cmd, before, reg0)
+    cmd = proj.run(*args, timeout=180)
+    r = _refusal(proj, cmd, before, reg0, f.name)
     recovered = _clean(r) and not problems(proj.root)
     left = f"rc {cmd.rc}, {r['error'][:1]}, new versions {r['new_versions']}, {len(r['changed'])} file(s) changed"
-    # Noted, not required: whether the one line says which file is broken.
-    names_file = bool(r["error"]) and ("iter2" in r["error"][0] or "router.safetensors" in r["error"][0])
     return [
-        entry(
-            "corrupt_router_file",
-            "corrupt",
-            left,
-            recovered,
-            r["one_line"] and recovered,
-            t0,
-            proj,
-            names_the_file=names_file,
-            **r,
-        )
+        entry(fault, "corrupt", left, recovered, r["one_line"] and recovered, t0, proj, truncated=rel, **r)
     ]
+
+
+def fault_corrupt_router(ctx: Ctx) -> list[dict[str, Any]]:
+    return _corrupt(ctx, "corrupt_router_file", "artifacts/routers/iter2/router.safetensors", "eval", "sweep")
 
 
 def fault_corrupt_labels(ctx: Ctx) -> list[dict[str, Any]]:
-    t0 = time.monotonic()
-    proj = ctx.copy("corrupt_labels")
-    f = proj.root / "artifacts" / "labels" / "iter2" / "tokens.parquet"
-    data = f.read_bytes()
-    f.write_bytes(data[: len(data) // 2])
-    before, reg0 = files_state(proj.root), registry(proj.root)
-    cmd = proj.run("router", "train", "--iteration", "2", timeout=180)
-    r = _refusal(proj, cmd, before, reg0)
-    recovered = _clean(r) and not problems(proj.root)
-    left = f"rc {cmd.rc}, {r['error'][:1]}, {len(r['changed'])} file(s) changed"
-    names_file = bool(r["error"]) and ("parquet" in r["error"][0] or "labels" in r["error"][0])
-    return [
-        entry(
-            "corrupt_labels_parquet",
-            "corrupt",
-            left,
-            recovered,
-            r["one_line"] and recovered,
-            t0,
-            proj,
-            names_the_file=names_file,
-            **r,
-        )
-    ]
+    rel = "artifacts/labels/iter2/tokens.parquet"
+    return _corrupt(ctx, "corrupt_labels_parquet", rel, "router", "train", "--iteration", "2")
 
 
 def _champion_artifacts(proj: Proj) -> Path:
@@ -1109,35 +1065,6 @@ def fault_tampered_router(ctx: Ctx) -> list[dict[str, Any]]:
             proj,
             tampered=str(files[0].relative_to(proj.root)),
             **r,
-        )
-    ]
-
-
-def fault_tampered_pyfunc(ctx: Ctx) -> list[dict[str, Any]]:
-    t0 = time.monotonic()
-    proj = ctx.copy("tampered_pyfunc")
-    marker = proj.root / "PYFUNC_CODE_RAN"
-    code = sorted(p for p in _champion_artifacts(proj).rglob("*.py"))
-    line = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('the stored pyfunc code ran')\n"
-    for f in code:
-        f.write_text(line + f.read_text())
-    cmd = proj.run("route", "--input", SMALL, "--output", "outputs/pyfunc.jsonl", timeout=150)
-    rows, _ = output_rows(proj.root / "outputs" / "pyfunc.jsonl")
-    ran = marker.exists()
-    recovered = cmd.rc == 0 and rows == [0, 1] and not problems(proj.root)
-    left = f"rc {cmd.rc}, marker written={ran}, {len(rows)} rows routed"
-    return [
-        entry(
-            "tampered_pyfunc_code",
-            "tampered",
-            left,
-            recovered,
-            bool(code) and not ran and recovered,
-            t0,
-            proj,
-            tampered=[str(f.relative_to(proj.root)) for f in code],
-            note="router_sha256 covers router.safetensors and router.json only; citer's loads never import the "
-            "stored code (mlflow.pyfunc.load_model of the registry model would)",
         )
     ]
 
@@ -1181,17 +1108,15 @@ def fault_dangling_alias(ctx: Ctx) -> list[dict[str, Any]]:
 
 # Heaviest first, so two workers finish close together.
 FAULTS: list[Callable[[Ctx], list[dict[str, Any]]]] = [
-    fault_concurrent_sweeps,
     fault_kill_sweep,
-    fault_dangling_alias,
+    fault_concurrent_sweeps,
+    fault_routes,
     fault_nowait_and_min_eval,
-    fault_kill_route,
-    fault_concurrent_routes,
+    fault_dangling_alias,
     fault_kill_iterate,
     fault_corrupt_router,
-    fault_corrupt_labels,
     fault_tampered_router,
-    fault_tampered_pyfunc,
+    fault_corrupt_labels,
     fault_bad_params,
 ]
 

@@ -18,28 +18,29 @@ from pathlib import Path
 PROC = Path("/proc")
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone or a zombie (dead, not yet reaped:
-    its children have already been handed to init)."""
+def stat(pid: int, zombies: bool = False) -> tuple[int, str] | None:
+    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone. A zombie (dead, not yet reaped: its
+    children have already been handed to init) counts as gone unless ``zombies``."""
     try:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     # After "pid (comm) ": state, ppid, ..., starttime (the 22nd field of the line).
     fields = text[text.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
+    if not zombies and fields[0] in ("Z", "X"):
         return None
     return int(fields[1]), fields[19]
 
 
-def descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root``: pid -> start time (to tell a reused pid from the same process)."""
-    parent: dict[int, tuple[int, str]] = {}
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            st = _stat(int(entry.name))
-            if st is not None:
-                parent[int(entry.name)] = st
+def pids() -> list[int]:
+    """Every process id in /proc."""
+    return [int(e.name) for e in PROC.iterdir() if e.name.isdigit()]
+
+
+def descendants(root: int, zombies: bool = False) -> dict[int, str]:
+    """Every live descendant of ``root`` (zombies too with ``zombies``): pid -> start time (to tell a reused pid
+    from the same process)."""
+    parent = {pid: st for pid in pids() if (st := stat(pid, zombies)) is not None}
     out: dict[int, str] = {}
     frontier = [root]
     while frontier:
@@ -51,8 +52,9 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
-def _alive(pid: int, start: str) -> bool:
-    st = _stat(pid)
+def alive(pid: int, start: str) -> bool:
+    """``pid`` is still the process that started at ``start`` and not a zombie."""
+    st = stat(pid)
     return st is not None and st[1] == start
 
 
@@ -60,19 +62,19 @@ def watch(target: int, interval: float = 0.5, grace: float = 2.0) -> list[int]:
     """Block until ``target`` exits, then stop the descendants last seen; returns the pids signalled."""
     me = os.getpid()
     seen: dict[int, str] = {}
-    target_start = _stat(target)
-    while target_start is not None and _alive(target, target_start[1]):
+    target_start = stat(target)
+    while target_start is not None and alive(target, target_start[1]):
         # Accumulate: a poll landing while the target dies may find its children already handed to init.
         seen.update({pid: start for pid, start in descendants(target).items() if pid != me})
         time.sleep(interval)
-    hit = [pid for pid, start in seen.items() if _alive(pid, start)]
+    hit = [pid for pid, start in seen.items() if alive(pid, start)]
     for pid in hit:
         with_signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(pid, seen[pid]) for pid in hit):
+    while time.monotonic() < deadline and any(alive(pid, seen[pid]) for pid in hit):
         time.sleep(0.1)
     for pid in hit:
-        if _alive(pid, seen[pid]):
+        if alive(pid, seen[pid]):
             with_signal(pid, signal.SIGKILL)
     return hit
 

@@ -7,4 +7,6 @@ export PREFECT_HOME="$PWD/.state/test-prefect" TORCH_EXTENSIONS_DIR="$PWD/.state
 export MLFLOW_DISABLE_TELEMETRY=true DVC_NO_ANALYTICS=1 HF_HUB_OFFLINE=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 ruff check .
 ruff format --check .
-python -m pytest "$@"
+# Two workers (most tests are tiny models, bound by Python overhead on one core each); a module stays on one worker,
+# so its module-scoped fixtures are built once. CITER_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${CITER_TEST_WORKERS:-2}" --dist loadscope "$@"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from citer.reaper import descendants
+from citer.reaper import alive, descendants, stat
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc (Linux)")
 
@@ -74,3 +74,19 @@ def test_a_running_parent_keeps_its_children():
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_zombie_child_counts_only_when_asked():
+    # This process does not wait for its child yet: once it exits it is a zombie, still our child in /proc.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and stat(child.pid) is not None:
+        time.sleep(0.05)
+    try:
+        assert stat(child.pid) is None and stat(child.pid, zombies=True) is not None
+        assert child.pid not in descendants(os.getpid())
+        start = descendants(os.getpid(), zombies=True)[child.pid]
+        assert not alive(child.pid, start)
+    finally:
+        child.wait()
+    assert stat(child.pid, zombies=True) is None

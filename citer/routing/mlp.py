@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -372,6 +373,8 @@ def load_router(
     model = MLPRouter(h, float(meta["dropout"]), input_dim=d_in)
     try:
         model.load_state_dict(load_file(str(d / WEIGHTS_FILE)))
+    except SafetensorError as exc:  # truncated or overwritten: name the file, not just the reader's complaint
+        raise RouterError(f"{d / WEIGHTS_FILE}: not a readable safetensors file ({exc})") from exc
     except RuntimeError as exc:
         raise RouterError(
             f"{d / WEIGHTS_FILE}: weights do not fit hidden_size={h}, input_dim={d_in} ({exc})"

@@ -177,6 +177,20 @@ def test_save_load_roundtrip_and_mismatch(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))  # atomic: no temporary leftovers
 
 
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_corrupt_weights_file_is_one_line_naming_it(tmp_path, damage):
+    ls = separable(n_examples=4, per_ex=5, h=8)
+    model, m = train_router(ls, RouterParams(epochs=1, batch_size=32))
+    out = save_router(model, tmp_path / "iter2", router_meta(ls, m))
+    weights = out / "router.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * len(data))
+    with pytest.raises(RouterError) as info:
+        load_router(out, expected_hidden_size=8)
+    text = str(info.value)
+    assert str(weights) in text and "not a readable safetensors file" in text and "\n" not in text
+
+
 def test_auc_and_ece_match_definitions():
     rng = np.random.default_rng(0)
     y = rng.integers(0, 2, 200)
