@@ -11,13 +11,20 @@ Models: the embedded pair in ``models/`` (finetuned SLM when present, else ``slm
 ``--n`` rows of the train split when they exist; otherwise untrained models of the embedded architecture on freshly
 synthesised rows (untrained models get nearly every token wrong, so rollouts dominate citer's time there).
 Writes ``reports/bench_labels.json`` atomically. Timings on a shared 2-core machine are noisy.
+
+``--scale-out`` measures the shard overhead instead (docs/scale_out.md): the same iteration-1 collection through the
+``collect-labels`` flow in one process with ``--workers`` torch threads, then sharded on a local Dask cluster of
+``--workers`` single-thread processes on the same cores (cold: each worker imports and loads the pair; warm: again),
+and checks the labels are identical. Writes ``reports/bench_labels_scale_out.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -153,6 +160,102 @@ def run(n: int, batch_size: int, max_new_tokens: int, out: Path) -> dict[str, An
     return result
 
 
+def write_project(root: Path, slm: Any, llm: Any, tok: Any, rows: list[dict[str, Any]], fmt: str, n: int,
+                  batch_size: int, max_new_tokens: int) -> None:  # fmt: skip
+    """A project holding the pair and the rows, with params for iteration-1 collection only."""
+    import yaml
+
+    for role, model in (("slm", slm), ("llm", llm)):
+        model.save_pretrained(root / "models" / role)
+        tok.save_pretrained(root / "models" / role)
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    params["data"].update(
+        format=fmt, train="data/train.jsonl", dev="data/train.jsonl", test="data/train.jsonl"
+    )
+    params["models"].update(slm="models/slm", llm="models/llm", finetuned_slm="models/slm", device="cpu")
+    params["finetune"]["enabled"] = False
+    params["labels"].update(iterations=1, n_examples=n, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+
+
+def set_runtime(root: Path, **runtime: Any) -> None:
+    import yaml
+
+    params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+    params["runtime"] = {"task_runner": "local", "workers": 1, "address": None, **runtime}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+
+
+def timed_collect(root: Path) -> tuple[float, Any]:
+    """Seconds of one iteration-1 collection through the collect-labels flow, and its label set."""
+    from citer.project import load_project
+    from flows.collect_preferences import collect
+    from flows.runtime import TaskRunners
+
+    runner = TaskRunners.build(load_project(root=root).params.runtime)
+    t0 = time.perf_counter()
+    labelset, _ = collect.with_options(task_runner=runner)("params.yaml", 1)
+    return time.perf_counter() - t0, labelset
+
+
+def scale_out(n: int, workers: int, batch_size: int, max_new_tokens: int, out: Path) -> dict[str, Any]:
+    from distributed import LocalCluster
+
+    slm, llm, tok, rows, fmt, desc = load_setup(n)
+    with tempfile.TemporaryDirectory(prefix="citer-bench-") as tmp:
+        root = Path(tmp)
+        write_project(root, slm, llm, tok, rows, fmt, n, batch_size, max_new_tokens)
+        os.environ["CITER_ROOT"] = str(root)
+        os.chdir(root)
+        from flows.common import quiet_defaults
+
+        quiet_defaults(root)  # Prefect's temporary server and state inside the temporary project
+        set_runtime(root)
+        torch.set_num_threads(1)
+        timed_collect(root)  # warm-up outside every timing: Prefect's server, imports, first allocations
+        one_thread_s, one = timed_collect(root)
+        torch.set_num_threads(workers)  # one process on all the cores the cluster below gets
+        threads_s, _ = timed_collect(root)
+        local_s = min(one_thread_s, threads_s)  # the better single process is the baseline
+        t0 = time.perf_counter()
+        cluster = LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
+        )
+        start_s = time.perf_counter() - t0
+        try:
+            set_runtime(root, task_runner="dask", workers=workers, address=cluster.scheduler_address)
+            cold_s, _ = timed_collect(root)
+            warm_s, many = timed_collect(root)
+        finally:
+            cluster.close()
+    same = one.tokens.equals(many.tokens) and one.hidden.numpy().tobytes() == many.hidden.numpy().tobytes()
+    result = {
+        "in_process_1_thread_seconds": round(one_thread_s, 3),
+        f"in_process_{workers}_threads_seconds": round(threads_s, 3),  # tiny models lose to thread overhead
+        "dask_cluster_start_seconds": round(start_s, 3),
+        "dask_first_run_seconds": round(cold_s, 3),  # workers import torch/citer and load the pair
+        "dask_warm_run_seconds": round(warm_s, 3),
+        "shard_overhead_seconds": round(
+            warm_s - local_s, 3
+        ),  # dispatch, transport, imbalance; negative: it pays
+        "first_run_extra_seconds": round(cold_s - warm_s, 3),
+        "speedup_warm": round(local_s / warm_s, 2),
+        "labels_identical": bool(same),
+        "workers": workers,
+        "n_examples": len(rows),
+        "n_tokens": one.n_tokens,
+        "n_rollouts": int(one.meta["n_rollouts"]),
+        "models": desc,
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "note": "one process (1 or `workers` torch threads) vs `workers` single-thread Dask workers, same cores",
+    }
+    write_json(out, result)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=50, help="examples (default 50)")
@@ -161,11 +264,19 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads for both methods (0 = torch default)"
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "bench_labels.json")
+    ap.add_argument("--out", type=Path, default=None, help="default reports/bench_labels[_scale_out].json")
+    ap.add_argument(
+        "--scale-out", action="store_true", help="measure the shard overhead on a local Dask cluster"
+    )
+    ap.add_argument("--workers", type=int, default=2, help="--scale-out: Dask workers = in-process threads")
     a = ap.parse_args()
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
-    res = run(a.n, a.batch_size, a.max_new_tokens, a.out)
+    if a.scale_out:
+        out = a.out or ROOT / "reports" / "bench_labels_scale_out.json"
+        res = scale_out(a.n, a.workers, a.batch_size, a.max_new_tokens, out.resolve())
+    else:
+        if a.threads > 0:
+            torch.set_num_threads(a.threads)
+        res = run(a.n, a.batch_size, a.max_new_tokens, a.out or ROOT / "reports" / "bench_labels.json")
     for k, v in res.items():
         print(f"{k}: {v}")
 

@@ -10,29 +10,47 @@ from citer.project import load_project
 from flows.common import locked, stage_run
 
 
-@task(name="collect-labels", task_run_name="collect labels, iteration {iteration}")
-def collect(proj, iteration: int):
+@flow(name="collect-labels", flow_run_name="collect labels, iteration {iteration}")
+def collect(params_path: str, iteration: int) -> tuple[Any, int]:
+    """One iteration's labels, its passes cut into shards that run as tasks on this flow's task runner (labels_flow
+    picks it from ``runtime`` params). The driver loads no weights: workers load the pair once and keep it."""
+    from citer.models.loading import load_tokenizer
+    from citer.routing.iterations import pair_digests
     from citer.routing.label_store import load_labels
-    from citer.routing.labels import collect_iter1, collect_iter_k
-    from citer.routing.mlp import load_router
+    from citer.routing.labels import collect_iter1, collect_iter_k, encode_rows, rows_hash
+    from citer.runtime import ShardContext, release, slm_hidden_size
+    from flows.runtime import ShardedWork
 
+    proj = load_project(params_path)
     p = proj.params
-    slm, llm, tok = proj.load_pair()
+    tok = load_tokenizer(proj.slm_ref, p.models.trust_remote_code)
     rows = proj.read_split("train")
-    hidden = slm.config.hidden_size
-    if iteration == 1:
-        return collect_iter1(
-            slm, llm, tok, rows, p.data.format, p.labels, slm_name=proj.slm_name, llm_name=p.models.llm
-        ), hidden
-    prev = load_labels(proj.labels_dir(iteration - 1), expected_hidden_size=hidden)
-    router, _ = load_router(
-        proj.router_dir(iteration - 1),
-        expected_hidden_size=hidden,
-        expected_slm=proj.slm_name,
-        slm=slm,  # used only by a router that reads features beyond the hidden state (router.features)
-        vocab_size=len(tok),
+    hidden = slm_hidden_size(proj)
+    prev = None
+    if iteration > 1:
+        prev = load_labels(proj.labels_dir(iteration - 1), expected_hidden_size=hidden)
+    n = p.labels.n_examples if prev is None else int(prev.meta.get("n_examples", 0))
+    ctx = ShardContext(
+        root=str(proj.root),
+        params=p,
+        digests=pair_digests(proj.slm_ref, proj.llm_ref),
+        rows_hash=rows_hash(encode_rows(tok, rows, p.data.format, n)),
+        n_examples=n,
+        router_iteration=iteration - 1,
     )
-    return collect_iter_k(prev, router, slm, llm, tok, rows, p.data.format, p.labels), hidden
+    work = ShardedWork(ctx, p.runtime, hidden, int(tok.eos_token_id))
+    try:
+        if prev is None:
+            ls = collect_iter1(
+                None, None, tok, rows, p.data.format, p.labels, slm_name=proj.slm_name, llm_name=p.models.llm,
+                work=work,
+            )  # fmt: skip
+        else:
+            ls = collect_iter_k(prev, None, None, None, tok, rows, p.data.format, p.labels, work=work)
+    finally:
+        if p.runtime.task_runner == "local":
+            release()  # the local runner's workers are this process: keep no pair once collection is done
+    return ls, hidden
 
 
 @task(name="labels-fingerprint")
@@ -86,7 +104,10 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: boo
     out_dir = proj.labels_dir(iteration)
     if reuse and recorded_fingerprint(out_dir / META_FILE) == fp:
         return {"dir": str(out_dir), "reused": True, "fingerprint": fp}
-    labelset, hidden = collect(proj, iteration)
+    from flows.runtime import TaskRunners
+
+    runner = TaskRunners.build(proj.params.runtime)
+    labelset, hidden = collect.with_options(task_runner=runner)(params_path, iteration)
     labelset.meta["fingerprint"] = fp
     labelset.meta.update(slm=proj.slm_name, llm=proj.params.models.llm)
     labelset.meta.update(
@@ -97,6 +118,7 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: boo
     counts = labelset.case_counts()
     with stage_run(proj, f"labels_iter{iteration}") as run:
         run.params(proj.params.labels.model_dump(), prefix="labels.")
+        run.params(proj.params.runtime.model_dump(), prefix="runtime.")
         run.metrics({f"case.{k}": v for k, v in counts.items()} | {"n_tokens": labelset.n_tokens})
         run.metrics(
             {

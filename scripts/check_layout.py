@@ -22,11 +22,18 @@ from pathlib import Path
 
 # Bottom first. A module belongs to the first entry that is its name or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("citer.config", "citer.io", "citer.progress", "citer.locking", "citer.reaper"),
+    ("citer.config", "citer.io", "citer.progress", "citer.locking", "citer.reaper", "citer.sharding"),
     ("citer.data",),
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),
-    ("citer.project", "citer.mlflow_store", "citer.alias", "citer.registry", "citer.serving"),
+    (
+        "citer.project",
+        "citer.mlflow_store",
+        "citer.alias",
+        "citer.registry",
+        "citer.serving",
+        "citer.runtime",
+    ),
     ("flows",),
     ("citer.cli",),
 )

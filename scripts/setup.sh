@@ -10,5 +10,5 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -U pip
 pip install -q torch==2.13.0
-pip install -q -c constraints.txt -e '.[dev,gpu]'
+pip install -q -c constraints.txt -e '.[dev,gpu,ray]'
 echo "citer installed in $(pwd)/.venv"

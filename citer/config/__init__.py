@@ -38,6 +38,7 @@ from citer.config.models import (
     PretrainParams,
 )
 from citer.config.routing import LabelsParams, RouterParams
+from citer.config.runtime import RuntimeParams
 from citer.config.serving import EngineParams, InferenceParams, ServeParams
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "QueryRouterParams",
     "RegistryParams",
     "RouterParams",
+    "RuntimeParams",
     "SelectionRule",
     "ServeParams",
     "SweepParams",
@@ -85,6 +87,7 @@ class Params(_Block):
     eval: EvalParams = EvalParams()
     labels: LabelsParams = LabelsParams()
     router: RouterParams = RouterParams()
+    runtime: RuntimeParams = Field(default_factory=RuntimeParams)  # per load: CITER_RUNTIME is read then
     sweep: SweepParams = SweepParams()
     registry: RegistryParams = RegistryParams()
     lock: LockParams = LockParams()

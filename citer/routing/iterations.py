@@ -26,6 +26,8 @@ _SAMPLE_BYTES = 1 << 20
 LABELS_CODE = (
     "citer.routing.labels",
     "citer.routing.rollouts",
+    "citer.routing.shards",  # sharding must not change labels; a change to how shards merge recollects them anyway
+    "citer.sharding",
     "citer.routing.label_store",
     "citer.decoding",
     "citer.data.answers",

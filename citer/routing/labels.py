@@ -21,7 +21,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +38,10 @@ from citer.routing.rollouts import Branch, pad_id, rollout_correct, rollout_engi
 __all__ = [
     "Branch",
     "Encoded",
+    "InProcessWork",
+    "LabelWork",
     "TeacherForced",
+    "assemble_teacher_forced",
     "citer_s_labels",
     "collect_iter1",
     "collect_iter_k",
@@ -170,6 +173,13 @@ def teacher_forced(
             n = len(e.target)
             per_ex[i] = (slm_tok[off : off + n], llm_tok[off : off + n], hid[off : off + n])
             off += n
+    return assemble_teacher_forced(encoded, per_ex)
+
+
+def assemble_teacher_forced(
+    encoded: Sequence[Encoded], per_ex: Mapping[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> TeacherForced:
+    """Per-example ``(slm_token, llm_token, hidden)`` flattened in (example, position) order."""
     ex = range(len(encoded))
     return TeacherForced(
         example_index=torch.cat([torch.full((len(encoded[i].target),), i) for i in ex]),
@@ -179,6 +189,49 @@ def teacher_forced(
         llm_token=torch.cat([per_ex[i][1] for i in ex]),
         hidden=torch.cat([per_ex[i][2] for i in ex]),
     )
+
+
+class LabelWork(Protocol):
+    """Where the costly passes run; every kind returns exactly what :class:`InProcessWork` returns."""
+
+    hidden_size: int
+
+    def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced: ...
+
+    def rollouts(
+        self, encoded: Sequence[Encoded], branches: Sequence[Branch], routed: bool, batch: int, max_new: int
+    ) -> list[bool]: ...
+
+
+@dataclass
+class InProcessWork:
+    """The passes on models held by this process; ``routed`` rollouts use ``router`` at ``tau``, others the SLM."""
+
+    slm: Any
+    llm: Any
+    tokenizer: Any
+    rows: Sequence[Mapping[str, Any]]
+    fmt: Format
+    router: Router | None = None
+    tau: float = 1.0
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.slm.config.hidden_size)
+
+    def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced:
+        tok = self.tokenizer
+        return teacher_forced(self.slm, self.llm, encoded, batch_size, pad_id(tok), len(tok))
+
+    def rollouts(
+        self, encoded: Sequence[Encoded], branches: Sequence[Branch], routed: bool, batch: int, max_new: int
+    ) -> list[bool]:
+        if routed and hasattr(self.router, "eval"):
+            self.router.eval()
+        args = (self.llm, self.router, self.tau) if routed else (None, None, 1.0)
+        engine = rollout_engine(self.slm, *args, self.tokenizer)
+        tok = self.tokenizer
+        return rollout_correct(engine, tok, encoded, self.rows, self.fmt, branches, batch, max_new)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,10 +248,14 @@ def collect_iter1(
     *,
     slm_name: str | None = None,
     llm_name: str | None = None,
+    work: LabelWork | None = None,
 ) -> LabelSet:
-    """Iteration-1 labels: teacher-forced cases, SLM-only rollouts for ``both_wrong`` (LLM label under CITER-S)."""
+    """Iteration-1 labels: teacher-forced cases, SLM-only rollouts for ``both_wrong`` (LLM label under CITER-S).
+
+    ``work`` runs the passes elsewhere (shards on workers; ``slm``/``llm`` may then be None); default: here."""
+    work = work or InProcessWork(slm, llm, tokenizer, rows, fmt)
     enc = encode_rows(tokenizer, rows, fmt, params.n_examples)
-    tf = teacher_forced(slm, llm, enc, params.batch_size, pad_id(tokenizer), len(tokenizer))
+    tf = work.teacher_forced(enc, params.batch_size)
     slm_ok = tf.slm_token == tf.ref  # (N,)
     llm_ok = tf.llm_token == tf.ref
     case = [
@@ -209,10 +266,7 @@ def collect_iter1(
     both = torch.nonzero(~slm_ok & ~llm_ok).flatten().tolist()
     if both and not params.citer_s:
         branches = [Branch(int(tf.example_index[i]), int(tf.position[i]), int(tf.slm_token[i])) for i in both]
-        engine = rollout_engine(slm, None, None, 1.0, tokenizer)
-        ok = rollout_correct(
-            engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
-        )
+        ok = work.rollouts(enc, branches, False, params.batch_size, params.max_new_tokens)
         label[both] = torch.tensor([SLM_PREFERRED if o else LLM_PREFERRED for o in ok])
     dtype = torch.float16 if params.hidden_dtype == "float16" else torch.float32
     n = len(case)
@@ -267,6 +321,7 @@ def collect_iter_k(
     rows: Sequence[Mapping[str, Any]],
     fmt: Format,
     params: LabelsParams,
+    work: LabelWork | None = None,
 ) -> LabelSet:
     """Relabel ``prev``'s ``both_wrong`` tokens by routed rollouts (router of iteration k-1, τ = params.tau).
 
@@ -274,8 +329,9 @@ def collect_iter_k(
     is compared with the LLM's branch (rolled out only there, and only when the LLM's token differs): the LLM's
     right -> LLM; both wrong -> neither token rescues the answer under the current router, so this token carries
     no new evidence and ``prev``'s label stands (the flag off would label it LLM). Every other token, and every
-    hidden state, is carried over unchanged.
+    hidden state, is carried over unchanged. ``work``: as in :func:`collect_iter1` (it holds the router then).
     """
+    work = work or InProcessWork(slm, llm, tokenizer, rows, fmt, router, params.tau)
     k = prev.iteration + 1
     if prev.meta.get("citer_s"):
         raise LabelsError(
@@ -287,17 +343,14 @@ def collect_iter_k(
             f"label set (iteration {prev.iteration}): field rows_hash={prev.meta.get('rows_hash')!r} does not match "
             f"the given rows ({rows_hash(enc)!r}); pass the same rows, format and tokenizer as iteration 1"
         )
-    slm_h = int(slm.config.hidden_size)
+    slm_h = work.hidden_size
     if prev.hidden_size != slm_h:
         raise LabelsError(f"label set: field hidden has size {prev.hidden_size}, the SLM's is {slm_h}")
-    if hasattr(router, "eval"):
-        router.eval()
     tokens = prev.tokens.copy()
     both = tokens.index[tokens["case"] == "both_wrong"].tolist()
     meta = dict(prev.meta, iteration=k, tau=params.tau, rollout_llm_token=params.rollout_llm_token)
     if not both:
         return LabelSet(prev.hidden, tokens, dict(meta, n_rollouts=0, n_changed=0))
-    engine = rollout_engine(slm, llm, router, params.tau, tokenizer)
 
     def run(idx: list[int], col: str) -> list[bool]:
         sel = tokens.loc[idx]
@@ -305,9 +358,7 @@ def collect_iter_k(
             Branch(int(e), int(p), int(t))
             for e, p, t in zip(sel["example_id"], sel["position"], sel[col], strict=True)
         ]
-        return rollout_correct(
-            engine, tokenizer, enc, rows, fmt, branches, params.batch_size, params.max_new_tokens
-        )
+        return work.rollouts(enc, branches, True, params.batch_size, params.max_new_tokens)
 
     old = tokens.loc[both, "label"].tolist()
     slm_ok = dict(zip(both, run(both, "slm_token"), strict=True))

@@ -1,0 +1,180 @@
+"""Label collection's shards as Prefect tasks, on the task runner ``runtime`` params choose.
+
+``runtime.task_runner``: ``local`` (Prefect's thread pool in this process), ``dask`` (prefect-dask: a local cluster
+of ``runtime.workers`` processes, or the scheduler at ``runtime.address``) or ``ray`` (prefect-ray: a local Ray
+instance, or the cluster at ``runtime.address``). :class:`ShardedWork` cuts the teacher-forced passes and the
+rollouts into shards of whole batches (:mod:`citer.routing.shards`), submits one task per shard and merges the
+results in shard order, so every runner yields the labels of the single process, byte for byte.
+
+The layout rule keeps plain functions out of flow modules (``scripts/check_layout.py``), so the runner factory and
+the worker set-up are methods of small classes here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+from citer.config import RuntimeParams
+from citer.routing.labels import Branch, Encoded, TeacherForced
+from citer.routing.shards import (
+    branches_tensor,
+    merge_rollouts,
+    merge_teacher_forced,
+    rollout_shards,
+    teacher_forced_shards,
+)
+from citer.runtime import ShardContext, configure_worker, gpu_group, rollout_shard, teacher_forced_shard
+
+_INSTALL_RAY = "pip install -c constraints.txt -e '.[ray]'"
+
+
+class TaskRunners:
+    """The Prefect task runner ``runtime`` params describe."""
+
+    @staticmethod
+    def build(rt: RuntimeParams) -> TaskRunner:
+        if rt.task_runner == "local":
+            return ThreadPoolTaskRunner(max_workers=rt.workers)
+        if rt.task_runner == "dask":
+            from prefect_dask import DaskTaskRunner
+
+            if rt.address:
+                return DaskTaskRunner(address=rt.address)
+            cluster: dict[str, Any] = {
+                "n_workers": rt.workers,
+                "threads_per_worker": 1,  # one shard at a time per worker: its one pair is never shared
+                "processes": True,
+                "dashboard_address": None,
+                # A worker holds a whole model: Dask's default share of RAM would have its nanny kill it mid-load.
+                "memory_limit": 0,
+            }
+            if rt.gpus_per_worker:
+                cluster["resources"] = {"GPU": rt.gpus_per_worker}
+            return DaskTaskRunner(cluster_kwargs=cluster)
+        try:
+            from prefect_ray import RayTaskRunner
+        except ImportError as exc:
+            raise RuntimeError(
+                f"runtime.task_runner: ray needs prefect-ray and ray ({_INSTALL_RAY})"
+            ) from exc
+        init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+        if rt.address:
+            return RayTaskRunner(address=rt.address, init_kwargs=init)
+        init["num_cpus"] = rt.workers * max(rt.threads_per_worker, 1)
+        return RayTaskRunner(init_kwargs=init)
+
+
+@dataclass(frozen=True)
+class WorkerShape:
+    """How a shard task sets up the worker it lands on (torch threads, GPUs)."""
+
+    threads: int = 0  # 0: leave torch's threads (the local runner's threads share the driver's setting)
+    gpus_per_worker: int = 0
+    pin_local_dask: bool = False  # a local Dask cluster's workers see every GPU: give worker k its own group
+
+    @classmethod
+    def of(cls, rt: RuntimeParams) -> WorkerShape:
+        if rt.task_runner == "local":
+            return cls()
+        pin = rt.task_runner == "dask" and rt.address is None and rt.gpus_per_worker > 0
+        return cls(rt.threads_per_worker, rt.gpus_per_worker, pin)
+
+    def apply(self) -> None:
+        gpus = None
+        if self.pin_local_dask:
+            from distributed import get_worker
+
+            gpus = gpu_group(
+                int(get_worker().name), self.gpus_per_worker
+            )  # LocalCluster names workers 0..n-1
+        configure_worker(self.threads, gpus)
+
+
+@task(name="labels-teacher-forced-shard", task_run_name="teacher-forced shard {index}", cache_policy=NO_CACHE)
+def teacher_forced_task(
+    ctx: ShardContext, index: int, ids: torch.Tensor, shape: WorkerShape
+) -> dict[str, torch.Tensor]:
+    """Shard ``index`` of the teacher-forced passes (``ids``: its examples, in batching order)."""
+    shape.apply()
+    return teacher_forced_shard(ctx, ids.tolist())
+
+
+@task(name="labels-rollout-shard", task_run_name="rollout shard {index}", cache_policy=NO_CACHE)
+def rollout_task(
+    ctx: ShardContext, index: int, branches: torch.Tensor, routed: bool, shape: WorkerShape
+) -> torch.Tensor:
+    """Shard ``index`` of the rollouts (``branches``: (n, 3) in batching order) -> (n,) bool."""
+    shape.apply()
+    return rollout_shard(ctx, branches, routed)
+
+
+@dataclass
+class ShardedWork:
+    """:class:`citer.routing.labels.LabelWork` as Prefect tasks on the running flow's task runner."""
+
+    ctx: ShardContext
+    rt: RuntimeParams
+    hidden_size: int
+    eos: int
+
+    @contextlib.contextmanager
+    def _placement(self) -> Iterator[None]:
+        """Resources every shard task asks its runner for: CPUs (Ray) and GPUs per worker."""
+        rt = self.rt
+        if rt.task_runner == "ray":
+            from prefect_ray.context import remote_options
+
+            opts: dict[str, Any] = {"num_cpus": max(rt.threads_per_worker, 1)}
+            if rt.gpus_per_worker:
+                opts["num_gpus"] = rt.gpus_per_worker
+            with remote_options(**opts):
+                yield
+        elif rt.task_runner == "dask" and rt.gpus_per_worker:
+            import dask
+
+            with dask.annotate(resources={"GPU": rt.gpus_per_worker}):
+                yield
+        else:
+            yield
+
+    def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced:
+        if batch_size != self.ctx.params.labels.batch_size:  # workers read it from ctx.params
+            raise ValueError(
+                f"sharded teacher-forced: batch_size {batch_size} differs from ctx's labels params"
+            )
+        shards = teacher_forced_shards(encoded, batch_size, self.rt.n_shards)
+        shape = WorkerShape.of(self.rt)
+        with self._placement():
+            futures = [
+                teacher_forced_task.submit(self.ctx, s, torch.tensor(ids, dtype=torch.long), shape)
+                for s, ids in enumerate(shards)
+            ]
+        return merge_teacher_forced(encoded, shards, [f.result() for f in futures])
+
+    def rollouts(
+        self, encoded: Sequence[Encoded], branches: Sequence[Branch], routed: bool, batch: int, max_new: int
+    ) -> list[bool]:
+        labels = self.ctx.params.labels
+        if (batch, max_new) != (
+            labels.batch_size,
+            labels.max_new_tokens,
+        ):  # workers read them from ctx.params
+            raise ValueError(
+                f"sharded rollouts: batch {batch}, max_new {max_new} differ from ctx's labels params"
+            )
+        shards = rollout_shards(encoded, branches, self.eos, batch, self.rt.n_shards)
+        shape = WorkerShape.of(self.rt)
+        with self._placement():
+            futures = [
+                rollout_task.submit(self.ctx, s, branches_tensor([branches[j] for j in ids]), routed, shape)
+                for s, ids in enumerate(shards)
+            ]
+        return merge_rollouts(len(branches), shards, [f.result().tolist() for f in futures])
