@@ -3,10 +3,11 @@
 The server is the real app on 127.0.0.1 (uvicorn in this process; the clients run in a child process so they do
 not take the server's interpreter lock), the pair the pipeline's embedded architectures (random weights over a
 character tokenizer: throughput does not depend on what the weights say) or ``--models DIR`` (a trained pair with
-``slm``/``llm`` subdirectories). Three servers, each measured at 1, 8 and 32 concurrent clients, every client
+``slm``/``llm`` subdirectories). Four servers, each measured at 1, 8 and 32 concurrent clients, every client
 streaming its requests one after another:
 
 - ``continuous``: requests join the running batch (the default);
+- ``continuous_shared``: the same with shared LLM calls (``engine.llm_min_rows``/``llm_max_wait_steps``, 4 and 4);
 - ``one_at_a_time``: ``continuous_batching=False``, the old behaviour;
 - ``llm_only``: continuous batching with every token routed to the LLM.
 
@@ -148,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--llm-fraction", type=float, default=0.1, help="the random router's share of LLM tokens")
+    ap.add_argument("--llm-min-rows", type=int, default=4, help="continuous_shared: engine.llm_min_rows")
+    ap.add_argument(
+        "--llm-max-wait-steps", type=int, default=4, help="continuous_shared: engine.llm_max_wait_steps"
+    )
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_serving.json"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--load", default=None, help=argparse.SUPPRESS)  # internal: run the clients of one level
@@ -163,9 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     slm, llm, tok = embedded_pair(args.models)
     prompts = [f"Question: What is {a} + {3 * a % 17}?\nAnswer:" for a in range(40)]
     eos = tok.eos_token_id
+    shared = dict(llm_min_rows=args.llm_min_rows, llm_max_wait_steps=args.llm_max_wait_steps)
     servers = {
         "continuous": (
             RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos),
+            True,
+        ),
+        "continuous_shared": (
+            RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos, **shared),
             True,
         ),
         "one_at_a_time": (
@@ -185,13 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                 alone = {r["prompt"]: r["text"] for r in res}
             for c in levels:
                 res, wall = load(base, prompts, c, per_client[c], max_tokens)
-                rows.append(summarise(name, c, res, wall, alone if name != "llm_only" else {}))
+                rows.append(summarise(name, c, res, wall, {} if name == "llm_only" else alone))
                 r = rows[-1]
                 print(f"{name:<14} clients {c:>3}: {r['tokens_per_s']:8.1f} tok/s  p50 {r['p50_latency_s']:.3f} s  "
                       f"p99 {r['p99_latency_s']:.3f} s  ttft/latency {r['ttft_over_latency'] or float('nan'):.2f}  "
                       f"lost {r['lost']}  differ {r['differ_from_alone']}", flush=True)  # fmt: skip
     by = {(r["server"], r["clients"]): r for r in rows}
     ratios = {
+        f"continuous_shared_vs_one_at_a_time_at_{c}": by["continuous_shared", c]["tokens_per_s"]
+        / by["one_at_a_time", c]["tokens_per_s"]
+        for c in levels
+    }
+    ratios |= {
         f"continuous_vs_one_at_a_time_at_{c}": by["continuous", c]["tokens_per_s"]
         / by["one_at_a_time", c]["tokens_per_s"]
         for c in levels
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     report = dict(
         pair=args.models or "embedded architectures, random weights",
         llm_fraction=args.llm_fraction,
+        shared=shared,
         max_tokens=max_tokens,
         torch_threads=torch.get_num_threads(),
         rows=rows,

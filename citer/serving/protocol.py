@@ -253,6 +253,7 @@ class TextStream:
         self.stopped = self.ended = False
         self._sent = 0
         self._flags: list[bool] = []  # flags of the tokens not yet covered by a piece
+        self._settled = (0, "")  # (n, decode(tokens[:n])) at the last token that ended on a whole character
 
     @property
     def done(self) -> bool:
@@ -267,14 +268,29 @@ class TextStream:
             self.ended = True
             return self._piece(len(self.text))
         self._flags.append(bool(from_llm))
-        # Decoding the prefix each token is quadratic, but answers are a few hundred tokens at most.
-        full = self.tok.decode(self.tokens, skip_special_tokens=True)
+        full = self._decoded()
         if full.endswith("\ufffd"):
             return None
         self.text, self.stopped = truncate_at_stop(full, self.stop)
         return self._piece(
             len(self.text) if self.stopped else len(self.text) - _stop_prefix(self.text, self.stop)
         )
+
+    def _decoded(self) -> str:
+        """``decode(tokens)``, decoding only a window after the settled prefix (as vLLM's incremental detokenizer):
+        the window starts a few tokens back so a tokenizer that treats a leading token specially (a SentencePiece
+        space) decodes the new tokens in context; when the window disagrees with the prefix, decode in full."""
+        n, text = self._settled
+        start = max(0, n - 4)
+        prev = self.tok.decode(self.tokens[start:n], skip_special_tokens=True)
+        cur = self.tok.decode(self.tokens[start:], skip_special_tokens=True)
+        if cur.startswith(prev) and text.endswith(prev):
+            full = text + cur[len(prev) :]
+        else:
+            full = self.tok.decode(self.tokens, skip_special_tokens=True)
+        if not full.endswith("\ufffd"):
+            self._settled = (len(self.tokens), full)
+        return full
 
     def finish(self) -> tuple[str, list[bool]] | None:
         """The rest of the text once no token will come (the budget ran out, or EOS/stop already)."""

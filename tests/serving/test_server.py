@@ -233,3 +233,23 @@ def test_streamed_text_holds_back_split_characters():
     assert "".join(p for p, _ in pieces) == text
     assert not any("\ufffd" in p for p, _ in pieces)
     assert sum(len(f) for _, f in pieces) == len(ids)  # every token is accounted to exactly one piece
+
+
+def test_incremental_decoding_equals_decoding_the_whole_answer(char_tokenizer):
+    """TextStream decodes a window per token, not the whole prefix; on random answers (byte-level BPE splits
+    characters, some never complete) its text and its pieces equal a full decode."""
+    import random
+
+    from citer.models.bootstrap import build_tokenizer
+
+    bpe = build_tokenizer(["plain ascii café ü 猫 words 12 + 3 = 15"] * 20, 300)
+    rng = random.Random(0)
+    for tok in (char_tokenizer, bpe):
+        for _ in range(200):
+            ids = [rng.randrange(3, len(tok)) for _ in range(rng.randrange(1, 40))]
+            ts = TextStream(tok, [], None)
+            pieces = [ts.push(t, False) for t in ids] + [ts.finish()]
+            sent = "".join(p[0] for p in pieces if p is not None)
+            full = tok.decode(ids, skip_special_tokens=True)
+            assert sent == ts.text
+            assert ts.text == full or (full.endswith("\ufffd") and full.startswith(ts.text))
