@@ -268,12 +268,22 @@ class _Server:
         task = asyncio.ensure_future(self.answers([text], s, on_piece))
         task.add_done_callback(lambda _: q.put_nowait(("end", None)))
         try:
+            ahead = None
             while True:
-                kind, val = await q.get()
+                kind, val = ahead or await q.get()
+                ahead = None
                 if kind == "end":
                     yield "done", task.result()[0]  # re-raises a RequestError
                     return
-                yield kind, val
+                # Pieces that queued up while the client was being written to go out as one chunk: under load the
+                # stream keeps up with the engine instead of falling behind it.
+                text, flags = val
+                while not q.empty():
+                    ahead = q.get_nowait()
+                    if ahead[0] != "piece":
+                        break
+                    text, flags, ahead = text + ahead[1][0], flags + ahead[1][1], None
+                yield "piece", (text, flags)
         finally:
             if not task.done():
                 task.cancel()
@@ -330,11 +340,20 @@ class _Server:
         for job in admit:
             self._admit(job)
         if sess.busy:
+            # One wake-up of each request loop per step, carrying every row's token, rather than one per token.
+            out: dict[asyncio.AbstractEventLoop, list[tuple[_Job, tuple[Any, ...]]]] = {}
             for em in sess.step():
                 job = self._owner[em.key]
-                job.post("tok", job.keys[em.key], em.token, em.from_llm)
+                i = job.keys[em.key]
+                out.setdefault(job.loop, []).append((job, ("tok", i, em.token, em.from_llm)))
                 if em.done:
-                    self._finish(em.key, job.keys[em.key])
+                    self._owner.pop(em.key)
+                    out[job.loop].append((job, ("done", i, sess.stats(em.key))))
+            for loop, events in out.items():
+                try:
+                    loop.call_soon_threadsafe(_deliver, events)
+                except RuntimeError:  # that loop is gone: nobody listens
+                    pass
         with self._cv:
             self.active_rows = len(sess.rows)
 
@@ -362,3 +381,8 @@ class _Server:
             job.post("error", -1, RequestError(f"the engine failed: {exc}", status=500, type_="server_error"))
         self._owner.clear()
         self._sess = None
+
+
+def _deliver(events: list[tuple[_Job, tuple[Any, ...]]]) -> None:
+    for job, ev in events:
+        job.events.put_nowait(ev)
