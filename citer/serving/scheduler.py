@@ -339,9 +339,9 @@ class _Server:
                     self._finish(key, i)
         for job in admit:
             self._admit(job)
+        out: dict[asyncio.AbstractEventLoop, list[tuple[_Job, tuple[Any, ...]]]] = {}
         if sess.busy:
             # One wake-up of each request loop per step, carrying every row's token, rather than one per token.
-            out: dict[asyncio.AbstractEventLoop, list[tuple[_Job, tuple[Any, ...]]]] = {}
             for em in sess.step():
                 job = self._owner[em.key]
                 i = job.keys[em.key]
@@ -349,13 +349,13 @@ class _Server:
                 if em.done:
                     self._owner.pop(em.key)
                     out[job.loop].append((job, ("done", i, sess.stats(em.key))))
-            for loop, events in out.items():
-                try:
-                    loop.call_soon_threadsafe(_deliver, events)
-                except RuntimeError:  # that loop is gone: nobody listens
-                    pass
-        with self._cv:
+        with self._cv:  # before the tokens go out: a client reading its first token sees its row counted
             self.active_rows = len(sess.rows)
+        for loop, events in out.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # that loop is gone: nobody listens
+                pass
 
     def _admit(self, job: _Job) -> None:
         s = job.s

@@ -115,7 +115,9 @@ def test_a_request_joins_a_running_batch(engine, tiny_pair):
 
 def test_stream_sends_tokens_while_decoding_and_a_client_that_leaves_frees_its_row(engine, tiny_pair):
     _, _, tok = tiny_pair
-    slow = RoutedEngine(engine.slm, engine.llm, SlowRouter(engine.router, 0.03), tau=0.5)
+    slow = RoutedEngine(
+        engine.slm, engine.llm, SlowRouter(engine.router, 0.05), tau=0.5
+    )  # >= 1.2 s per answer
     app = _app(slow, tok)
     srv = app.state.citer
     with serving(app) as base:
