@@ -57,6 +57,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
 from citer.decoding.cost import GPU_BANDWIDTH, ModelCost  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
+from citer.decoding.speculative import assistant_setup  # noqa: E402
 
 # Real configs (hidden, intermediate, layers, heads, kv heads, vocab rows, tied embeddings) of the Qwen2 family.
 SPECS: dict[str, dict[str, Any]] = {
@@ -178,31 +179,6 @@ def call_counter(slm: Any, llm: Any, costs: tuple[ModelCost, ModelCost], batch: 
     finally:
         for h in handles:
             h.remove()
-
-
-@contextlib.contextmanager
-def assistant_setup(slm: Any, llm: Any, draft_tokens: int):
-    """A constant draft length with no confidence cut (reproducible), and the assistant reporting the LLM's
-    embedding width for the block (transformers otherwise wants two tokenizers; ids are compared only)."""
-    from transformers.utils import logging as hf_logging
-
-    gen_cfg = slm.generation_config
-    draft = copy.deepcopy(gen_cfg)
-    draft.num_assistant_tokens = draft_tokens
-    draft.num_assistant_tokens_schedule = "constant"
-    draft.assistant_confidence_threshold = 0.0
-    text = slm.config.get_text_config(decoder=True)
-    rows = text.vocab_size
-    text.vocab_size = llm.config.get_text_config(decoder=True).vocab_size
-    slm.generation_config = draft
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        text.vocab_size = rows
-        slm.generation_config = gen_cfg
 
 
 def host_probe(device: str) -> dict[str, Any]:

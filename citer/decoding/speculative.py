@@ -36,19 +36,9 @@ class SpeculativeOutput:
 
 
 @contextlib.contextmanager
-def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> Iterator[None]:
-    """Hooks that charge every forward call to ``meter[0]``, and a deterministic draft schedule, for the block."""
+def assistant_setup(slm: Any, llm: Any, draft_tokens: int) -> Iterator[None]:
+    """For the block: a deterministic draft schedule for ``slm`` as ``llm``'s assistant, and one tokenizer's ids."""
     from transformers.utils import logging as hf_logging
-
-    def hook(key: str):
-        def pre(module: Any, args: tuple, kwargs: dict) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            past = kwargs.get("past_key_values")
-            new = int(ids.shape[1])
-            seen = int(past.get_seq_length()) if past is not None else 0
-            meter[0].forward(key, [0], [new], [seen + new])  # type: ignore[arg-type]
-
-        return pre
 
     gen_cfg = slm.generation_config
     draft_cfg = copy.deepcopy(gen_cfg)
@@ -56,10 +46,6 @@ def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> I
     draft_cfg.num_assistant_tokens = draft_tokens
     draft_cfg.num_assistant_tokens_schedule = "constant"
     draft_cfg.assistant_confidence_threshold = 0.0
-    handles = [
-        slm.register_forward_pre_hook(hook("slm"), with_kwargs=True),
-        llm.register_forward_pre_hook(hook("llm"), with_kwargs=True),
-    ]
     slm.generation_config = draft_cfg
     # transformers takes different embedding sizes for different tokenizers and then wants both tokenizers
     # (universal assisted decoding, which re-tokenizes text). Ours share one tokenizer and VocabCut keeps both models
@@ -76,6 +62,30 @@ def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> I
         hf_logging.set_verbosity(verbosity)
         slm_text_cfg.vocab_size = slm_rows
         slm.generation_config = gen_cfg
+
+
+@contextlib.contextmanager
+def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> Iterator[None]:
+    """Hooks that charge every forward call to ``meter[0]``, and :func:`assistant_setup`, for the block."""
+
+    def hook(key: str):
+        def pre(module: Any, args: tuple, kwargs: dict) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            past = kwargs.get("past_key_values")
+            new = int(ids.shape[1])
+            seen = int(past.get_seq_length()) if past is not None else 0
+            meter[0].forward(key, [0], [new], [seen + new])  # type: ignore[arg-type]
+
+        return pre
+
+    handles = [
+        slm.register_forward_pre_hook(hook("slm"), with_kwargs=True),
+        llm.register_forward_pre_hook(hook("llm"), with_kwargs=True),
+    ]
+    try:
+        with assistant_setup(slm, llm, draft_tokens):
+            yield
+    finally:
         for h in handles:
             h.remove()
 

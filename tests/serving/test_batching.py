@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from conftest import spread_router
-from live import serving, wait_for
+from live import serving, spread_engine, wait_for
 
 from citer.decoding.engine import RoutedEngine
 from citer.serving.server import build_app
@@ -36,10 +35,7 @@ class SlowRouter(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    slm, llm, tok = tiny_pair
-    return RoutedEngine(
-        slm, llm, spread_router(slm.config.hidden_size), tau=0.5, eos_token_id=tok.eos_token_id
-    )
+    return spread_engine(tiny_pair)
 
 
 def _app(engine, tok, **kw):

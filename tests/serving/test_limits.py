@@ -12,11 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, spread_router
+from conftest import REPO
 from fastapi.testclient import TestClient
-from live import serving, wait_for
+from live import serving, spread_engine, wait_for
 
-from citer.decoding.engine import RoutedEngine
 from citer.serving.server import ServeError, build_app, check_bind, is_loopback, public_ref
 
 MODEL = "citer-test"
@@ -25,15 +24,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    slm, llm, tok = tiny_pair
-    return RoutedEngine(
-        slm,
-        llm,
-        spread_router(slm.config.hidden_size),
-        tau=0.5,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=0,
-    )
+    return spread_engine(tiny_pair)
 
 
 def _app(engine, tok, **kw):

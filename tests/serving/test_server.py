@@ -5,10 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import spread_router
-from live import serving
+from live import serving, spread_engine
 
-from citer.decoding.engine import RoutedEngine
 from citer.serving.protocol import RequestError, TextStream, truncate_at_stop
 from citer.serving.server import build_app
 
@@ -18,15 +16,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    slm, llm, tok = tiny_pair
-    return RoutedEngine(
-        slm,
-        llm,
-        spread_router(slm.config.hidden_size),
-        tau=0.5,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=0,
-    )
+    return spread_engine(tiny_pair)
 
 
 @pytest.fixture(scope="module")
