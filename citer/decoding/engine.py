@@ -34,7 +34,7 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.session import DecodeSession, EngineInputError
+from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 
 
 @dataclass
@@ -156,8 +156,7 @@ class RoutedEngine:
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
     ) -> DecodeSession:
         """A step-level scheduler over this engine: add rows at any time, step, collect tokens as they come."""
-        if temperature < 0.0 or not 0.0 < top_p <= 1.0:
-            raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        check_sampling(temperature, top_p)
         if max_rows is not None and (
             isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
         ):

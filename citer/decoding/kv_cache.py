@@ -24,8 +24,9 @@ class RaggedKVCache(Cache):
 
     A call either pads (rows x longest chunk; pad keys go to the last column, a trash slot) or packs (all new tokens
     in one sequence, each attending only its own row's columns: no padded compute, at the price of gathering the
-    rows' caches into one key sequence). Rows are "slots" in buffer order; ``keep`` compacts
-    them when rows finish so the active rows stay a prefix (the common call then uses views, not gathers).
+    rows' caches into one key sequence). Rows are "slots" in buffer order;
+    ``add_slots`` and ``remove_slots`` keep the active rows a prefix (the common call then uses views, not
+    gathers).
     """
 
     def __init__(self, model: nn.Module, n_rows: int, capacity: int) -> None:
@@ -50,18 +51,6 @@ class RaggedKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
-
-    def keep(self, slots: Sequence[int]) -> None:
-        """Keep only ``slots`` (in that order) -- rows that finished are dropped."""
-        idx = torch.tensor(list(slots), dtype=torch.long)
-
-        def sel(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, idx.to(t.device))
-
-        self.keys = [sel(k) for k in self.keys]
-        self.values = [sel(v) for v in self.values]
-        self.lengths = [self.lengths[s] for s in slots]
-        self._alloc = len(self.lengths)
 
     def add_slots(self, k: int) -> list[int]:
         """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""

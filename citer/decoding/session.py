@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -59,6 +59,11 @@ class EngineInputError(ValueError):
     """Bad arguments to the engine; raised before any generation."""
 
 
+def check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0.0 or not 0.0 < top_p <= 1.0:
+        raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+
+
 @dataclass
 class Emitted:
     """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch."""
@@ -76,11 +81,13 @@ class _Row:
     seq: list[int]
     prompt_len: int
     max_new: int
-    out: list[int] = field(default_factory=list)
-    from_llm: list[bool] = field(default_factory=list)
     sampling: tuple[float, float, int] = (0.0, 1.0, 0)  # temperature, top_p, seed
     llm_seen: int = 0  # tokens of this row in the LLM cache
     waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
+
+    @property
+    def n_out(self) -> int:  # tokens emitted so far: the row's own step, which keys its random draws
+        return len(self.seq) - self.prompt_len
 
 
 class DecodeSession:
@@ -106,7 +113,6 @@ class DecodeSession:
         self.queue: deque[_Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
         self.hidden: torch.Tensor | None = None  # (b, H) the router's input per slot
-        self._fed: set[int] = set()  # keys of the rows whose new token the SLM has not seen yet
 
     # -- the caller's side ------------------------------------------------------------------------------------------
     def add(
@@ -127,8 +133,7 @@ class DecodeSession:
             self.top_p if top_p is None else float(top_p),
             self.seed if seed is None else int(seed),
         )
-        if samp[0] < 0.0 or not 0.0 < samp[1] <= 1.0:
-            raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {samp[0]}, {samp[1]}")
+        check_sampling(samp[0], samp[1])
         key = self.meter.add_rows(1)[0]
         seq = [int(t) for t in prompt]
         rid = key if row_id is None else int(row_id)
@@ -178,7 +183,7 @@ class DecodeSession:
             rid = torch.tensor(
                 [self.rows[s].row_id for s in ready], dtype=torch.long
             )  # (k,) keys for the noise
-            steps = torch.tensor([len(self.rows[s].out) for s in ready], dtype=torch.long)  # (k,)
+            steps = torch.tensor([self.rows[s].n_out for s in ready], dtype=torch.long)  # (k,)
             idx = torch.tensor(ready, dtype=torch.long, device=self.hidden.device)
             hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
@@ -198,8 +203,8 @@ class DecodeSession:
         for s in held:
             self.rows[s].waited += 1
         self.meter.step([self.rows[s].key for s in held])
-        emitted = self._emit(tok)
-        self._feed_slm()
+        emitted, fed = self._emit(tok)
+        self._feed_slm(fed)
         return emitted
 
     def _llm_due(self, waiting: list[int], advancing: int) -> bool:
@@ -227,7 +232,7 @@ class DecodeSession:
         for r in rows:
             r.llm_seen = len(r.seq)
         rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
-        steps = torch.tensor([len(r.out) for r in rows], dtype=torch.long)
+        steps = torch.tensor([r.n_out for r in rows], dtype=torch.long)
         return self._choose(logits, rows, rid, steps)
 
     def _choose(
@@ -249,7 +254,8 @@ class DecodeSession:
                 out[i] = tok
         return out
 
-    def _emit(self, tok: dict[int, int]) -> list[Emitted]:
+    def _emit(self, tok: dict[int, int]) -> tuple[list[Emitted], set[int]]:
+        """Append each row's token; retire finished rows. Returns the tokens and the keys of the rows to feed."""
         out, done = [], []
         slots = sorted(tok)
         from_llm = [self.rows[s].waited >= 0 for s in slots]
@@ -257,22 +263,20 @@ class DecodeSession:
         for s, llm in zip(slots, from_llm, strict=True):
             r = self.rows[s]
             r.seq.append(tok[s])
-            r.out.append(tok[s])
-            r.from_llm.append(llm)
             r.waited = -1
-            fin = tok[s] in self.e.eos or len(r.out) >= r.max_new
+            fin = tok[s] in self.e.eos or r.n_out >= r.max_new
             out.append(Emitted(r.key, tok[s], llm, fin))
             if fin:
                 done.append(s)
-        self._fed = {self.rows[s].key for s in slots if s not in done}
+        fed = {self.rows[s].key for s in slots if s not in done}
         self._retire(done)
-        return out
+        return out, fed
 
-    def _feed_slm(self) -> None:
-        if not self.rows or not self._fed:
+    def _feed_slm(self, fed: set[int]) -> None:
+        if not self.rows or not fed:
             return
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
-        chunks = [[r.seq[-1]] if r.key in self._fed else [] for r in self.rows]
+        chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
         logits, hidden = ragged_append(self.e.slm, self.slm_cache, chunks)  # (b, V), (b, H)
         fed = [s for s, c in enumerate(chunks) if c]
         idle = [s for s, c in enumerate(chunks) if not c]
@@ -308,9 +312,8 @@ class DecodeSession:
     def _retire(self, slots: list[int]) -> None:
         if not slots:
             return
-        caches = [c for c in (self.slm_cache, self.llm_cache) if c is not None]
-        for c in caches:
-            moved = c.remove_slots(slots)
+        # Both caches hold the same slots, so they move the same rows.
+        moved = [c.remove_slots(slots) for c in (self.slm_cache, self.llm_cache) if c is not None][0]
         assert self.logits is not None and self.hidden is not None
         if moved:
             src = torch.tensor(list(moved), dtype=torch.long, device=self.logits.device)
