@@ -45,13 +45,12 @@ _ROWS_PER_SESSION = 4096
 
 @dataclass
 class _Decoded:
-    """One prompt's answer: text after stop handling, its streamed pieces, and routing stats."""
+    """One prompt's answer: text after stop handling, and routing stats."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    pieces: list[tuple[str, list[bool]]]
     stats: dict[str, Any]
 
 
@@ -201,7 +200,6 @@ class _Server:
         job = self._submit(prompts, s)
         streams = [TextStream(self.tok, s.stop, self.tok.eos_token_id) for _ in prompts]
         stats: dict[int, Any] = {}
-        pieces: list[list[tuple[str, list[bool]]]] = [[] for _ in prompts]
         try:
             while len(stats) < len(prompts):
                 kind, i, *rest = await job.events.get()
@@ -216,10 +214,8 @@ class _Server:
                 piece = ts.push(*rest)
                 if ts.stopped:
                     self._cancel(job, [i])
-                if piece is not None:
-                    pieces[i].append(piece)
-                    if on_piece is not None:
-                        await on_piece(*piece)
+                if piece is not None and on_piece is not None:
+                    await on_piece(*piece)
         except BaseException:
             self._cancel(job)
             raise
@@ -229,17 +225,14 @@ class _Server:
         out = []
         for i, ts in enumerate(streams):
             tail = ts.finish()
-            if tail is not None:
-                pieces[i].append(tail)
-                if on_piece is not None:
-                    await on_piece(*tail)
+            if tail is not None and on_piece is not None:
+                await on_piece(*tail)
             out.append(
                 _Decoded(
                     text=ts.text,
                     finish_reason="stop" if ts.done else "length",
                     prompt_tokens=len(prompts[i]),
                     completion_tokens=len(ts.tokens),
-                    pieces=pieces[i],
                     stats=row_stats(stats[i], ts.from_llm),
                 )
             )
