@@ -149,6 +149,11 @@ def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hid
     return logits.argmax(-1).cpu(), (ht.float().cpu() if want_hidden else None)
 
 
+def teacher_forced_order(encoded: Sequence[Encoded]) -> list[int]:
+    """The order :func:`teacher_forced` batches examples in: shortest first (ties by index)."""
+    return sorted(range(len(encoded)), key=lambda i: len(encoded[i].prompt) + len(encoded[i].target))
+
+
 def teacher_forced(
     slm: Any,
     llm: Any,
@@ -160,7 +165,7 @@ def teacher_forced(
     """One forward pass per model per batch (similar lengths together); greedy tokens among the tokenizer's
     ``vocab_size`` ids (default: the smaller embedding), so embeddings padded to different sizes compare alike."""
     vocab = vocab_size or min(int(m.get_output_embeddings().out_features) for m in (slm, llm))
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].prompt) + len(encoded[i].target))
+    order = teacher_forced_order(encoded)
     per_ex: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     starts = range(0, len(order), batch_size)
     for s in progress(starts, desc="labels: teacher-forced", total=len(starts), unit="batch"):

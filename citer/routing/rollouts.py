@@ -26,6 +26,13 @@ class Branch:
     token: int
 
 
+def rollout_order(encoded: Sequence[Any], branches: Sequence[Branch], eos: int) -> list[int]:
+    """The branches :func:`rollout_correct` decodes, in its batching order: by prefix length (ties by index), so a
+    batch's ragged cache (capacity = longest prompt + new tokens) stays small; an EOS branch decodes nothing."""
+    todo = [j for j, br in enumerate(branches) if br.token != eos]
+    return sorted(todo, key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
+
+
 def rollout_correct(
     engine: Any,
     tokenizer: Any,
@@ -41,15 +48,10 @@ def rollout_correct(
     models = [m for m in (engine.slm, engine.llm) if m is not None]
     max_positions = min(int(m.config.max_position_embeddings) for m in models)
     texts: list[str | None] = [None] * len(branches)
-    todo = []
     for j, br in enumerate(branches):
-        e = encoded[br.ex]
         if br.token == eos:  # the branch ends the answer here: grade what is written, no decoding needed
-            texts[j] = tokenizer.decode(e.target[: br.position], skip_special_tokens=True)
-        else:
-            todo.append(j)
-    # Batches of similar prefix length keep the engine's ragged cache (capacity = longest prompt + new tokens) small.
-    todo.sort(key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
+            texts[j] = tokenizer.decode(encoded[br.ex].target[: br.position], skip_special_tokens=True)
+    todo = rollout_order(encoded, branches, eos)
     starts = range(0, len(todo), batch_size)
     for s in progress(starts, desc="labels: rollouts", total=len(starts), unit="batch"):
         chunk = todo[s : s + batch_size]

@@ -1,10 +1,11 @@
 """Label collection cut into shards: which examples / branches each shard holds, one shard's passes, the merge.
 
-Teacher-forced passes batch examples sorted by length and rollouts batch branches sorted by prefix length
-(:func:`citer.routing.labels.teacher_forced`, :func:`citer.routing.rollouts.rollout_correct`). A shard here is a
-contiguous run of whole batches of exactly that order (:mod:`citer.sharding`); both functions sort stably, so run on
-a shard's items (already in that order) they rebuild the very same batches, and the merged result equals the
-single-process one bit for bit. ``tests/test_sharding.py`` pins this against the batches the functions really form.
+Teacher-forced passes batch examples sorted by length and rollouts batch branches sorted by prefix length, in the
+orders :func:`citer.routing.labels.teacher_forced_order` and :func:`citer.routing.rollouts.rollout_order` define for
+those passes. A shard here is a contiguous run of whole batches of exactly that order (:mod:`citer.sharding`); both
+passes sort stably, so run on a shard's items (already in that order) they rebuild the very same batches, and the
+merged result equals the single-process one bit for bit. ``tests/test_sharding.py`` pins this against the batches the
+functions really form.
 """
 
 from __future__ import annotations
@@ -13,29 +14,23 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from citer.routing.labels import Encoded, LabelWork, TeacherForced, assemble_teacher_forced
-from citer.routing.rollouts import Branch
+from citer.routing.labels import (
+    Encoded,
+    LabelWork,
+    TeacherForced,
+    assemble_teacher_forced,
+    teacher_forced_order,
+)
+from citer.routing.rollouts import Branch, rollout_order
 from citer.sharding import ShardError, merge_by_index, split_batches
 
 # What a teacher-forced shard returns: per target token of its examples, in shard order.
 TF_KEYS = ("slm_token", "llm_token", "hidden")
 
 
-def teacher_forced_order(encoded: Sequence[Encoded]) -> list[int]:
-    """The order :func:`teacher_forced` batches examples in (shortest first, ties by index)."""
-    return sorted(range(len(encoded)), key=lambda i: len(encoded[i].prompt) + len(encoded[i].target))
-
-
 def teacher_forced_shards(encoded: Sequence[Encoded], batch_size: int, n_shards: int) -> list[list[int]]:
     """Example indices per shard, each shard whole batches of :func:`teacher_forced_order`."""
     return split_batches(teacher_forced_order(encoded), batch_size, n_shards)
-
-
-def rollout_order(encoded: Sequence[Encoded], branches: Sequence[Branch], eos: int) -> list[int]:
-    """The branches :func:`rollout_correct` decodes, in its batching order (prefix length, ties by index); a branch
-    whose token is EOS decodes nothing and is not in it."""
-    todo = [j for j, br in enumerate(branches) if br.token != eos]
-    return sorted(todo, key=lambda j: len(encoded[branches[j].ex].prompt) + branches[j].position)
 
 
 def rollout_shards(
