@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import os
@@ -9,7 +10,13 @@ from collections.abc import Mapping
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
+from starlette.responses import JSONResponse
+
+from citer.serving.protocol import RequestError, error_body
+
 log = logging.getLogger("citer.serving")
+# Paths anyone may reach without a key: a load balancer's health probe carries none.
+OPEN_PATHS = frozenset({"/health"})
 
 
 class ServeError(ValueError):
@@ -71,3 +78,33 @@ def check_bind(
         f"refusing to serve on {host!r} without an API key: it is not a loopback address; set {api_key_env} (clients "
         f"then send 'Authorization: Bearer <key>'), or set serve.allow_remote_without_key: true, or serve on 127.0.0.1"
     )
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>`` (else 401).
+
+    A plain ASGI callable rather than a ``BaseHTTPMiddleware``: that one relays every streamed chunk through an extra
+    task and memory stream, which under many concurrent streams costs the event loop more than the chunks do."""
+
+    def __init__(self, app: Any, expected: bytes) -> None:
+        self.app = app
+        self.expected = expected
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is not None and hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        err = RequestError(
+            "missing API key: send the header 'Authorization: Bearer <key>'"
+            if given is None
+            else "invalid API key",
+            status=401,
+            type_="authentication_error",
+            code="invalid_api_key",
+        )
+        response = JSONResponse(error_body(err), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

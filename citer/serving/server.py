@@ -25,7 +25,7 @@ with a 400 rather than ignored.
 from __future__ import annotations
 
 import contextlib
-import hmac
+import gc
 import logging
 import os
 import time
@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from citer.project import Project, as_project
-from citer.serving.access import ServeError, check_bind, is_loopback, public_info, public_ref
+from citer.serving.access import BearerAuth, ServeError, check_bind, is_loopback, public_info, public_ref
 from citer.serving.champion import load_champion
 from citer.serving.protocol import (
     ChatRequest,
@@ -154,8 +154,16 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await run_in_threadpool(srv.close)  # stop the engine thread with the app
+        # Everything alive now (models, tokenizer, libraries) lives as long as the server: move it out of the cyclic
+        # collector's reach. A full collection otherwise rescans that heap and stops every stream for 0.1-0.3 s
+        # (measured under 32 clients: every request's first token late by one pause).
+        gc.collect()
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()  # an app built in a longer-lived process (tests, notebooks) leaves its objects collectable
+            await run_in_threadpool(srv.close)  # stop the engine thread with the app
 
     app = FastAPI(
         title="citer", description="CITER routed decoding, OpenAI-compatible", version="1", lifespan=lifespan
@@ -176,23 +184,8 @@ def build_app(
         )
         return JSONResponse(error_body(err), status_code=400)
 
-    expected_auth = f"Bearer {api_key}".encode() if api_key else None
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Any:
-        if expected_auth is not None and request.url.path != "/health":
-            given = request.headers.get("authorization")
-            if given is None or not hmac.compare_digest(given.encode(), expected_auth):
-                err = RequestError(
-                    "missing API key: send the header 'Authorization: Bearer <key>'"
-                    if given is None
-                    else "invalid API key",
-                    status=401,
-                    type_="authentication_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(error_body(err), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(BearerAuth, expected=f"Bearer {api_key}".encode())
 
     # Every endpoint is async: none holds a worker thread while it waits, so /health and refusals (400, 429) are
     # answered at once however many requests wait for the engine.

@@ -193,6 +193,12 @@ def test_api_key_required_on_every_request_but_health(engine, tiny_pair):
         assert tc.post("/v1/completions", json=body, headers=ok).status_code == 200
         assert tc.get("/openapi.json", headers=ok).status_code == 200
         assert tc.get("/health").status_code == 200
+        # A stream passes the key check once and then streams through it untouched.
+        with tc.stream("POST", "/v1/completions", json=body | {"stream": True}, headers=ok) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) >= 3
+        with tc.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            assert r.status_code == 401
 
 
 def test_loopback_hosts():
