@@ -1,7 +1,7 @@
 """Serving throughput and latency of `citer serve` under concurrent clients: ``python bench/serving.py``.
 
-The server is the real app on 127.0.0.1 (uvicorn in this process; the clients run in a child process so they do
-not take the server's interpreter lock), the pair the pipeline's embedded architectures (random weights over a
+The server is the real app on 127.0.0.1 (uvicorn in this process; the clients run in a child process,
+``bench/http_load.py``, so they do not take the server's interpreter lock), the pair the pipeline's embedded architectures (random weights over a
 character tokenizer: throughput does not depend on what the weights say) or ``--models DIR`` (a trained pair with
 ``slm``/``llm`` subdirectories). Four servers, each measured at 1, 8 and 32 concurrent clients, every client
 streaming its requests one after another:
@@ -14,20 +14,17 @@ streaming its requests one after another:
 Per level: throughput (completion tokens/s), p50/p99 latency, p50 time to first token and its ratio to the full
 answer's time, requests lost (not 200), and answers that differ from the same request served alone. The servers run
 side by side and each level is measured server after server, in alternating order over ``--rounds`` rounds (each
-server's best round kept), so ratios between servers are taken under the same load. Writes ``reports/bench_serving.json`` atomically. ``--quick``: a smoke run.
+server's best round kept, every round's headline numbers listed under ``rounds``), so ratios between servers are
+taken under the same load. Writes ``reports/bench_serving.json`` atomically. ``--quick``: a smoke run.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,14 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.http_load import MODEL, load  # noqa: E402
 from citer.config import BootstrapParams  # noqa: E402
 from citer.decoding.baselines import AlwaysLLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.io import write_json  # noqa: E402
 from citer.serving.local import serving_in_background  # noqa: E402
 from citer.serving.server import build_app  # noqa: E402
-
-MODEL = "citer-bench"
 
 
 def char_tokenizer():
@@ -72,56 +68,6 @@ def embedded_pair(models: str | None):
 
     bp, tok = BootstrapParams(), char_tokenizer()
     return build_model(bp.slm, tok, seed=1).eval(), build_model(bp.llm, tok, seed=2).eval(), tok
-
-
-async def _client(base: str, bodies: list[dict], out: list[dict]) -> None:
-    import httpx
-
-    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
-        for body in bodies:
-            t0 = time.perf_counter()
-            first, text, usage, status = None, "", None, 0
-            async with c.stream("POST", "/v1/completions", json=body) as r:
-                status = r.status_code
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if ev.get("usage"):
-                        usage = ev["usage"]
-                    for ch in ev.get("choices", []):
-                        if ch.get("text"):
-                            first = first or time.perf_counter() - t0
-                            text += ch["text"]
-            out.append(dict(prompt=body["prompt"], status=status, text=text, ttft=first,
-                            latency=time.perf_counter() - t0, tokens=(usage or {}).get("completion_tokens", 0)))  # fmt: skip
-
-
-def load(
-    base: str, prompts: list[str], clients: int, per_client: int, max_tokens: int
-) -> tuple[list[dict], float]:
-    """Run the clients in a separate process (the server's GIL stays the server's); returns results and wall time."""
-    spec = dict(base=base, prompts=prompts, clients=clients, per_client=per_client, max_tokens=max_tokens)
-    proc = subprocess.run([sys.executable, __file__, "--load", json.dumps(spec)], capture_output=True, text=True,
-                          check=False, timeout=1800)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"load generator failed: {proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out["results"], out["wall_s"]
-
-
-def _load_here(spec: dict) -> None:
-    clients, max_tokens, prompts = spec["clients"], spec["max_tokens"], spec["prompts"]
-    bodies = [dict(model=MODEL, prompt=prompts[i % len(prompts)], max_tokens=max_tokens, stream=True,
-                   stream_options={"include_usage": True}) for i in range(clients * spec["per_client"])]  # fmt: skip
-    out: list[dict] = []
-
-    async def run() -> None:
-        await asyncio.gather(*(_client(spec["base"], bodies[k::clients], out) for k in range(clients)))
-
-    t0 = time.perf_counter()
-    asyncio.run(run())
-    print(json.dumps({"results": out, "wall_s": time.perf_counter() - t0}))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -158,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level; each server's best is kept")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_serving.json"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--load", default=None, help=argparse.SUPPRESS)  # internal: run the clients of one level
     args = ap.parse_args(argv)
-    if args.load:
-        _load_here(json.loads(args.load))
-        return 0
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -191,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     # alternating order over --rounds rounds, and each server's best round is kept: drifting load on a shared
     # machine then biases every server alike.
     best: dict[tuple[str, int], dict] = {}
+    every: dict[
+        tuple[str, int], list[dict]
+    ] = {}  # each round's headline numbers, kept so the spread is reported
     with contextlib.ExitStack() as stack:
         bases = {}
         for name, (engine, continuous) in servers.items():
@@ -209,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['p50_latency_s']:.3f} s  p99 {r['p99_latency_s']:.3f} s  ttft/latency "
                           f"{r['ttft_over_latency'] or float('nan'):.2f}  lost {r['lost']}  differ "
                           f"{r['differ_from_alone']}", flush=True)  # fmt: skip
+                    seen = every.setdefault((name, c), [])
+                    seen.append({k: r[k] for k in ("tokens_per_s", "p50_latency_s", "ttft_over_latency")})
                     old = best.get((name, c))
                     if old is None or r["tokens_per_s"] > old["tokens_per_s"]:
                         # Losses and differences count over every round, not only the kept one.
@@ -218,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         old["lost"] += r["lost"]
                         old["differ_from_alone"] += r["differ_from_alone"]
-    rows = [best[name, c] for name in servers for c in levels]
+    rows = [best[name, c] | {"rounds": every[name, c]} for name in servers for c in levels]
     by = {(r["server"], r["clients"]): r for r in rows}
     ratios = {
         f"continuous_shared_vs_one_at_a_time_at_{c}": by["continuous_shared", c]["tokens_per_s"]
