@@ -15,8 +15,10 @@ The project's own MLflow store (opening, rebasing a copied project) is :mod:`cit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ __all__ = [
     "finish_pending",
     "get_alias",
     "load_router_version",
+    "verify_router_version",
     "move_alias",
     "open_store",
     "publish_router",
@@ -187,20 +190,35 @@ def _local_dir_expected(ref: str, root: Path | None) -> bool:
     return (root / Path(ref).parts[0]).is_dir()
 
 
-def load_router_version(rv: RouterVersion, slm: Any = None):
-    """A version's router from its ``router_dir`` artifact: an MLPRouter on the hidden state alone (no models loaded),
-    or, for a router on more inputs, a FeatureRouter that shares ``slm``'s head and embedding (``slm`` required)."""
+@contextlib.contextmanager
+def verified_router_dir(rv: RouterVersion) -> Iterator[Path]:
+    """A version's ``router_dir`` artifact in a temporary directory, once its files match the sha256 recorded at
+    registration (:func:`check_digests`); nothing is loaded."""
     import tempfile
 
     import mlflow
-
-    from citer.routing.mlp import load_router
 
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(mlflow.artifacts.download_artifacts(f"models:/{rv.name}/{rv.version}", dst_path=tmp))
         spec = mlflow.models.Model.load(str(local)).flavors["python_function"]["artifacts"]["router_dir"]
         router_dir = local / spec["path"]
         check_digests(rv, router_dir)
+        yield router_dir
+
+
+def verify_router_version(rv: RouterVersion) -> None:
+    """Refuse a version whose stored router files were changed since registration, without loading any model: a
+    command that ends up decoding nothing (a finished output) still fails closed on a tampered champion."""
+    with verified_router_dir(rv):
+        pass
+
+
+def load_router_version(rv: RouterVersion, slm: Any = None):
+    """A version's router from its ``router_dir`` artifact: an MLPRouter on the hidden state alone (no models loaded),
+    or, for a router on more inputs, a FeatureRouter that shares ``slm``'s head and embedding (``slm`` required)."""
+    from citer.routing.mlp import load_router
+
+    with verified_router_dir(rv) as router_dir:
         router, _ = load_router(router_dir, slm=slm)
     return router
 

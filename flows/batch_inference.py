@@ -19,6 +19,7 @@ def batch_inference_flow(
     llm_fraction: float | None = None,
 ) -> dict[str, Any]:
     from citer.models.loading import load_tokenizer
+    from citer.registry import verify_router_version
     from citer.serving.batch import route_file
     from citer.serving.champion import champion_tau, load_champion, project_champion
 
@@ -26,6 +27,8 @@ def batch_inference_flow(
     p = proj.params
     inf = p.inference
     rv = project_champion(proj)  # its own store, and a pair that matches params, or one line saying both
+    # Fail closed even when the output is finished and nothing will be decoded: a tampered champion stops here.
+    verify_router_version(rv)
     if llm_fraction is None and inf.tau is None:
         llm_fraction = inf.llm_fraction
     tau = champion_tau(rv, inf.tau if llm_fraction is None else None, llm_fraction)

@@ -17,6 +17,7 @@ from citer.registry import (
     move_alias,
     register_router,
     set_alias,
+    verify_router_version,
 )
 from citer.routing.mlp import MLPRouter, save_router
 
@@ -64,12 +65,15 @@ def test_a_tampered_router_is_refused(store, tmp_path):
     v1, _ = _register(client, exp, tmp_path)
     assert set(json.loads(v1.tags["router_sha256"])) == {"router.safetensors", "router.json"}
     load_router_version(v1)  # untouched: loads
+    verify_router_version(v1)
     art = next((tmp_path / "art").rglob("router.json"))  # the copy in the artifact store
     meta = json.loads(art.read_text())
     meta["dropout"] = 0.5
     art.write_text(json.dumps(meta))
     with pytest.raises(RegistryError, match="router.json .* does not match the sha256 recorded"):
         load_router_version(v1)
+    with pytest.raises(RegistryError, match="router.json .* does not match the sha256 recorded"):
+        verify_router_version(v1)  # what `citer route` checks before it looks at its output
 
 
 def test_an_interrupted_promotion_is_completed_or_retired(store, tmp_path):

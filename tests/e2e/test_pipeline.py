@@ -70,3 +70,11 @@ def test_pipeline_end_to_end(prefect_server, project):
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["n_skipped"] == 24
         assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
+        # A champion changed in the artifact store is refused even when nothing is left to decode (fail closed).
+        stored = list((project / "mlartifacts").rglob("router.json"))  # the model's copy and its run's
+        assert stored
+        for art in stored:
+            art.write_text(art.read_text().replace("{", '{"tampered": true, ', 1))
+        res = runner.invoke(app, ["route"])
+        assert res.exit_code == 1 and "sha256" in res.output, res.output
+        assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
