@@ -1,0 +1,167 @@
+"""The variants measured at every batch size: transformers ``generate`` with one model (``hf_slm``/``hf_llm``), our
+engine with one model alone (``engine_slm``/``engine_llm``), routed by a random router (``routed_f{p}``, and
+``routed_always_llm`` at batch 1), and routed with shared LLM calls (``shared_f{p}``, batch > 1). Timed interleaved
+after a warm-up, one row each with its time per token, LLM calls, bytes moved and ratios to the bandwidth limit and
+to the ideal ``f * t_LLM + t_SLM``."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.gpu_assisted import AgreeProcessor
+from bench.gpu_pairs import BuiltPair
+from bench.gpu_run import BenchRun
+from bench.gpu_timing import plain_bytes
+from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
+from citer.decoding.cost import GPU_BANDWIDTH
+from citer.decoding.engine import RoutedEngine
+
+
+def shared_min_rows(args: argparse.Namespace, batch: int) -> int:
+    """``llm_min_rows`` of the shared variants at ``batch``: ``--min-rows``, or max(2, batch // 4) when it is 0."""
+    m = args.min_rows if args.min_rows > 0 else max(2, batch // 4)
+    return max(1, min(m, batch))
+
+
+def engines(run: BenchRun, models: BuiltPair, batch: int) -> dict[str, tuple[RoutedEngine, float | None]]:
+    """The engine variants at ``batch``: name -> (engine, router p), p = 1.0 for the LLM alone."""
+    slm, llm, vocab = models.slm, models.llm, models.vocab
+    a = run.args
+    out: dict[str, tuple[RoutedEngine, float | None]] = {
+        "engine_slm": (RoutedEngine(slm, None, AlwaysSLM(), vocab_size=vocab, gpu=a.gpu), 0.0),
+        "engine_llm": (RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab, gpu=a.gpu), 1.0),
+    }
+    for p in a.fractions:
+        out[f"routed_f{p:g}"] = (
+            RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, vocab_size=vocab, gpu=a.gpu),
+            p,
+        )
+    if batch == 1:
+        out["routed_always_llm"] = (RoutedEngine(slm, llm, AlwaysLLM(), vocab_size=vocab, gpu=a.gpu), 1.0)
+    if batch > 1 and run.has_shared:
+        kw = {"llm_min_rows": shared_min_rows(a, batch), "llm_max_wait_steps": a.max_wait_steps}
+        for p in a.fractions:
+            out[f"shared_f{p:g}"] = (
+                RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, vocab_size=vocab, gpu=a.gpu, **kw),
+                p,
+            )
+    return out
+
+
+def measure_batch(
+    run: BenchRun, models: BuiltPair, prompts: list[list[int]], ids: torch.Tensor
+) -> tuple[list[dict], dict[str, float]]:
+    """Rows of the HF and engine variants on ``prompts`` (``ids``: the same as a (B, P) tensor), and seconds per
+    token of each variant measured, by name."""
+    pair, slm, llm, costs, vocab = models.name, models.slm, models.llm, models.costs, models.vocab
+    a = run.args
+    batch = len(prompts)
+    n_new, plen = a.new_tokens, a.prompt_len
+    cut = AgreeProcessor(vocab, 0.0)
+    from transformers import LogitsProcessorList
+
+    def hf(model: Any, **extra: Any) -> Callable[[int], dict]:
+        def go(n: int) -> dict:
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                do_sample=False, pad_token_id=0, eos_token_id=None,
+                logits_processor=LogitsProcessorList([cut]), **extra,
+            )  # fmt: skip
+            return {}
+
+        return go
+
+    def eng(e: RoutedEngine) -> Callable[[int], dict]:
+        def go(n: int) -> dict:
+            return {"stats": e.generate_batch(prompts, n).batch}
+
+        return go
+
+    variants: dict[str, tuple[Callable[[int], dict], dict]] = {
+        "hf_slm": (hf(slm), {"method": "hf_generate", "model": "slm", "f": 0.0}),
+        "hf_llm": (hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}),
+    }
+    for name, (e, p) in engines(run, models, batch).items():
+        meta = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": p}
+        if name.startswith("shared"):
+            meta.update(llm_min_rows=e.llm_min_rows, llm_max_wait_steps=e.llm_max_wait_steps)
+        variants[name] = (eng(e), meta)
+
+    # Warm-up (kernels, allocator, cuBLAS handles), then interleaved reps: drift biases every variant alike.
+    for name, (fn, _) in variants.items():
+        try:
+            run.timed(lambda fn=fn: fn(a.warmup_tokens or n_new))
+        except Exception as exc:  # a broken variant is reported, the others still run
+            run.error(f"{pair} batch {batch} {name} warm-up", exc)
+    walls: dict[str, list[float]] = {k: [] for k in variants}
+    last: dict[str, dict] = {}
+    for rep in range(a.reps):
+        for name, (fn, _) in variants.items():
+            if run.left() < 15 and walls[name]:
+                continue
+            try:
+                sec, info = run.timed(lambda fn=fn: fn(n_new))
+            except Exception as exc:
+                run.error(f"{pair} batch {batch} {name} rep {rep}", exc)
+                continue
+            walls[name].append(sec)
+            last[name] = info
+    med = {k: statistics.median(v) for k, v in walls.items() if v}
+    ntok = batch * n_new
+    t_tok = {k: v / ntok for k, v in med.items()}
+    rows = []
+    for name, (_, meta) in variants.items():
+        if name not in med:
+            continue
+        row = {
+            "pair": pair,
+            "batch": batch,
+            "variant": name,
+            **meta,
+            "new_tokens": n_new,
+            "prompt_len": plen,
+        }
+        row["reps_s"] = [round(w, 5) for w in walls[name]]
+        row["wall_s"] = med[name]
+        row["min_ms_per_token"] = 1e3 * min(walls[name]) / ntok
+        row["ms_per_token"] = 1e3 * t_tok[name]
+        row["ms_per_row_token"] = 1e3 * med[name] / n_new
+        row["tokens_per_s"] = ntok / med[name]
+        st = last[name].get("stats")
+        if st is not None:
+            steps = getattr(st, "decode_steps", 0) or None
+            row["decode_steps"] = steps
+            if name == "engine_llm":  # the LLM decoding alone, as the engine's only model
+                f = 1.0
+                row["llm_calls"] = st.slm_calls
+                row["llm_calls_per_token"] = st.slm_calls / st.new_tokens
+                row["llm_calls_per_step"] = st.slm_calls / (steps or n_new)
+            else:
+                f = st.llm_fraction
+                row["llm_calls"] = st.llm_calls
+                row["llm_calls_per_token"] = st.llm_calls_per_token
+                row["llm_calls_per_step"] = st.llm_calls / (steps or n_new)
+            row["llm_fraction"] = f
+            row["wait_row_steps"] = getattr(st, "wait_row_steps", None)
+            row["llm_catchup_tokens"] = st.llm_catchup_tokens
+            bytes_tok = st.bytes_moved / st.new_tokens
+            if name not in ("engine_slm", "engine_llm") and "engine_slm" in t_tok and "engine_llm" in t_tok:
+                ideal = f * t_tok["engine_llm"] + t_tok["engine_slm"]
+                row["ideal_ms_per_token"] = 1e3 * ideal
+                row["ratio_to_ideal"] = t_tok[name] / ideal
+        else:
+            cost = costs[0] if meta["model"] == "slm" else costs[1]
+            bytes_tok = plain_bytes(cost, batch, plen, n_new) / ntok
+            row["llm_fraction"] = meta["f"]
+            row["llm_calls_per_step"] = 0.0 if meta["model"] == "slm" else 1.0
+        bw = bytes_tok / GPU_BANDWIDTH[a.gpu]
+        row["bytes_per_token"] = bytes_tok
+        row["bw_limit_ms_per_token"] = 1e3 * bw
+        row["ratio_to_bw"] = t_tok[name] / bw
+        rows.append(row)
+    return rows, t_tok
