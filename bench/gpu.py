@@ -54,24 +54,20 @@ if importlib.util.find_spec("citer") is None:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from citer.decoding.baselines import AlwaysSLM  # noqa: E402
-from citer.decoding.cost import GPU_BANDWIDTH, ModelCost  # noqa: E402
+from citer.decoding.cost import GPU_BANDWIDTH  # noqa: E402
 
 # The bench modules beside this file come from this checkout, put last on the path so that the citer imported above
 # (and its submodules, which the bench modules import) stays the one found first.
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from bench.gpu_assisted import AgreeProcessor, measure_assisted  # noqa: E402
+from bench.gpu_assisted import measure_assisted  # noqa: E402
 from bench.gpu_compiled import measure_static_compiled  # noqa: E402
 from bench.gpu_engines import measure_batch  # noqa: E402
-from bench.gpu_pairs import PAIRS, BuiltPair, build_model, build_pair, n_params  # noqa: E402
+from bench.gpu_pairs import PAIRS, BuiltPair, build_pair, n_params  # noqa: E402
 from bench.gpu_profile import profile_engine  # noqa: E402
 from bench.gpu_run import BenchRun  # noqa: E402
-from bench.gpu_timing import derive_timings, plain_bytes, sync, targets  # noqa: E402
-
-# What tests/test_bench_gpu.py reaches through this file, besides main.
-__all__ = ["AgreeProcessor", "AlwaysSLM", "ModelCost", "build_model", "main", "plain_bytes"]
+from bench.gpu_timing import derive_timings, sync, targets  # noqa: E402
 
 
 class Bench(BenchRun):

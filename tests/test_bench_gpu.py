@@ -94,24 +94,29 @@ def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path):
 
 
 def test_agree_processor_masks_and_forces(gpu_bench):
+    gpu_assisted = sys.modules["bench.gpu_assisted"]  # imported by bench/gpu.py from this checkout
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (64, 7))
     scores = torch.randn(64, 60)
-    cut = gpu_bench.AgreeProcessor(50, 0.0)(ids, scores)
+    cut = gpu_assisted.AgreeProcessor(50, 0.0)(ids, scores)
     assert torch.isinf(cut[:, 50:]).all() and torch.equal(cut[:, :50], scores[:, :50])
-    forced = gpu_bench.AgreeProcessor(50, 1.0)(ids, scores)
+    forced = gpu_assisted.AgreeProcessor(50, 1.0)(ids, scores)
     tok = forced.argmax(-1)
     assert (tok < 50).all() and torch.isfinite(forced).sum(-1).eq(1).all()
     # A function of the prefix only: another model's scores get the same forced token.
-    assert torch.equal(gpu_bench.AgreeProcessor(50, 1.0)(ids, torch.randn(64, 55)).argmax(-1), tok)
-    half = gpu_bench.AgreeProcessor(50, 0.5)(ids, scores)
+    assert torch.equal(gpu_assisted.AgreeProcessor(50, 1.0)(ids, torch.randn(64, 55)).argmax(-1), tok)
+    half = gpu_assisted.AgreeProcessor(50, 0.5)(ids, scores)
     share = torch.isfinite(half).sum(-1).eq(1).float().mean().item()
     assert 0.2 < share < 0.8
 
 
 def test_plain_bytes_matches_the_engine_meter(gpu_bench):
-    slm = gpu_bench.build_model("tiny-slm", "cpu", torch.float32, seed=1)
-    eng = RoutedEngine(slm, None, gpu_bench.AlwaysSLM())
+    from citer.decoding.baselines import AlwaysSLM
+    from citer.decoding.cost import ModelCost
+
+    pairs, timing = sys.modules["bench.gpu_pairs"], sys.modules["bench.gpu_timing"]
+    slm = pairs.build_model("tiny-slm", "cpu", torch.float32, seed=1)
+    eng = RoutedEngine(slm, None, AlwaysSLM())
     res = eng.generate_batch([[5, 6, 7, 8]] * 3, 5)
-    cost = gpu_bench.ModelCost.from_model(slm)
-    assert gpu_bench.plain_bytes(cost, 3, 4, 5) == pytest.approx(res.batch.bytes_moved)
+    cost = ModelCost.from_model(slm)
+    assert timing.plain_bytes(cost, 3, 4, 5) == pytest.approx(res.batch.bytes_moved)
