@@ -5,7 +5,6 @@ The GPU run itself (random Qwen2 pairs at real shapes) happens on a GPU box; see
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import math
 import sys
@@ -54,12 +53,10 @@ def test_tiny_run_covers_every_variant(tiny_report):
         ):
             assert (b, v) in got
     assert {(1, "routed_always_llm"), (1, "assisted_alpha0"), (1, "assisted_alpha0.9")} <= got
-    shared = all(
-        k in inspect.signature(RoutedEngine.__init__).parameters
-        for k in ("llm_min_rows", "llm_max_wait_steps")
-    )
-    assert ((2, "shared_f0.1") in got) == shared
-    assert rep["shared_llm_calls"].startswith("measured" if shared else "skipped")
+    # This checkout's RoutedEngine takes llm_min_rows and llm_max_wait_steps: shared calls are measured at batch > 1.
+    assert {(2, "shared_f0.05"), (2, "shared_f0.1"), (2, "shared_f0.3")} <= got
+    assert not any(b == 1 and v.startswith("shared") for b, v in got)
+    assert rep["shared_llm_calls"] == "measured (RoutedEngine takes llm_min_rows, llm_max_wait_steps)"
 
 
 def test_tiny_run_ratios_are_finite(tiny_report):
@@ -81,16 +78,46 @@ def test_tiny_run_ratios_are_finite(tiny_report):
     assert "tiny" in rep["targets"] and "routed_b1_worst_ratio_to_ideal" in rep["targets"]["tiny"]
 
 
-def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path):
+# Raw reps (seconds) written over the measured ones; median and min differ from the mean and from each other, and
+# engine_llm / engine_slm / every other variant are 4 : 1 : 2.
+REPS = {"engine_slm": [0.005, 0.001, 0.002], "engine_llm": [0.020, 0.004, 0.008]}
+OTHER_REPS = [0.010, 0.002, 0.004]
+# ms per token of a batch-1 row (3 new tokens), worked out by hand from the reps above: median, min.
+HAND_MS = {
+    "median": {"engine_slm": 2 / 3, "engine_llm": 8 / 3, "other": 4 / 3},
+    "min": {"engine_slm": 1 / 3, "engine_llm": 4 / 3, "other": 2 / 3},
+}
+
+
+@pytest.mark.parametrize("stat", ["median", "min"])
+def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path, stat):
     path, rep = tiny_report
+    tampered = json.loads(path.read_text())
+    for r in tampered["rows"]:
+        r["reps_s"] = REPS.get(r["variant"], OTHER_REPS)
+    src = tmp_path / "tampered.json"
+    src.write_text(json.dumps(tampered))
     out = tmp_path / "again.json"
-    assert gpu_bench.main(["--recompute", str(path), "--stat", "median", "--out", str(out)]) == 0
+    assert gpu_bench.main(["--recompute", str(src), "--stat", stat, "--out", str(out)]) == 0
     again = json.loads(out.read_text())
-    assert again["stat"] == "median" and len(again["rows"]) == len(rep["rows"])
+    assert again["stat"] == stat
+    order = [(r["batch"], r["variant"]) for r in rep["rows"]]
+    assert [(r["batch"], r["variant"]) for r in again["rows"]] == order
+    hand = HAND_MS[stat]
     for a, b in zip(rep["rows"], again["rows"], strict=True):
-        for k in ("ms_per_token", "ratio_to_bw", "ratio_to_ideal"):
-            if k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-9), (a["variant"], k)
+        where = (b["batch"], b["variant"])
+        # Inputs that recompute must carry over unchanged, then the numbers derived from them.
+        for k in ("bw_limit_ms_per_token", "llm_fraction", "llm_calls_per_token"):
+            assert b.get(k) == a.get(k), (where, k)
+        ms = hand.get(b["variant"], hand["other"]) / b["batch"]
+        assert b["ms_per_token"] == pytest.approx(ms, rel=1e-9), where
+        assert b["ratio_to_bw"] == pytest.approx(ms / a["bw_limit_ms_per_token"], rel=1e-9), where
+        if b["variant"].startswith(("routed", "shared")):
+            # ideal = f * LLM-alone + SLM-alone = (f * 8/3 + 2/3) / batch against this row's 4/3 / batch (halved
+            # for min): 2 / (4 f + 1) for either stat.
+            assert b["ratio_to_ideal"] == pytest.approx(2 / (4 * a["llm_fraction"] + 1), rel=1e-9), where
+        else:
+            assert "ratio_to_ideal" not in b, where
 
 
 def test_agree_processor_masks_and_forces(gpu_bench):

@@ -65,12 +65,26 @@ def test_a_killed_parent_left_unreaped_still_takes_its_child_along():
         parent.wait()
 
 
+def _state(pid: int) -> str | None:
+    """The process state letter from /proc (R, S, Z, ...), None once the pid is reaped."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()[0]
+
+
 def test_a_running_parent_keeps_its_children():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        time.sleep(1.5)
-        os.kill(child, 0)  # still there
+        # Watched over several of the reaper's polls (0.5 s): a child it wrongly stopped turns up as a zombie, since
+        # PARENT never waits for it, and os.kill(child, 0) would still succeed on that zombie.
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            state = _state(child)
+            assert state not in (None, "Z", "X"), f"the child of a running parent was stopped (state {state})"
+            time.sleep(0.1)
     finally:
         parent.kill()
         parent.wait()

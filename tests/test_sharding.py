@@ -240,10 +240,12 @@ def test_runtime_errors_name_key_value_and_range(tmp_path, runtime, message):
     assert message in str(err.value)
 
 
-def test_runtime_addresses_accepted(tmp_path):
-    for rt in ("{task_runner: dask, address: 'tcp://10.0.0.5:8786'}", "{task_runner: ray, address: auto}",
-               "{task_runner: ray, address: 'ray://head:10001'}", "{task_runner: ray, address: 'head:6379'}"):  # fmt: skip
-        assert _params(tmp_path, rt).runtime.address
+def test_runtime_addresses_accepted(tmp_path, monkeypatch):
+    monkeypatch.delenv("CITER_RUNTIME", raising=False)  # it would override the file
+    for runner, address in (("dask", "tcp://10.0.0.5:8786"), ("ray", "auto"), ("ray", "ray://head:10001"),
+                            ("ray", "head:6379")):  # fmt: skip
+        rt = _params(tmp_path, f"{{task_runner: {runner}, address: '{address}'}}").runtime
+        assert (rt.task_runner, rt.address) == (runner, address)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,16 +275,34 @@ def test_task_runner_factory():
     from flows.runtime import TaskRunners, WorkerShape
 
     local = TaskRunners.build(RuntimeParams(workers=3))
-    assert isinstance(local, ThreadPoolTaskRunner)
+    # prefect 3 (pinned) keeps the pool size only in a private attribute.
+    assert isinstance(local, ThreadPoolTaskRunner) and local._max_workers == 3
     dask_local = TaskRunners.build(RuntimeParams(task_runner="dask", workers=4, gpus_per_worker=2))
     assert isinstance(dask_local, DaskTaskRunner) and dask_local.address is None
-    assert dask_local.cluster_kwargs["n_workers"] == 4 and dask_local.cluster_kwargs["resources"] == {
-        "GPU": 2
+    assert dask_local.cluster_kwargs == {
+        "n_workers": 4,
+        "threads_per_worker": 1,
+        "processes": True,
+        "dashboard_address": None,
+        "memory_limit": 0,
+        "resources": {"GPU": 2},
     }
     remote = TaskRunners.build(RuntimeParams(task_runner="dask", address="tcp://s:8786"))
-    assert remote.address == "tcp://s:8786"
+    assert (
+        isinstance(remote, DaskTaskRunner)
+        and remote.address == "tcp://s:8786"
+        and remote.cluster_kwargs == {}
+    )
     ray = TaskRunners.build(RuntimeParams(task_runner="ray", address="ray://h:10001"))
     assert isinstance(ray, RayTaskRunner) and ray.address == "ray://h:10001"
-    assert TaskRunners.build(RuntimeParams(task_runner="ray", workers=2)).init_kwargs["num_cpus"] == 2
+    # prefect-ray adds its namespace to the init arguments it is given.
+    quiet = {"include_dashboard": False, "log_to_driver": False, "namespace": "prefect"}
+    assert ray.init_kwargs == quiet
+    assert TaskRunners.build(RuntimeParams(task_runner="ray", workers=2)).init_kwargs == quiet | {
+        "num_cpus": 2
+    }
     assert WorkerShape.of(RuntimeParams()) == WorkerShape()  # local: the driver's threads are left alone
-    assert WorkerShape.of(RuntimeParams(task_runner="dask", gpus_per_worker=2)).pin_local_dask
+    assert WorkerShape.of(RuntimeParams(task_runner="dask", gpus_per_worker=2)) == WorkerShape(1, 2, True)
+    assert WorkerShape.of(RuntimeParams(task_runner="dask", address="tcp://s:8786", gpus_per_worker=2)) == (
+        WorkerShape(1, 2, False)
+    )

@@ -21,13 +21,13 @@ ROWS = [
 ]
 
 
-def _overfit(tok, row, steps=120):
+def _overfit(tok, row, steps=120, fmt="math"):
     """A tiny real model trained until it writes ``row``'s target after its prompt."""
     model = make_qwen2(len(tok), hidden_size=32, num_hidden_layers=1, seed=0).train()
     with torch.no_grad():  # undo the fixture's large init scale: it slows convergence
         for p in model.parameters():
             p.div_(4.0 if p.dim() > 1 else 1.0)
-    ids = tok.encode(build_prompt(row, "math") + build_target(row, "math"), add_special_tokens=False)
+    ids = tok.encode(build_prompt(row, fmt) + build_target(row, fmt), add_special_tokens=False)
     ids = torch.tensor([ids + [tok.eos_token_id]])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
@@ -62,13 +62,17 @@ def test_a_model_that_learnt_the_answer_is_graded_correct(char_tokenizer):
     assert set(ev.metrics()) >= {"accuracy", "n", "seconds"} and ev.prediction_rows()[0]["correct"] is True
 
 
-def test_mc_rows_are_graded_by_label(tiny_pair):
-    _, llm, tok = tiny_pair
-    row = {"question": "Pick", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "A"}
-    ev = evaluate_model(llm, tok, [row], "mc", batch_size=1, max_new_tokens=8)
-    from citer.data.answers import grade
-
-    assert ev.predictions[0].correct == grade(ev.predictions[0].text, row, "mc")
+def test_mc_rows_are_graded_by_label(char_tokenizer):
+    tok = char_tokenizer
+    row_b = {"question": "Pick", "choices": {"text": ["x", "y"], "label": ["A", "B"]}, "answerKey": "B"}
+    model = _overfit(tok, row_b, fmt="mc")
+    # The prompt leaves out answerKey, so both rows get the same text; only the key decides the grade.
+    row_a = dict(row_b, answerKey="A")
+    ev = evaluate_model(model, tok, [row_b, row_a], "mc", batch_size=2, max_new_tokens=24)
+    assert [p.text.strip() for p in ev.predictions] == ["The answer is B."] * 2
+    assert [p.extracted for p in ev.predictions] == ["B", "B"]
+    assert [p.correct for p in ev.predictions] == [True, False]
+    assert ev.accuracy == 0.5 and ev.n_correct == 1
 
 
 def test_empty_rows_and_bad_batch_size_are_refused(tiny_pair):

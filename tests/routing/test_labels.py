@@ -305,7 +305,18 @@ def test_bad_rows(tiny_pair):
 
 
 def test_branch_is_hashable_record():
-    assert Branch(0, 1, 2) == Branch(0, 1, 2)
+    import dataclasses
+
+    a = Branch(0, 1, 2)
+    assert (a.ex, a.position, a.token) == (0, 1, 2)
+    # Equal by value, so a branch built again finds the same key; each field tells branches apart.
+    assert hash(Branch(0, 1, 2)) == hash(a)
+    outcome = {a: True, Branch(1, 1, 2): False, Branch(0, 2, 2): False, Branch(0, 1, 3): False}
+    assert len(outcome) == 4 and outcome[Branch(0, 1, 2)] is True
+    assert {Branch(0, 1, 2), Branch(0, 1, 2), Branch(2, 1, 0)} == {a, Branch(2, 1, 0)}
+    # A key mutated after insertion would be lost in its dict: the record must refuse it.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.token = 5  # type: ignore[misc]
 
 
 def test_iter2_with_trained_mlp_router(lookup_pair, tiny_pair, char_tokenizer, tmp_path):

@@ -116,9 +116,19 @@ def test_completion_stream(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kw = {"model": MODEL, "prompt": "Question: 3\nAnswer:", "max_tokens": 16, "temperature": 1.0, "seed": 7}
-    a = client.completions.create(**kw).choices[0].text
-    assert client.completions.create(**kw).choices[0].text == a
+    base = {"model": MODEL, "prompt": "Question: 3\nAnswer:", "max_tokens": 16}
+
+    def text(**kw) -> str:
+        return client.completions.create(**base, **kw).choices[0].text
+
+    sampled = [text(temperature=1.0, seed=s) for s in (7, 8, 9)]
+    assert text(temperature=1.0, seed=7) == sampled[0]
+    # The tiny random model spreads its next token over ~100 characters, so 16 sampled tokens repeat under another
+    # seed with negligible probability; a server that ignored the seed, or sampled greedily whatever the
+    # temperature, would repeat itself. Another temperature may keep a seed's draw, not all three.
+    assert len(set(sampled)) == 3, sampled
+    assert text(temperature=0) not in sampled
+    assert [text(temperature=2.0, seed=s) for s in (7, 8, 9)] != sampled
 
 
 @pytest.mark.parametrize(
