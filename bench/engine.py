@@ -6,7 +6,10 @@ Python overhead dominates a step). Routed rows use the random router at p = 0.1/
 time per token to the ideal ``f * t_LLM + t_SLM`` (f = the measured LLM fraction, t at the same batch size), at
 batch 1, 8 and 32; at batch > 1 also with shared LLM calls (``routed_shared``: a routed row waits for a quarter of
 the batch, at most 4 steps), with the LLM calls per decoding step and the wait they add. Writes
-``reports/bench_engine.json`` (atomically). ``--quick``: a < 1 minute smoke version with smaller models.
+``reports/bench_engine.json`` (atomically). Every row is timed twice in the same run, interleaved: with the HF
+modules' forward (``forward: hf``) and with :mod:`citer.decoding.lean` (``forward: lean``, the engine's default for
+the families it covers); lean routed rows carry ``vs_hf_forward``, their tokens/s over the HF forward's.
+``--quick``: a < 1 minute smoke version with smaller models.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append  # noqa: E402
+from citer.decoding.lean import forward_path, set_forward_path  # noqa: E402
 from citer.io import write_json  # noqa: E402
 
 
@@ -86,45 +90,59 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, profile) -> list[dict]:
-    """All methods at each batch size; repeats are interleaved (round-robin) and the best kept, so drifting load
-    on a shared machine biases every method alike."""
+def bench_scale(
+    scale, slm, llm, batches, new_tokens, repeats, speculative, profile, forwards=("lean",)
+) -> list[dict]:
+    """All methods at each batch size and forward path (``hf``: the HF modules; ``lean``: citer.decoding.lean);
+    repeats are interleaved (round-robin over methods and paths) and the best kept, so drifting load on a shared
+    machine biases every method alike."""
     vocab = slm.config.vocab_size
     rows: list[dict] = []
     for batch in batches:
         prompts = prompts_for(vocab, batch, seed=batch)
-        engines = {"slm": RoutedEngine(slm, llm, AlwaysSLM()), "llm": RoutedEngine(slm, llm, AlwaysLLM())}
-        # Shared LLM calls: a routed row waits for a quarter of the batch (at most 4 steps); batch 1 has no one to wait for.
-        share = dict(llm_min_rows=max(2, batch // 4), llm_max_wait_steps=4)
-        for p in (0.1, 0.3, 0.5):
-            engines[p, False] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5)
-            if batch > 1 and p < 0.5:
-                engines[p, True] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **share)
-        engines["llm"].generate_batch(prompts, 2)  # warm-up (allocator, kernels)
+        engines = {}
+        for fw in forwards:
+            engines["slm", fw] = RoutedEngine(slm, llm, AlwaysSLM())
+            engines["llm", fw] = RoutedEngine(slm, llm, AlwaysLLM())
+            # Shared LLM calls: a routed row waits for a quarter of the batch (at most 4 steps); batch 1 has no one
+            # to wait for.
+            share = dict(llm_min_rows=max(2, batch // 4), llm_max_wait_steps=4)
+            for p in (0.1, 0.3, 0.5):
+                engines[p, False, fw] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5)
+                if batch > 1 and p < 0.5:
+                    engines[p, True, fw] = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **share)
         best = {k: float("inf") for k in engines}
         res = {}
+        for fw in forwards:
+            use_forward((slm, llm), fw)
+            engines["llm", fw].generate_batch(prompts, 2)  # warm-up (allocator, kernels, the lean view)
         for _ in range(repeats):
             for k, e in engines.items():
+                use_forward((slm, llm), k[-1])
                 sec, res[k] = timed(lambda e=e, p=prompts: e.generate_batch(p, new_tokens), 1)
                 best[k] = min(best[k], sec)
         t = {k: best[k] / res[k].batch.new_tokens for k in engines}
-        for k in ("slm", "llm"):
-            rows.append(dict(scale=scale, method=k, batch=batch, llm_fraction=res[k].batch.llm_fraction,
-                             sec_per_token=t[k], llm_calls_per_step=res[k].batch.llm_calls_per_step))  # fmt: skip
         for k in engines:
-            if isinstance(k, str):
+            fw = k[-1]
+            if isinstance(k[0], str):
+                rows.append(dict(scale=scale, method=k[0], forward=fw, batch=batch, llm_fraction=res[k].batch.llm_fraction,
+                                 sec_per_token=t[k], llm_calls_per_step=res[k].batch.llm_calls_per_step))  # fmt: skip
                 continue
-            p, shared = k
+            p, shared, _ = k
             b = res[k].batch
             f = b.llm_fraction
-            rows.append(dict(scale=scale, method="routed_shared" if shared else "routed", batch=batch,
-                             llm_fraction=f, sec_per_token=t[k], ratio_to_ideal=t[k] / (f * t["llm"] + t["slm"]),
+            t_llm, t_slm = t["llm", fw], t["slm", fw]
+            rows.append(dict(scale=scale, method="routed_shared" if shared else "routed", forward=fw, batch=batch,
+                             llm_fraction=f, sec_per_token=t[k], ratio_to_ideal=t[k] / (f * t_llm + t_slm),
                              llm_calls_per_token=b.llm_calls_per_token, llm_calls_per_step=b.llm_calls_per_step,
                              wait_steps_per_llm_token=b.wait_steps_per_llm_token, p=p,
-                             **({"llm_min_rows": share["llm_min_rows"], "llm_max_wait_steps": 4} if shared else {}),
-                             vs_llm_throughput=t["llm"] / t[k]))  # fmt: skip
-            if profile and batch == 1 and p == 0.3:
+                             **({"llm_min_rows": max(2, batch // 4), "llm_max_wait_steps": 4} if shared else {}),
+                             vs_llm_throughput=t_llm / t[k],
+                             **({"vs_hf_forward": t[(p, shared, "hf")] / t[k]}
+                                if fw != "hf" and (p, shared, "hf") in t else {})))  # fmt: skip
+            if profile and batch == 1 and p == 0.3 and fw == forwards[-1]:
                 prof = cProfile.Profile()
+                use_forward((slm, llm), fw)
                 prof.runcall(engines[k].generate_batch, prompts, new_tokens)
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
@@ -140,6 +158,14 @@ def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, prof
             rows.append(dict(scale=scale, method="speculative", batch=batch, llm_fraction=None,
                              sec_per_token=sec / n_new))  # fmt: skip
     return rows
+
+
+def use_forward(models, fw: str) -> None:
+    """Pin the HF forward (``hf``) or let the lean one run (``lean``); refuse a lean row the models cannot take."""
+    for m in models:
+        set_forward_path(m, "hf" if fw == "hf" else "auto")
+        if fw == "lean" and forward_path(m) != "lean":
+            raise SystemExit(f"bench: lean forward requested but {forward_path(m)}")
 
 
 def chunk_costs(model, context: int = 24, sizes=(1, 4, 10, 16)) -> dict[int, float]:
@@ -183,24 +209,25 @@ def main(argv: list[str] | None = None) -> int:
         slm, llm, desc = embedded_pair(args.quick)
         print(f"embedded: {desc}")
         print(f"speculative (HF assisted generation): {check_speculative_batch(slm, llm)}; reporting batch 1")
-        rows += bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 2,
-                            True, args.profile)  # fmt: skip
+        rows += bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 3,
+                            True, args.profile, forwards=("hf", "lean"))  # fmt: skip
         slm, llm, desc = memory_bound_pair(args.quick)
         print(f"memory_bound: {desc}")
         cc = chunk_costs(llm)
         print("memory_bound LLM, one call feeding q tokens (ms): "
               + ", ".join(f"q={q}: {1000 * v:.1f}" for q, v in cc.items()))  # fmt: skip
         rows += bench_scale("memory_bound", slm, llm, [1, 8, 32], 4 if args.quick else 32, 1 if args.quick else 2,
-                            False, args.profile)  # fmt: skip
-    print(f"{'scale':<13}{'method':<14}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}{'llm/step':>9}"
-          f"{'wait/llm':>9}")  # fmt: skip
+                            False, args.profile, forwards=("hf", "lean"))  # fmt: skip
+    print(f"{'scale':<13}{'method':<14}{'fwd':>5}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}"
+          f"{'llm/step':>9}{'wait/llm':>9}{'vs_hf':>7}")  # fmt: skip
     for r in rows:
         f = "" if r["llm_fraction"] is None else f"{r['llm_fraction']:.2f}"
         ratio = f"{r['ratio_to_ideal']:.2f}" if "ratio_to_ideal" in r else ""
         per_step = f"{r['llm_calls_per_step']:.2f}" if "llm_calls_per_step" in r else ""
         wait = f"{r['wait_steps_per_llm_token']:.2f}" if "wait_steps_per_llm_token" in r else ""
-        print(f"{r['scale']:<13}{r['method']:<14}{r['batch']:>6}{f:>9}{1000 * r['sec_per_token']:>10.2f}{ratio:>8}"
-              f"{per_step:>9}{wait:>9}")  # fmt: skip
+        vs_hf = f"{r['vs_hf_forward']:.2f}" if "vs_hf_forward" in r else ""
+        print(f"{r['scale']:<13}{r['method']:<14}{r.get('forward', ''):>5}{r['batch']:>6}{f:>9}"
+              f"{1000 * r['sec_per_token']:>10.2f}{ratio:>8}{per_step:>9}{wait:>9}{vs_hf:>7}")  # fmt: skip
     write_json(args.out, rows)
     print(f"wrote {args.out}")
     return 0

@@ -28,6 +28,7 @@ from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
+from citer.decoding.lean import forward_path
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
@@ -112,6 +113,14 @@ class RoutedEngine:
                     f"{name} must be an integer >= {1 if name == 'llm_min_rows' else 0}, got {v!r}"
                 )
         self.llm_min_rows, self.llm_max_wait_steps = llm_min_rows, llm_max_wait_steps
+
+    @property
+    def forward_paths(self) -> dict[str, str]:
+        """Which forward each model runs: ``"lean"`` (:mod:`citer.decoding.lean`) or ``"hf: <why not lean>"``."""
+        out = {"slm": forward_path(self.slm)}
+        if self.llm is not None:
+            out["llm"] = forward_path(self.llm)
+        return out
 
     def check_prompts(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None

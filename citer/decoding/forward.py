@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from citer.decoding.lean import lean_decoder
+
 
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> ``(ids, mask)``, both (B, T) long on the CPU, right-padded to the longest (T) with ``pad_id``.
@@ -38,21 +40,39 @@ def decoder_forward(
     last_index: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a causal LM and return ``(logits, hidden)``; hidden is the last layer's output after the final norm.
+    Families :mod:`citer.decoding.lean` covers run its lean forward (same weights, same arithmetic), others HF's.
 
     input_ids (B, T) -> logits (B, T, V), hidden (B, T, H); with ``last_index`` (B,) only that position of each row:
     logits (B, V), hidden (B, H) (the head then runs on B vectors, not B*T). A pair (batch_idx (n,), pos_idx (n,))
     picks n arbitrary positions: logits (n, V), hidden (n, H).
     """
-    out = model.get_decoder()(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=cache is not None,
-    )
-    hidden = out.last_hidden_state  # (B, T, H)
+    lean = lean_decoder(model)
+    if lean is not None and (
+        attention_mask is None or isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
+    ):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+            n_pos = input_ids.shape[1]
+        elif attention_mask is not None:
+            n_pos = attention_mask.shape[-1]  # positions index key columns, so they stay below the key count
+        else:
+            n_pos = int(position_ids.max()) + 1
+        hidden = lean.hidden(input_ids, position_ids, attention_mask, cache, n_pos)  # (B, T, H)
+        head = lean.logits
+    else:
+        out = model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        hidden = out.last_hidden_state  # (B, T, H)
+        head = model.get_output_embeddings()
     if isinstance(last_index, tuple):
         hidden = hidden[last_index[0], last_index[1]]  # (n, H)
+    elif last_index is not None and hidden.shape[1] == 1:
+        hidden = hidden[:, 0]  # (B, H): one token per row, a view instead of a gather
     elif last_index is not None:
         hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, H)
-    return model.get_output_embeddings()(hidden), hidden
+    return head(hidden), hidden

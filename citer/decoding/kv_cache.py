@@ -16,6 +16,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from citer.decoding.forward import decoder_forward
+from citer.decoding.lean import lean_decoder
 from citer.decoding.pairing import input_device
 
 
@@ -46,6 +47,7 @@ class RaggedKVCache(Cache):
         # Set by `append` for the duration of one forward call.
         self._slots: torch.Tensor | None = None  # (b,) slot indices, None = the prefix 0..b-1
         self._cols: torch.Tensor | None = None  # (b, Q) column each new key goes to
+        self._rows: torch.Tensor | None = None  # (b, 1) the prefix slots 0..b-1, when no slots are named
         self._kv_len = 0
         self._packed: tuple[torch.Tensor, ...] | None = None  # (tok_slot, tok_col, key_slot, key_col)
 
@@ -129,9 +131,9 @@ class RaggedKVCache(Cache):
                 vbuf[key_slot, :, key_col].transpose(0, 1)[None],
             )
         b = key_states.shape[0]
-        cols = self._cols.to(dev)  # (b, Q)
+        cols = self._cols if self._cols.device == dev else self._cols.to(dev)  # (b, Q)
         if self._slots is None:
-            rows = torch.arange(b, device=dev)[:, None]  # (b, 1)
+            rows = self._rows if self._rows.device == dev else self._rows.to(dev)  # (b, 1)
             kbuf[rows, :, cols] = key_states.transpose(1, 2)  # indexed dims first: (b, Q, kv_heads, head_dim)
             vbuf[rows, :, cols] = value_states.transpose(1, 2)
             return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
@@ -149,7 +151,7 @@ class RaggedKVCache(Cache):
 def _mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     # allowed: (b, 1, Q, K) bool, True = attend. sdpa takes it as is; eager wants an additive float mask.
     impl = model.config._attn_implementation
-    if impl == "sdpa":
+    if impl == "sdpa" or lean_decoder(model) is not None:
         return allowed
     dtype = model.get_input_embeddings().weight.dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
@@ -188,6 +190,11 @@ def ragged_append(
         packed = b > 1 and 2 * sum(gaps) <= b * q and sum(gaps) * n_keys <= 1 << 22
     if packed:
         return _packed_append(model, cache, chunks, sl, gaps)
+    cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))
+    cache._slots = None if sl == list(range(b)) else torch.tensor(sl, dtype=torch.long, device=dev)
+    cache._rows = torch.arange(b, device=dev)[:, None] if cache._slots is None else None
+    if q == 1:
+        return _step_append(model, cache, chunks, sl)
     starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
     g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
     ids = torch.tensor(
@@ -199,16 +206,38 @@ def ragged_append(
     # held row's queries sit at its last cached position.
     pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
     cache._cols = torch.where(real, starts[:, None] + j, torch.full_like(pos, cache.capacity))  # (b, Q)
-    cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))
-    cache._slots = None if sl == list(range(b)) else torch.tensor(sl, dtype=torch.long, device=dev)
     allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
     mask = _mask_for(model, allowed[:, None])  # (b, 1, Q, K)
     try:
         logits, hidden = decoder_forward(model, ids, mask, pos, cache, last_index=g - 1)  # (b, V), (b, H)
     finally:
-        cache._slots, cache._cols = None, None
+        cache._slots, cache._cols, cache._rows = None, None, None
     for s, n in zip(sl, gaps, strict=True):
         cache.lengths[s] += n
+    return logits, hidden
+
+
+def _step_append(
+    model: nn.Module, cache: RaggedKVCache, chunks: Sequence[Sequence[int]], sl: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step: every chunk one token or empty. The same columns, positions and mask as the padded call,
+    built from Python ints in a few tensor ops (a step of a small model is bound by the op count, not the math)."""
+    dev = cache.device
+    lens = [cache.lengths[s] for s in sl]
+    # A held row (empty chunk) re-queries its last cached position and writes to the trash column.
+    pos = [n if c else n - 1 for n, c in zip(lens, chunks, strict=True)]
+    cols = [n if c else cache.capacity for n, c in zip(lens, chunks, strict=True)]
+    ids = torch.tensor([[c[0] if c else 0] for c in chunks], dtype=torch.long, device=dev)  # (b, 1)
+    pos_cols = torch.tensor([pos, cols], dtype=torch.long, device=dev)[:, :, None]  # (2, b, 1)
+    cache._cols = pos_cols[1]
+    allowed = torch.arange(cache._kv_len, device=dev) <= pos_cols[0][:, :, None]  # (b, 1, K)
+    mask = _mask_for(model, allowed[:, None])  # (b, 1, 1, K)
+    try:
+        logits, hidden = decoder_forward(model, ids, mask, pos_cols[0], cache, last_index=pos_cols[0][:, 0])
+    finally:
+        cache._slots, cache._cols, cache._rows = None, None, None
+    for s, c in zip(sl, chunks, strict=True):
+        cache.lengths[s] += len(c)
     return logits, hidden
 
 

@@ -23,6 +23,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _mix32_int(x: int) -> int:
+    # The same hash on one Python int (exact, so it equals the tensor version bit for bit).
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
 def counter_uniform(
     seed: int, stream: int, row_ids: torch.Tensor, steps: torch.Tensor, width: int | None = None
 ) -> torch.Tensor:
@@ -31,7 +40,7 @@ def counter_uniform(
     row_ids, steps: (B,) int -> (B,) float64, or (B, width) float64 when ``width`` is given.
     """
     dev = row_ids.device
-    h = _mix32(torch.tensor([(seed & _M32) ^ ((stream * 0x9E3779B9) & _M32)], dtype=torch.int64, device=dev))
+    h = _mix32_int((seed & _M32) ^ ((stream * 0x9E3779B9) & _M32))  # the (seed, stream) key: one Python int
     h = _mix32(h ^ (row_ids.to(torch.int64) & _M32))
     h = _mix32(h ^ (steps.to(torch.int64) & _M32))
     if width is not None:

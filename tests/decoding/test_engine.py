@@ -30,17 +30,23 @@ def hf_greedy(model, prompt, n):
 
 
 class CountCalls:
-    """Counts real forward calls of a model's decoder and the batch size of each."""
+    """Counts the engine's forward calls of one model and the batch size of each (whichever forward runs them)."""
 
     def __init__(self, model):
-        self.sizes: list[int] = []
-        self.h = model.get_decoder().register_forward_pre_hook(self._hook, with_kwargs=True)
+        import citer.decoding.kv_cache as kv_cache
 
-    def _hook(self, mod, args, kwargs):
-        self.sizes.append(kwargs["input_ids"].shape[0])
+        self.sizes: list[int] = []
+        self._mod, self._orig = kv_cache, kv_cache.decoder_forward
+
+        def counted(m, input_ids, *args, **kwargs):
+            if m is model:
+                self.sizes.append(input_ids.shape[0])
+            return self._orig(m, input_ids, *args, **kwargs)
+
+        kv_cache.decoder_forward = counted
 
     def close(self):
-        self.h.remove()
+        self._mod.decoder_forward = self._orig
 
 
 def test_always_llm_equals_llm_greedy_generate(pair):
@@ -227,17 +233,23 @@ def test_bench_quick_writes_report(tmp_path):
     script = REPO / "bench" / "engine.py"
     subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], check=True, timeout=600)
     rows = json.loads(out.read_text())
-    keys = {(r["scale"], r["method"], r["batch"]) for r in rows}
+    keys = {(r["scale"], r["method"], r["batch"], r.get("forward")) for r in rows}
     for scale in ("embedded", "memory_bound"):
-        for method in ("slm", "llm", "routed"):
-            assert {(scale, method, b) for b in (1, 8, 32)} <= keys
-        assert {(scale, "routed_shared", 8), (scale, "routed_shared", 32)} <= keys
-    assert ("embedded", "speculative", 1) in keys
+        for fw in ("hf", "lean"):  # both forwards timed in the same run
+            for method in ("slm", "llm", "routed"):
+                assert {(scale, method, b, fw) for b in (1, 8, 32)} <= keys
+            assert {(scale, "routed_shared", 8, fw), (scale, "routed_shared", 32, fw)} <= keys
+    assert ("embedded", "speculative", 1, None) in keys
+    lean_routed = [r for r in rows if r["method"].startswith("routed") and r["forward"] == "lean"]
+    assert lean_routed and all(r["vs_hf_forward"] > 0 for r in lean_routed)
     for r in rows:
         assert r["sec_per_token"] > 0
         if r["method"].startswith("routed"):
             assert r["ratio_to_ideal"] > 0 and r["llm_calls_per_token"] <= r["llm_fraction"] + 1e-12
     # Shared LLM calls read the LLM's weights at fewer steps than routing alone, at the same p.
-    plain = {(r["scale"], r["batch"], r["p"]): r for r in rows if r["method"] == "routed"}
+    plain = {(r["scale"], r["batch"], r["p"], r["forward"]): r for r in rows if r["method"] == "routed"}
     for r in (r for r in rows if r["method"] == "routed_shared"):
-        assert r["llm_calls_per_step"] <= plain[r["scale"], r["batch"], r["p"]]["llm_calls_per_step"]
+        assert (
+            r["llm_calls_per_step"]
+            <= plain[r["scale"], r["batch"], r["p"], r["forward"]]["llm_calls_per_step"]
+        )

@@ -1,0 +1,270 @@
+"""A lean decoder forward for the families users bring (Qwen2/Qwen2.5, Llama 3.x, Qwen3, Mistral without a window).
+
+The HF modules spend most of a small decode step in Python (attention-interface lookup, config reads, output
+dataclasses, one RoPE module call per layer); at batch 1 on a CPU the matrix products are ~13% of a step. This module
+reads the weights of the HF model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF
+parameters become views of it, so both paths read the same memory -- and runs the same arithmetic in a handful of
+tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the cache's own ``update`` so every cache
+layout (:class:`~citer.decoding.kv_cache.RaggedKVCache` padded or packed, or none) keeps working.
+
+:func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`forward_path`; callers
+then keep the HF forward. ``CITER_FORWARD=hf`` (or :func:`set_forward_path`) forces the HF forward.
+Shapes: B = rows, T = tokens per row, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
+# RoPE types whose inverse frequencies do not depend on the sequence length (dynamic/longrope re-scale per call).
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor  # (H,)
+    ln2: torch.Tensor  # (H,)
+    wqkv: torch.Tensor  # ((nh + 2 kv) D, H)
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # (D,) Qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor  # (H, nh D)
+    bo: torch.Tensor | None
+    wgu: torch.Tensor  # (2 I, H)
+    bgu: torch.Tensor | None
+    wd: torch.Tensor  # (H, I)
+    bd: torch.Tensor | None
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; in float32 the same arithmetic as HF's RMSNorm
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    # As HF's RMSNorm: statistics in float32, the weight applied in the input dtype.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (sum out, in) matrix for several linears reading the same input; each HF weight becomes a view of it."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        b = torch.cat(
+            [m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in linears]
+        )
+    else:
+        b = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    o = 0
+    for m in linears:
+        n = m.out_features
+        m.weight.data = w[o : o + n]
+        if m.bias is not None and b is not None:
+            m.bias.data = b[o : o + n]
+        o += n
+    return w, b
+
+
+class LeanDecoder:
+    """The decoder of one HF causal LM as plain tensor ops; see the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        # The fused matrices become the HF parameters' storage, so they are made in the parameters' own mode: an
+        # inference tensor inside a normal parameter breaks a later autograd or no_grad use of the HF model, and a
+        # normal one inside an inference parameter breaks inference-mode use.
+        infer = model.get_input_embeddings().weight.is_inference()
+        with torch.inference_mode(infer), torch.no_grad():
+            self._build(model)
+        self._source = _fingerprint(model)
+        dec = model.get_decoder()
+        self._embed_mod, self._head_mod = dec.embed_tokens, model.get_output_embeddings()
+
+    def _build(self, model: nn.Module) -> None:
+        cfg = model.config.get_text_config(decoder=True)
+        dec = model.get_decoder()
+        attn0 = dec.layers[0].self_attn
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.head_dim = int(attn0.head_dim)
+        self.scale = float(attn0.scaling)
+        self.eps = float(cfg.rms_norm_eps)
+        self.embed = dec.embed_tokens.weight  # (V, H)
+        self.norm = dec.norm.weight
+        self.head = model.get_output_embeddings().weight  # (V, H), tied or not
+        rot = dec.rotary_emb
+        self.inv_freq = rot.inv_freq.detach().float()  # (D/2,)
+        self.rope_scale = float(rot.attention_scaling)
+        self._rope_tab: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layers: list[_Layer] = []
+        for layer in dec.layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            wgu, bgu = _fuse([m.gate_proj, m.up_proj])
+            qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+            self.layers.append(
+                _Layer(
+                    ln1=layer.input_layernorm.weight,
+                    ln2=layer.post_attention_layernorm.weight,
+                    wqkv=wqkv,
+                    bqkv=bqkv,
+                    q_norm=None if qn is None else qn.weight,
+                    k_norm=None if kn is None else kn.weight,
+                    wo=a.o_proj.weight,
+                    bo=a.o_proj.bias,
+                    wgu=wgu,
+                    bgu=bgu,
+                    wd=m.down_proj.weight,
+                    bd=m.down_proj.bias,
+                )
+            )
+
+    def stale(self, model: nn.Module) -> bool:
+        """True when the model's weights were moved or replaced since this view was built (``.to``, ``.half``).
+        Checked on every call, so it reads two module attributes, not HF's accessors (~1 us, not ~14)."""
+        e, h = self._embed_mod.weight, self._head_mod.weight
+        return (e.data_ptr(), e.dtype, e.device, h.data_ptr()) != self._source
+
+    def rope(self, pos: torch.Tensor, n_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos (B, T), every entry < ``n_pos`` -> cos, sin (B, T, 1, D): rows of a table computed as HF's rotary
+        embedding computes them (elementwise, so a row equals HF's value at that position). The table grows by
+        doubling, decided on the Python int ``n_pos`` so that no position is read back from the device."""
+        tab = self._rope_tab.get(dtype)
+        if tab is None or tab[0].shape[0] < n_pos or tab[0].device != pos.device:
+            n = max(n_pos, 2 * (0 if tab is None else tab[0].shape[0]), 256)
+            freqs = torch.arange(n, device=pos.device).float()[:, None] * self.inv_freq.to(
+                pos.device
+            )  # (n, D/2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            tab = ((emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype))
+            self._rope_tab[dtype] = tab
+        return tab[0][pos][:, :, None], tab[1][pos][:, :, None]
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: object | None,
+        n_pos: int,
+    ) -> torch.Tensor:
+        """ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend) or additive float, None = causal over T;
+        ``cache.update(k, v, layer)`` stores this call's K/V and returns the keys/values to attend (B, kv, K, D).
+        Returns the last layer's output after the final norm, (B, T, H)."""
+        b, t = ids.shape
+        x = F.embedding(ids, self.embed)  # (B, T, H)
+        cos, sin = self.rope(pos, n_pos, x.dtype)
+        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
+        gqa = nh != nkv
+        for i, L in enumerate(self.layers):
+            qkv = F.linear(_rms(x, L.ln1, self.eps), L.wqkv, L.bqkv).view(b, t, nh + 2 * nkv, d)
+            if L.q_norm is not None:  # Qwen3: a norm per head before RoPE
+                qk = torch.cat(
+                    (
+                        _rms(qkv[:, :, :nh], L.q_norm, self.eps),
+                        _rms(qkv[:, :, nh : nh + nkv], L.k_norm, self.eps),
+                    ),
+                    dim=2,
+                )  # type: ignore[arg-type]
+            else:
+                qk = qkv[:, :, : nh + nkv]
+            qk = _rotate(qk, cos, sin)  # (B, T, nh + kv, D): queries and keys in one rotation
+            q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, D)
+            k = qk[:, :, nh:].transpose(1, 2)  # (B, kv, T, D)
+            v = qkv[:, :, nh + nkv :].transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(k, v, i)  # type: ignore[attr-defined]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=self.scale, enable_gqa=gqa
+            )  # (B, nh, T, D)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, nh * d), L.wo, L.bo)
+            g, u = F.linear(_rms(x, L.ln2, self.eps), L.wgu, L.bgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, L.wd, L.bd)
+        return _rms(x, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.head)
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    e, h = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return (e.data_ptr(), e.dtype, e.device, h.data_ptr())
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`LeanDecoder` cannot run ``model`` (None: it can)."""
+    if os.environ.get("CITER_FORWARD", "").lower() == "hf":
+        return "CITER_FORWARD=hf"
+    cfg = model.config.get_text_config(decoder=True)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model_type {kind!r} is not one of {list(FAMILIES)}"
+    if model.training:
+        return "model in training mode (dropout)"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(k != "full_attention" for k in layer_types) or kind == "mistral":
+            return "sliding-window attention"
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        return f"rope_type {rope!r} rescales per call"
+    params = list(model.parameters())
+    if any(type(p) is not nn.Parameter or not p.is_floating_point() or p.is_meta for p in params):
+        return "quantized, meta or non-float parameters"
+    if len({p.device for p in params}) != 1:
+        return "parameters on several devices (device_map)"
+    dec = model.get_decoder()
+    if not all(hasattr(dec, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "decoder without embed_tokens/layers/norm/rotary_emb"
+    return None
+
+
+_DECODERS: weakref.WeakKeyDictionary[nn.Module, LeanDecoder | str] = weakref.WeakKeyDictionary()
+_PINNED_HF: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def lean_decoder(model: nn.Module) -> LeanDecoder | None:
+    """The model's lean decoder, built on first use and rebuilt if its weights moved; None where it does not apply."""
+    if model in _PINNED_HF:
+        return None
+    got = _DECODERS.get(model)
+    if isinstance(got, LeanDecoder) and not got.stale(model) and not model.training:
+        return got
+    reason = unsupported_reason(model)
+    if reason is not None:
+        _DECODERS[model] = f"hf: {reason}"
+        return None
+    dec = LeanDecoder(model)
+    _DECODERS[model] = dec
+    return dec
+
+
+def set_forward_path(model: nn.Module, path: str) -> None:
+    """``"hf"`` pins the HF forward for this model; ``"auto"`` lets :func:`lean_decoder` choose (a lean decoder
+    already built is kept, so a benchmark can switch paths between timed calls)."""
+    if path not in ("hf", "auto"):
+        raise ValueError(f"forward path must be 'hf' or 'auto', got {path!r}")
+    if path == "hf":
+        _PINNED_HF.add(model)
+    else:
+        _PINNED_HF.discard(model)
+
+
+def forward_path(model: nn.Module) -> str:
+    """``"lean"`` or ``"hf: <reason>"``: which forward the engine takes for this model."""
+    if model in _PINNED_HF:
+        return "hf: pinned by set_forward_path"
+    return "lean" if lean_decoder(model) is not None else str(_DECODERS.get(model, "hf"))
