@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from citer.decoding.sampling import STREAM_ROUTER, STREAM_SAMPLER, counter_uniform, select_tokens
@@ -50,3 +51,15 @@ def test_select_tokens_greedy_top_p_and_batch_invariance():
     freq = torch.bincount(draws, minlength=4).double() / n
     assert torch.allclose(freq, torch.softmax(one[0].double(), -1), atol=0.03)
     assert STREAM_SAMPLER != STREAM_ROUTER  # sampling and routing never share draws
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 40])
+def test_counter_uniform_python_int_path_equals_tensor_path(n, monkeypatch):
+    import citer.decoding.sampling as sampling
+
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randint(0, 1 << 40, (n,), generator=g)
+    steps = torch.randint(0, 1 << 20, (n,), generator=g)
+    small = sampling.counter_uniform(11, sampling.STREAM_ROUTER, rows, steps)
+    monkeypatch.setattr(sampling, "_INT_ROWS", -1)  # force the tensor hash
+    assert torch.equal(small, sampling.counter_uniform(11, sampling.STREAM_ROUTER, rows, steps))
