@@ -28,7 +28,7 @@ from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
-from citer.decoding.lean import forward_path
+from citer.decoding.lean import forward_path, lean_decoder
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
@@ -36,6 +36,18 @@ from citer.decoding.pairing import (
     shared_vocab_size,
 )
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
+from citer.decoding.static_step import StaticSteps
+
+# static_steps: None = the ragged eager call; "eager" = fixed-shape calls run eagerly; "aot_eager" = traced whole
+# (fullgraph) without code generation, the CPU check of capturability; "default" = torch.compile (Inductor);
+# "reduce-overhead" = torch.compile with CUDA graphs on a GPU.
+STATIC_STEPS: dict[str | None, dict | None] = {
+    None: None,
+    "eager": None,
+    "aot_eager": {"backend": "aot_eager"},
+    "default": {},
+    "reduce-overhead": {"mode": "reduce-overhead"},
+}
 
 
 @dataclass
@@ -74,6 +86,7 @@ class RoutedEngine:
         vocab_size: int | None = None,
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
+        static_steps: str | None = None,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
@@ -113,6 +126,21 @@ class RoutedEngine:
                     f"{name} must be an integer >= {1 if name == 'llm_min_rows' else 0}, got {v!r}"
                 )
         self.llm_min_rows, self.llm_max_wait_steps = llm_min_rows, llm_max_wait_steps
+        if static_steps not in STATIC_STEPS:
+            raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
+        self.static_steps = static_steps
+        self._static: dict[str, StaticSteps | None] = {}
+
+    def static_for(self, which: str) -> StaticSteps | None:
+        """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``static_steps`` asks for them and the model
+        runs the lean forward; None keeps the ragged eager call."""
+        if self.static_steps is None:
+            return None
+        if which not in self._static:
+            lean = lean_decoder(self.slm if which == "slm" else self.llm)
+            opts = STATIC_STEPS[self.static_steps]
+            self._static[which] = None if lean is None else StaticSteps(lean, opts)
+        return self._static[which]
 
     @property
     def forward_paths(self) -> dict[str, str]:

@@ -10,6 +10,7 @@ Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = h
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ class RaggedKVCache(Cache):
         self._rows: torch.Tensor | None = None  # (b, 1) the prefix slots 0..b-1, when no slots are named
         self._kv_len = 0
         self._packed: tuple[torch.Tensor, ...] | None = None  # (tok_slot, tok_col, key_slot, key_col)
+        # Fixed-shape calls (citer.decoding.static_step.StaticSteps) for chunks of at most ``static_q`` tokens.
+        self.static: Any = None
+        self.static_q = 16
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
@@ -184,6 +188,8 @@ def ragged_append(
         if packed:
             raise ValueError("a packed call cannot hold rows (empty chunks)")
         packed = False
+    if cache.static is not None and not packed and q <= cache.static_q:
+        return cache.static(cache, chunks, sl)
     if packed is None:
         # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -53,6 +53,8 @@ class Engine(Protocol):
     ) -> None: ...
 
     def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
+
+    def static_for(self, which: str) -> Any: ...
 
 
 class EngineInputError(ValueError):
@@ -109,6 +111,9 @@ class DecodeSession:
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
         self.slm_cache = RaggedKVCache(engine.slm, 0, capacity)
         self.llm_cache = RaggedKVCache(engine.llm, 0, capacity) if engine.llm is not None else None
+        self.slm_cache.static = engine.static_for("slm")
+        if self.llm_cache is not None:
+            self.llm_cache.static = engine.static_for("llm")
         self.rows: list[_Row] = []  # slot -> row: active rows in slot order
         self.queue: deque[_Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
