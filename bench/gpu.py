@@ -10,7 +10,9 @@ exactly ``--new-tokens``. Per pair and batch size (1, 8, 32), per generated toke
 - ``hf_llm`` / ``hf_slm``: transformers ``generate`` (dynamic cache, eager); ``hf_llm_static_compiled`` /
   ``hf_slm_static_compiled`` (``--compile``): static cache, which makes ``generate`` compile the decode step with
   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); compile time reported beside it;
-- ``engine_llm`` / ``engine_slm``: our engine decoding with one model alone (``RoutedEngine(m, None, AlwaysSLM())``);
+- ``engine_llm`` / ``engine_slm``: our engine decoding with one model alone (``RoutedEngine(m, None, AlwaysSLM())``),
+  as it now runs: the lean forward (:mod:`citer.decoding.lean`) and fixed-shape steps (``--static-steps``, CUDA graphs
+  by default); the ``v0_`` variants are the same engine rows through the HF modules and ragged eager calls;
 - ``routed_f{p}``: our engine, random router sending a token to the LLM with probability p = 0.05/0.1/0.3;
   ``routed_always_llm`` (batch 1): every token to the LLM (the SLM still runs every step);
 - ``shared_f{p}`` (batch > 1): the same with shared LLM calls (``llm_min_rows``, ``llm_max_wait_steps``);
@@ -189,7 +191,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--compile", action="store_true", help="also HF generate with a static cache + torch.compile"
     )
-    ap.add_argument("--compile-batches", type=_ints, default=[1])
+    ap.add_argument("--compile-batches", type=_ints, default=[1, 8, 32])
+    ap.add_argument(
+        "--static-steps",
+        default="auto",
+        help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: reduce-overhead (CUDA "
+        "graphs) on a GPU, eager with --tiny",
+    )
+    ap.add_argument("--no-v0", dest="v0", action="store_false", help="skip the v0_ rows (the engine before)")
     ap.add_argument(
         "--compile-reserve", type=float, default=120, help="skip a compile with fewer seconds left"
     )
@@ -222,6 +231,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [p for p in args.pairs if p not in PAIRS]
     if bad:
         ap.error(f"unknown pairs {bad}; choose from {sorted(PAIRS)}")
+    if args.static_steps == "auto":
+        args.static_steps = "eager" if args.tiny else "reduce-overhead"
+    if args.static_steps in ("none", ""):
+        args.static_steps = None
     if not args.tiny and not args.recompute and not torch.cuda.is_available():
         ap.error("no CUDA device; use --tiny for a CPU smoke run")
     return args

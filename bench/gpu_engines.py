@@ -1,6 +1,7 @@
 """The variants measured at every batch size: transformers ``generate`` with one model (``hf_slm``/``hf_llm``), our
 engine with one model alone (``engine_slm``/``engine_llm``), routed by a random router (``routed_f{p}``, and
-``routed_always_llm`` at batch 1), and routed with shared LLM calls (``shared_f{p}``, batch > 1). Timed interleaved
+``routed_always_llm`` at batch 1), and routed with shared LLM calls (``shared_f{p}``, batch > 1); the same engine
+variants before the lean forward and fixed-shape steps under ``v0_`` names. Timed interleaved
 after a warm-up, one row each with its time per token, LLM calls, bytes moved and ratios to the bandwidth limit and
 to the ideal ``f * t_LLM + t_SLM``."""
 
@@ -20,6 +21,7 @@ from bench.gpu_timing import plain_bytes
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.cost import GPU_BANDWIDTH
 from citer.decoding.engine import RoutedEngine
+from citer.decoding.lean import set_forward_path
 
 
 def shared_min_rows(args: argparse.Namespace, batch: int) -> int:
@@ -29,28 +31,42 @@ def shared_min_rows(args: argparse.Namespace, batch: int) -> int:
 
 
 def engines(run: BenchRun, models: BuiltPair, batch: int) -> dict[str, tuple[RoutedEngine, float | None]]:
-    """The engine variants at ``batch``: name -> (engine, router p), p = 1.0 for the LLM alone."""
+    """The engine variants at ``batch``: name -> (engine, router p), p = 1.0 for the LLM alone.
+
+    Unprefixed names are the engine as it now runs: the lean forward with fixed-shape steps (``--static-steps``,
+    CUDA graphs by default on a GPU). ``v0_`` names are the engine before it (HF modules, ragged eager calls), timed
+    in the same run for the comparison; :func:`forward_for` pins their forward before each call."""
     slm, llm, vocab = models.slm, models.llm, models.vocab
     a = run.args
-    out: dict[str, tuple[RoutedEngine, float | None]] = {
-        "engine_slm": (RoutedEngine(slm, None, AlwaysSLM(), vocab_size=vocab, gpu=a.gpu), 0.0),
-        "engine_llm": (RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab, gpu=a.gpu), 1.0),
-    }
-    for p in a.fractions:
-        out[f"routed_f{p:g}"] = (
-            RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, vocab_size=vocab, gpu=a.gpu),
-            p,
-        )
-    if batch == 1:
-        out["routed_always_llm"] = (RoutedEngine(slm, llm, AlwaysLLM(), vocab_size=vocab, gpu=a.gpu), 1.0)
-    if batch > 1 and run.has_shared:
-        kw = {"llm_min_rows": shared_min_rows(a, batch), "llm_max_wait_steps": a.max_wait_steps}
+    out: dict[str, tuple[RoutedEngine, float | None]] = {}
+    for prefix, steps in (("", a.static_steps), ("v0_", None)):
+        if prefix and not a.v0:
+            continue
+        kw0 = {"vocab_size": vocab, "gpu": a.gpu, "static_steps": steps}
+        out[f"{prefix}engine_slm"] = (RoutedEngine(slm, None, AlwaysSLM(), **kw0), 0.0)
+        out[f"{prefix}engine_llm"] = (RoutedEngine(llm, None, AlwaysSLM(), **kw0), 1.0)
         for p in a.fractions:
-            out[f"shared_f{p:g}"] = (
-                RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, vocab_size=vocab, gpu=a.gpu, **kw),
+            out[f"{prefix}routed_f{p:g}"] = (
+                RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw0),
                 p,
             )
+        if batch == 1:
+            out[f"{prefix}routed_always_llm"] = (RoutedEngine(slm, llm, AlwaysLLM(), **kw0), 1.0)
+        if batch > 1 and run.has_shared:
+            kw = {"llm_min_rows": shared_min_rows(a, batch), "llm_max_wait_steps": a.max_wait_steps}
+            for p in a.fractions:
+                out[f"{prefix}shared_f{p:g}"] = (
+                    RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw0, **kw),
+                    p,
+                )
     return out
+
+
+def forward_for(name: str, e: RoutedEngine) -> None:
+    """Pin the HF forward for a ``v0_`` variant, let the lean one run otherwise (models are shared by variants)."""
+    for m in (e.slm, e.llm):
+        if m is not None:
+            set_forward_path(m, "hf" if name.startswith("v0_") else "auto")
 
 
 def measure_batch(
@@ -76,9 +92,10 @@ def measure_batch(
 
         return go
 
-    def eng(e: RoutedEngine) -> Callable[[int], dict]:
+    def eng(name: str, e: RoutedEngine) -> Callable[[int], dict]:
         def go(n: int) -> dict:
-            return {"stats": e.generate_batch(prompts, n).batch}
+            forward_for(name, e)
+            return {"stats": e.generate_batch(prompts, n).batch, "forward": e.forward_paths}
 
         return go
 
@@ -87,10 +104,11 @@ def measure_batch(
         "hf_llm": (hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}),
     }
     for name, (e, p) in engines(run, models, batch).items():
-        meta = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": p}
+        meta = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": p,
+                "static_steps": e.static_steps}  # fmt: skip
         if name.startswith("shared"):
             meta.update(llm_min_rows=e.llm_min_rows, llm_max_wait_steps=e.llm_max_wait_steps)
-        variants[name] = (eng(e), meta)
+        variants[name] = (eng(name, e), meta)
 
     # Warm-up (kernels, allocator, cuBLAS handles), then interleaved reps: drift biases every variant alike.
     for name, (fn, _) in variants.items():
@@ -133,10 +151,12 @@ def measure_batch(
         row["ms_per_row_token"] = 1e3 * med[name] / n_new
         row["tokens_per_s"] = ntok / med[name]
         st = last[name].get("stats")
+        if "forward" in last[name]:
+            row["forward"] = last[name]["forward"]
         if st is not None:
             steps = getattr(st, "decode_steps", 0) or None
             row["decode_steps"] = steps
-            if name == "engine_llm":  # the LLM decoding alone, as the engine's only model
+            if name.endswith("engine_llm"):  # the LLM decoding alone, as the engine's only model
                 f = 1.0
                 row["llm_calls"] = st.slm_calls
                 row["llm_calls_per_token"] = st.slm_calls / st.new_tokens
@@ -150,8 +170,10 @@ def measure_batch(
             row["wait_row_steps"] = getattr(st, "wait_row_steps", None)
             row["llm_catchup_tokens"] = st.llm_catchup_tokens
             bytes_tok = st.bytes_moved / st.new_tokens
-            if name not in ("engine_slm", "engine_llm") and "engine_slm" in t_tok and "engine_llm" in t_tok:
-                ideal = f * t_tok["engine_llm"] + t_tok["engine_slm"]
+            pre = "v0_" if name.startswith("v0_") else ""
+            alone = (f"{pre}engine_slm", f"{pre}engine_llm")
+            if name not in alone and alone[0] in t_tok and alone[1] in t_tok:
+                ideal = f * t_tok[alone[1]] + t_tok[alone[0]]
                 row["ideal_ms_per_token"] = 1e3 * ideal
                 row["ratio_to_ideal"] = t_tok[name] / ideal
         else:

@@ -112,13 +112,17 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
             r["ratio_to_bw"] = r["ms_per_token"] / r["bw_limit_ms_per_token"]
     idx = {(r["pair"], r["batch"], r["variant"]): r for r in rows}
     for r in rows:
+        pre = "v0_" if r["variant"].startswith("v0_") else ""  # a v0_ row's ideal is of the v0_ engine alone
         sl, ll = (
-            idx.get((r["pair"], r["batch"], "engine_slm")),
-            idx.get((r["pair"], r["batch"], "engine_llm")),
+            idx.get((r["pair"], r["batch"], f"{pre}engine_slm")),
+            idx.get((r["pair"], r["batch"], f"{pre}engine_llm")),
         )
         if sl is None or ll is None:
             continue
-        if r["variant"].startswith(("routed", "shared")) and r.get("llm_fraction") is not None:
+        if (
+            r["variant"].removeprefix(pre).startswith(("routed", "shared"))
+            and r.get("llm_fraction") is not None
+        ):
             ideal = r["llm_fraction"] * ll["ms_per_token"] + sl["ms_per_token"]
             r["ideal_ms_per_token"] = ideal
             r["ratio_to_ideal"] = r["ms_per_token"] / ideal
@@ -136,6 +140,10 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
                 r["routed_ms_at_same_llm_calls"] = y
                 r["assisted_over_routed"] = r["ms_per_token"] / y
     report["stat"] = stat
+
+
+# The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine now and before.
+LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "v0_engine_llm")
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +182,19 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
             comp = get(pair, big, "hf_llm_static_compiled")
             if comp is not None:
                 s[f"b{big}_llm_only_compiled_tokens_per_s"] = comp["tokens_per_s"]
+        # Issue #22: routed f=0.1 (shared calls allowed) over the best LLM-only decoder of the same run, per batch.
+        for b in sorted({r["batch"] for r in rows if r["pair"] == pair}):
+            at = [r for r in rows if r["pair"] == pair and r["batch"] == b]
+            llm_only = [r for r in at if r.get("f") == 1.0 and r["variant"] in LLM_ONLY]
+            routed = [r for r in at if r["variant"] in ("routed_f0.1", "shared_f0.1")]
+            if llm_only and routed:
+                best = max(llm_only, key=lambda r: r["tokens_per_s"])
+                top = max(routed, key=lambda r: r["tokens_per_s"])
+                s[f"b{b}_routed_f0.1_over_best_llm_only"] = top["tokens_per_s"] / best["tokens_per_s"]
+                s[f"b{b}_best_llm_only"] = best["variant"]
+            eng = next((r for r in at if r["variant"] == "engine_llm" and "ratio_to_bw" in r), None)
+            if eng is not None:
+                s[f"b{b}_engine_llm_ratio_to_bw"] = eng["ratio_to_bw"]
         asst = [r for r in rows if r["pair"] == pair and r["variant"].startswith("assisted")]
         if asst:
             s["assisted_over_routed_at_same_llm_calls"] = {

@@ -57,6 +57,15 @@ def test_tiny_run_covers_every_variant(tiny_report):
     assert {(2, "shared_f0.05"), (2, "shared_f0.1"), (2, "shared_f0.3")} <= got
     assert not any(b == 1 and v.startswith("shared") for b, v in got)
     assert rep["shared_llm_calls"] == "measured (RoutedEngine takes llm_min_rows, llm_max_wait_steps)"
+    # The engine as it now runs (lean forward, fixed-shape steps) beside the engine before it (v0_), same run.
+    assert {(b, f"v0_{v}") for b in (1, 2) for v in ("engine_slm", "engine_llm", "routed_f0.1")} <= got
+    rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
+    assert rows[1, "routed_f0.1"]["forward"] == {"slm": "lean", "llm": "lean"}
+    assert rows[1, "routed_f0.1"]["static_steps"] == "eager"
+    assert rows[1, "v0_routed_f0.1"]["forward"]["llm"] == "hf: pinned by set_forward_path"
+    assert rows[1, "v0_routed_f0.1"]["static_steps"] is None
+    for b in (1, 2):
+        assert rep["targets"]["tiny"][f"b{b}_routed_f0.1_over_best_llm_only"] > 0
 
 
 def test_tiny_run_ratios_are_finite(tiny_report):
@@ -81,6 +90,9 @@ def test_tiny_run_ratios_are_finite(tiny_report):
 # Raw reps (seconds) written over the measured ones; median and min differ from the mean and from each other, and
 # engine_llm / engine_slm / every other variant are 4 : 1 : 2.
 REPS = {"engine_slm": [0.005, 0.001, 0.002], "engine_llm": [0.020, 0.004, 0.008]}
+REPS |= {
+    f"v0_{k}": v for k, v in REPS.items()
+}  # the engine before: its own alone-rows, the same numbers here
 OTHER_REPS = [0.010, 0.002, 0.004]
 # ms per token of a batch-1 row (3 new tokens), worked out by hand from the reps above: median, min.
 HAND_MS = {
@@ -109,10 +121,10 @@ def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path, 
         # Inputs that recompute must carry over unchanged, then the numbers derived from them.
         for k in ("bw_limit_ms_per_token", "llm_fraction", "llm_calls_per_token"):
             assert b.get(k) == a.get(k), (where, k)
-        ms = hand.get(b["variant"], hand["other"]) / b["batch"]
+        ms = hand.get(b["variant"].removeprefix("v0_"), hand["other"]) / b["batch"]
         assert b["ms_per_token"] == pytest.approx(ms, rel=1e-9), where
         assert b["ratio_to_bw"] == pytest.approx(ms / a["bw_limit_ms_per_token"], rel=1e-9), where
-        if b["variant"].startswith(("routed", "shared")):
+        if b["variant"].removeprefix("v0_").startswith(("routed", "shared")):
             # ideal = f * LLM-alone + SLM-alone = (f * 8/3 + 2/3) / batch against this row's 4/3 / batch (halved
             # for min): 2 / (4 f + 1) for either stat.
             assert b["ratio_to_ideal"] == pytest.approx(2 / (4 * a["llm_fraction"] + 1), rel=1e-9), where
