@@ -48,13 +48,17 @@ def test_pipeline_end_to_end(prefect_server, project):
     preds = (project / "outputs" / "predictions.jsonl").read_text().splitlines()
     assert len(preds) == 24 and all("response" in json.loads(x) for x in preds)
 
-    # The registry holds the version; the alias is there whenever the sweep found a τ meeting the rule.
+    # The tiny params' rule (best accuracy under 0.99 x LLM-only bytes) always has a τ, so a fresh project promotes
+    # its first version: the resume and tamper checks below need that champion and must not pass without one.
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
     client = mlflow.MlflowClient()
     versions = client.search_model_versions("name='citer-router'")
     assert len(versions) == 1 and versions[0].tags["slm"].endswith("models/slm")
+    assert promotion["promoted"] == 1, promotion["reason"]
+    champion = client.get_model_version_by_alias("citer-router", "champion")
+    assert str(champion.version) == str(versions[0].version) == promotion["version"]
     runs = mlflow.search_runs(experiment_names=["citer"])
     parent = runs[runs["tags.citer.stage"] == "pipeline"]
     assert len(parent) == 1
@@ -64,17 +68,16 @@ def test_pipeline_end_to_end(prefect_server, project):
     )
 
     # A rerun of batch inference resumes: nothing left to decode, same file.
-    if promotion["promoted"]:
-        before = (project / "outputs" / "predictions.jsonl").read_bytes()
-        res = runner.invoke(app, ["route"])
-        assert res.exit_code == 0, res.output
-        assert json.loads(res.output)["n_skipped"] == 24
-        assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
-        # A champion changed in the artifact store is refused even when nothing is left to decode (fail closed).
-        stored = list((project / "mlartifacts").rglob("router.json"))  # the model's copy and its run's
-        assert stored
-        for art in stored:
-            art.write_text(art.read_text().replace("{", '{"tampered": true, ', 1))
-        res = runner.invoke(app, ["route"])
-        assert res.exit_code == 1 and "sha256" in res.output, res.output
-        assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
+    before = (project / "outputs" / "predictions.jsonl").read_bytes()
+    res = runner.invoke(app, ["route"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["n_skipped"] == 24
+    assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
+    # A champion changed in the artifact store is refused even when nothing is left to decode (fail closed).
+    stored = list((project / "mlartifacts").rglob("router.json"))  # the model's copy and its run's
+    assert stored
+    for art in stored:
+        art.write_text(art.read_text().replace("{", '{"tampered": true, ', 1))
+    res = runner.invoke(app, ["route"])
+    assert res.exit_code == 1 and "sha256" in res.output, res.output
+    assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
