@@ -26,6 +26,7 @@ from citer.models.bootstrap import bootstrap_models  # noqa: E402
 from citer.models.evaluate import evaluate_model  # noqa: E402
 from citer.models.finetune import finetune_slm  # noqa: E402
 from citer.models.loading import count_params, load_model  # noqa: E402
+from citer.provenance import stamp_bench  # noqa: E402
 
 
 def run(params: Params, work: Path) -> dict:
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="directory for data/ and models/ (default: a temporary one)")
     ap.add_argument("--out", default="reports/bench_models.json")
     a = ap.parse_args(argv)
+    started = time.perf_counter()
     params = load_params(a.params)
     if a.work:
         report = run(params, Path(a.work))
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="citer-bench-") as tmp:
             report = run(params, Path(tmp))
     write_json(a.out, report)
+    stamp_bench(a.out, "bootstrap", a, time.perf_counter() - started)
     import json
 
     print(json.dumps(report, indent=2))

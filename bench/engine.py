@@ -34,6 +34,7 @@ from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append  # noqa: E402
 from citer.decoding.lean import forward_path, set_forward_path  # noqa: E402
 from citer.io import write_json  # noqa: E402
+from citer.provenance import stamp_bench  # noqa: E402
 
 
 def random_qwen2(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, seed: int):
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread by default: with 2 OpenMP threads on a shared 2-core machine, barrier waits swamp small ops.
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on an idle machine)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}; timings are wall-clock, noisy on a shared machine")
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['scale']:<13}{r['method']:<14}{r.get('forward', ''):>5}{r['batch']:>6}{f:>9}"
               f"{1000 * r['sec_per_token']:>10.2f}{ratio:>8}{per_step:>9}{wait:>9}{vs_hf:>7}")  # fmt: skip
     write_json(args.out, rows)
+    stamp_bench(args.out, "engine", args, time.perf_counter() - started)
     print(f"wrote {args.out}")
     return 0
 

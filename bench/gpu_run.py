@@ -114,6 +114,9 @@ class BenchRun:
             json.dump(self.report, f, indent=1, default=float)
             f.write("\n")
         os.replace(tmp, out)
+        from citer.provenance import stamp_bench  # stdlib and torch only, as everything here
+
+        stamp_bench(out, "gpu", self.args, self.elapsed())
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """(wall seconds, result) of ``fn()``, the device synced before and after."""

@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from citer.config import BootstrapParams, LabelsParams, SynthParams, load_params  # noqa: E402
 from citer.io import write_json  # noqa: E402
+from citer.provenance import stamp_bench  # noqa: E402
 from citer.routing.labels import collect_iter1, encode_rows, teacher_forced  # noqa: E402
 
 
@@ -270,13 +271,16 @@ def main() -> None:
     )
     ap.add_argument("--workers", type=int, default=2, help="--scale-out: Dask workers = in-process threads")
     a = ap.parse_args()
+    started = time.perf_counter()
     if a.scale_out:
         out = a.out or ROOT / "reports" / "bench_labels_scale_out.json"
         res = scale_out(a.n, a.workers, a.batch_size, a.max_new_tokens, out.resolve())
     else:
         if a.threads > 0:
             torch.set_num_threads(a.threads)
-        res = run(a.n, a.batch_size, a.max_new_tokens, a.out or ROOT / "reports" / "bench_labels.json")
+        out = a.out or ROOT / "reports" / "bench_labels.json"
+        res = run(a.n, a.batch_size, a.max_new_tokens, out)
+    stamp_bench(out, "labels", a, time.perf_counter() - started)
     for k, v in res.items():
         print(f"{k}: {v}")
 

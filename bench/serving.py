@@ -25,6 +25,7 @@ import contextlib
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from citer.config import BootstrapParams  # noqa: E402
 from citer.decoding.baselines import AlwaysLLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.io import write_json  # noqa: E402
+from citer.provenance import stamp_bench  # noqa: E402
 from citer.serving.local import serving_in_background  # noqa: E402
 from citer.serving.server import build_app  # noqa: E402
 
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_serving.json"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     max_tokens = args.max_tokens or (16 if args.quick else 64)
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     write_json(args.out, report)
+    stamp_bench(args.out, "serving", args, time.perf_counter() - started)
     print(f"wrote {args.out}")
     return 0
 

@@ -8,7 +8,6 @@ deployment worker), else the current directory.
 from __future__ import annotations
 
 import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,10 +146,6 @@ def as_project(project: Project | str | os.PathLike[str]) -> Project:
 
 def git_commit(root: Path) -> str:
     """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    from citer.provenance import git_head
+
+    return git_head(root)

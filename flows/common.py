@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,16 @@ def owned_dirs(proj: Project) -> list[Path]:
     ]  # never outside the project
 
 
+def record_reports(proj: Project, stage: str, started: float) -> None:
+    """Stamp the report files ``stage`` wrote since ``started`` in ``reports/provenance.json`` (what ran, where,
+    from which commit and params, how long: :mod:`citer.provenance`)."""
+    from citer.provenance import stamp_written
+
+    stamp_written(
+        proj.reports, started, stage=stage, root=proj.root, wall_s=time.time() - started, params=proj.params
+    )
+
+
 def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run a stage flow's body holding the project lock (``lock`` params), after removing what a killed run left.
 
@@ -232,7 +243,10 @@ def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):
                 for p in remove_leftovers(owned_dirs(proj)):
                     say(f"removed {proj.portable_ref(p)}, left by a killed run")
-                return fn(*args, **kwargs)
+                started = time.time()
+                out = fn(*args, **kwargs)
+                record_reports(proj, what, started)
+                return out
 
         return wrapper
 

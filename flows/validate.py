@@ -7,6 +7,7 @@ known: named with ``--model`` (``citer data validate --model DIR``), or the para
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from citer.project import load_project
-from flows.common import stage_run
+from flows.common import record_reports, stage_run
 
 
 @task(name="context-budget", cache_policy=NO_CACHE)
@@ -66,6 +67,7 @@ def validate_flow(
     """
     from citer.io import write_json
 
+    started = time.time()
     proj = load_project(params_path, optional=files is not None)
     targets = files or proj.validation_files()
     vp = proj.params.validate_
@@ -90,4 +92,8 @@ def validate_flow(
             }
         )
         run.artifact(out)
+    if out.resolve().is_relative_to(
+        proj.reports.resolve()
+    ):  # a report of the project, not a file a user named
+        record_reports(proj, "validate", started)
     return reports

@@ -90,9 +90,8 @@ def test_tiny_run_ratios_are_finite(tiny_report):
 # Raw reps (seconds) written over the measured ones; median and min differ from the mean and from each other, and
 # engine_llm / engine_slm / every other variant are 4 : 1 : 2.
 REPS = {"engine_slm": [0.005, 0.001, 0.002], "engine_llm": [0.020, 0.004, 0.008]}
-REPS |= {
-    f"v0_{k}": v for k, v in REPS.items()
-}  # the engine before: its own alone-rows, the same numbers here
+# The engine before (v0_): its alone-rows twice as slow, so a v0_ row's ideal must use them, not the current ones.
+REPS |= {f"v0_{k}": [2 * x for x in v] for k, v in REPS.items()}
 OTHER_REPS = [0.010, 0.002, 0.004]
 # ms per token of a batch-1 row (3 new tokens), worked out by hand from the reps above: median, min.
 HAND_MS = {
@@ -121,13 +120,17 @@ def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path, 
         # Inputs that recompute must carry over unchanged, then the numbers derived from them.
         for k in ("bw_limit_ms_per_token", "llm_fraction", "llm_calls_per_token"):
             assert b.get(k) == a.get(k), (where, k)
-        ms = hand.get(b["variant"].removeprefix("v0_"), hand["other"]) / b["batch"]
+        v0 = b["variant"].startswith("v0_")
+        name = b["variant"].removeprefix("v0_")
+        ms = hand.get(name, hand["other"]) * (2 if v0 and name in hand else 1) / b["batch"]
         assert b["ms_per_token"] == pytest.approx(ms, rel=1e-9), where
         assert b["ratio_to_bw"] == pytest.approx(ms / a["bw_limit_ms_per_token"], rel=1e-9), where
         if b["variant"].removeprefix("v0_").startswith(("routed", "shared")):
             # ideal = f * LLM-alone + SLM-alone = (f * 8/3 + 2/3) / batch against this row's 4/3 / batch (halved
             # for min): 2 / (4 f + 1) for either stat.
-            assert b["ratio_to_ideal"] == pytest.approx(2 / (4 * a["llm_fraction"] + 1), rel=1e-9), where
+            # A v0_ row: the same 4/3 against alone-rows twice as slow: 1 / (4 f + 1).
+            want = (1 if v0 else 2) / (4 * a["llm_fraction"] + 1)
+            assert b["ratio_to_ideal"] == pytest.approx(want, rel=1e-9), where
         else:
             assert "ratio_to_ideal" not in b, where
 

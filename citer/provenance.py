@@ -1,0 +1,171 @@
+"""Where each report came from: ``reports/provenance.json`` names, per report file, the run that wrote it.
+
+An entry records the file's sha256 (so a file edited or copied in afterwards no longer matches), the stage or bench
+that wrote it, the git commit, a digest of the params it ran with, the machine (cores, torch, device) and the stage's
+wall time. Stage flows stamp every report file they wrote when they finish (:func:`stamp_written`, called by
+``flows.common.locked``); benches stamp their own report with their arguments in place of params. The docs quote only
+files that carry an entry (``tests/test_docs_numbers.py``).
+
+Light on purpose: no MLflow or Prefect, and torch only to name the machine, so ``bench/gpu.py`` can use it too.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from citer.io import file_digest, write_json
+
+FILE = "provenance.json"
+
+
+def machine() -> dict[str, Any]:
+    """The machine a number was measured on: cores, Python, torch and the accelerator (or ``cpu``)."""
+    import torch
+
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": dev,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def params_digest(params: Any) -> str:
+    """sha256 (first 16 hex digits) of the params as canonical JSON: a pydantic model, a mapping or a list."""
+    data = params.model_dump(mode="json") if hasattr(params, "model_dump") else params
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _git(root: Path, *args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def git_head(root: str | os.PathLike[str]) -> str:
+    """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
+    return _git(Path(root), "rev-parse", "HEAD") or "unknown"
+
+
+def git_commit(root: str | os.PathLike[str]) -> str:
+    """:func:`git_head`, with ``+dirty`` when tracked files differ from it (the numbers may not be the commit's)."""
+    head = git_head(root)
+    dirty = head != "unknown" and bool(_git(Path(root), "status", "--porcelain", "--untracked-files=no"))
+    return f"{head}+dirty" if dirty else head
+
+
+def read(reports_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(reports_dir) / FILE
+    if not path.is_file():
+        return {"files": {}}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.setdefault("files", {})
+    return data
+
+
+def stamp(
+    reports_dir: str | os.PathLike[str],
+    files: Iterable[str | os.PathLike[str]],
+    *,
+    stage: str,
+    root: str | os.PathLike[str],
+    wall_s: float,
+    params: Any = None,
+    args: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Record ``files`` (paths under ``reports_dir``) as written by ``stage``; returns their keys (paths relative
+    to ``root``, so a copied project's record stays true). ``params`` (stages) or ``args`` (benches) say what ran."""
+    reports, root = Path(reports_dir), Path(root)
+    data = read(reports)
+    common = {
+        "stage": stage,
+        "commit": git_commit(root),
+        "params_digest": None if params is None else params_digest(params),
+        "machine": machine(),
+        "stage_wall_s": round(float(wall_s), 2),
+        "written_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    if args is not None:
+        common["args"] = {k: v for k, v in args.items()}
+    keys = []
+    for f in files:
+        p = Path(f)
+        if p.name == FILE or not p.is_file():
+            continue
+        key = os.path.relpath(p.resolve(), root.resolve())
+        data["files"][key] = {"sha256": file_digest(p, "sha256"), **common}
+        keys.append(key)
+    if keys:
+        data["files"] = dict(sorted(data["files"].items()))
+        write_json(reports / FILE, data)
+    return keys
+
+
+def stamp_written(
+    reports_dir: str | os.PathLike[str],
+    since: float,
+    *,
+    stage: str,
+    root: str | os.PathLike[str],
+    wall_s: float,
+    params: Any = None,
+) -> list[str]:
+    """Stamp every report file modified at or after ``since`` (a ``time.time()``) that no stage finishing inside
+    this one stamped already (a pipeline stamps only what its own stages did not)."""
+    reports, root = Path(reports_dir), Path(root)
+    if not reports.is_dir():
+        return []
+    known = read(reports)["files"]
+    started = dt.datetime.fromtimestamp(since, dt.UTC).isoformat(timespec="seconds")
+    fresh = []
+    for p in sorted(reports.rglob("*")):
+        if not p.is_file() or p.name == FILE or p.name.startswith(".") or p.stat().st_mtime < since:
+            continue
+        entry = known.get(os.path.relpath(p.resolve(), root.resolve()))
+        if entry and entry["written_at"] >= started and entry["sha256"] == file_digest(p, "sha256"):
+            continue
+        fresh.append(p)
+    return stamp(reports, fresh, stage=stage, root=root, wall_s=wall_s, params=params)
+
+
+def mismatches(reports_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> dict[str, str]:
+    """Report files whose content no longer matches their entry, or that have none: ``{path: why}``."""
+    reports, root = Path(reports_dir), Path(root)
+    files = read(reports)["files"]
+    out = {}
+    for p in sorted(reports.rglob("*")):
+        if not p.is_file() or p.name == FILE or p.name.startswith("."):
+            continue
+        key = os.path.relpath(p.resolve(), root.resolve())
+        entry = files.get(key)
+        if entry is None:
+            out[key] = "no provenance entry"
+        elif entry["sha256"] != file_digest(p, "sha256"):
+            out[key] = f"changed since {entry['stage']} wrote it at {entry['written_at']}"
+    return out
+
+
+def stamp_bench(out: str | os.PathLike[str], bench: str, args: Any, wall_s: float) -> None:
+    """A bench's report ``out`` (in a ``reports/`` directory whose parent is the checkout) stamped with the bench's
+    name and arguments (``argparse.Namespace`` or mapping) in place of params."""
+    p = Path(out).resolve()
+    given = vars(args) if hasattr(args, "__dict__") else dict(args)
+    clean = {
+        k: v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v) for k, v in given.items()
+    }
+    stamp(p.parent, [p], stage=f"bench:{bench}", root=p.parent.parent, wall_s=wall_s, args=clean)
