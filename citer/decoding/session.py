@@ -68,12 +68,18 @@ def check_sampling(temperature: float, top_p: float) -> None:
 
 @dataclass
 class Emitted:
-    """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch."""
+    """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch.
+
+    For a row added with ``logprobs=k``: ``logprob``, the token's log-probability under the distribution of the model
+    that wrote it (temperature 1, over the shared vocabulary), and ``top_logprobs``, that distribution's ``k``
+    likeliest ``(token, logprob)`` (``k`` = 0: none). Other rows leave both None."""
 
     key: int
     token: int
     from_llm: bool
     done: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -84,6 +90,7 @@ class _Row:
     prompt_len: int
     max_new: int
     sampling: tuple[float, float, int] = (0.0, 1.0, 0)  # temperature, top_p, seed
+    logprobs: int | None = None  # top log-probs to report per emitted token; None: report none
     llm_seen: int = 0  # tokens of this row in the LLM cache
     waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
 
@@ -118,6 +125,8 @@ class DecodeSession:
         self.queue: deque[_Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
         self.hidden: torch.Tensor | None = None  # (b, H) the router's input per slot
+        # slot -> (logprob, top) of this step's token, for rows that asked for them
+        self._lp: dict[int, tuple[float, list[tuple[int, float]]]] = {}
 
     # -- the caller's side ------------------------------------------------------------------------------------------
     def add(
@@ -129,10 +138,16 @@ class DecodeSession:
         temperature: float | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
     ) -> int:
         """Queue a row (checked now, admitted at the next step); returns its key. Sampling settings default to the
-        session's; rows of one batch may differ (each server request brings its own)."""
+        session's; rows of one batch may differ (each server request brings its own). ``logprobs=k`` (>= 0): each
+        of the row's :class:`Emitted` carries its token's log-probability and the ``k`` likeliest alternatives."""
         self.e.check_prompts([prompt], max_new_tokens, None)
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+        ):
+            raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
         samp = (
             self.temperature if temperature is None else float(temperature),
             self.top_p if top_p is None else float(top_p),
@@ -143,7 +158,15 @@ class DecodeSession:
         seq = [int(t) for t in prompt]
         rid = key if row_id is None else int(row_id)
         self.queue.append(
-            _Row(key=key, row_id=rid, seq=seq, prompt_len=len(seq), max_new=max_new_tokens, sampling=samp)
+            _Row(
+                key=key,
+                row_id=rid,
+                seq=seq,
+                prompt_len=len(seq),
+                max_new=max_new_tokens,
+                sampling=samp,
+                logprobs=logprobs,
+            )
         )
         return key
 
@@ -183,6 +206,7 @@ class DecodeSession:
         e, b = self.e, len(self.rows)
         ready = [s for s, r in enumerate(self.rows) if r.waited < 0]
         tok: dict[int, int] = {}  # slot -> token emitted this step
+        self._lp = {}
         if ready:
             assert self.hidden is not None and self.logits is not None
             rid = torch.tensor(
@@ -200,6 +224,7 @@ class DecodeSession:
                     self.rows[s].waited = 0
                 else:
                     tok[s] = proposal[i]
+            self._note_logprobs(logits, [s if s in tok else -1 for s in ready], proposal)
         waiting = [s for s in range(b) if self.rows[s].waited >= 0]
         if waiting and self._llm_due(waiting, advancing=len(tok)):
             for s, t in zip(waiting, self._llm_tokens(waiting), strict=True):
@@ -238,7 +263,30 @@ class DecodeSession:
             r.llm_seen = len(r.seq)
         rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
         steps = torch.tensor([r.n_out for r in rows], dtype=torch.long)
-        return self._choose(logits, rows, rid, steps)
+        toks = self._choose(logits, rows, rid, steps)
+        self._note_logprobs(logits, slots, toks)
+        return toks
+
+    def _note_logprobs(self, logits: torch.Tensor, slots: list[int], toks: list[int]) -> None:
+        """Keep, for the rows of ``slots`` that asked for them, the log-probs of ``toks`` under ``logits`` (k, V);
+        slot -1 marks a row whose token comes from elsewhere. The same logits the token was chosen from."""
+        want = [i for i, s in enumerate(slots) if s >= 0 and self.rows[s].logprobs is not None]
+        if not want:
+            return
+        sel = torch.tensor(want, dtype=torch.long, device=logits.device)
+        lp = torch.log_softmax(cut_logits(logits.index_select(0, sel), self.e.vocab_size).float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor([toks[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
+        k = max(self.rows[slots[i]].logprobs or 0 for i in want)
+        top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (None, None)
+        for j, i in enumerate(want):
+            s = slots[i]
+            kk = self.rows[s].logprobs or 0
+            top = (
+                list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist(), strict=True))
+                if top_i is not None and top_v is not None and kk
+                else []
+            )
+            self._lp[s] = (chosen[j], top)
 
     def _choose(
         self, logits: torch.Tensor, rows: list[_Row], rid: torch.Tensor, steps: torch.Tensor
@@ -270,7 +318,8 @@ class DecodeSession:
             r.seq.append(tok[s])
             r.waited = -1
             fin = tok[s] in self.e.eos or r.n_out >= r.max_new
-            out.append(Emitted(r.key, tok[s], llm, fin))
+            lp, top = self._lp.get(s, (None, None))
+            out.append(Emitted(r.key, tok[s], llm, fin, lp, top))
             if fin:
                 done.append(s)
         fed = {self.rows[s].key for s in slots if s not in done}
