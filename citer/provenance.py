@@ -62,10 +62,14 @@ def git_head(root: str | os.PathLike[str]) -> str:
     return _git(Path(root), "rev-parse", "HEAD") or "unknown"
 
 
-def git_commit(root: str | os.PathLike[str]) -> str:
-    """:func:`git_head`, with ``+dirty`` when tracked files differ from it (the numbers may not be the commit's)."""
+def git_commit(root: str | os.PathLike[str], outputs: Iterable[str] = ("reports", "dvc.lock")) -> str:
+    """:func:`git_head`, with ``+dirty`` when tracked files differ from it (the numbers may not be the commit's).
+    ``outputs`` (paths relative to ``root``) are what runs rewrite, the reports themselves: they do not count."""
     head = git_head(root)
-    dirty = head != "unknown" and bool(_git(Path(root), "status", "--porcelain", "--untracked-files=no"))
+    if head == "unknown":
+        return head
+    spec = ["."] + [f":(exclude){o}" for o in outputs]
+    dirty = bool(_git(Path(root), "status", "--porcelain", "--untracked-files=no", "--", *spec))
     return f"{head}+dirty" if dirty else head
 
 
@@ -92,9 +96,10 @@ def stamp(
     to ``root``, so a copied project's record stays true). ``params`` (stages) or ``args`` (benches) say what ran."""
     reports, root = Path(reports_dir), Path(root)
     data = read(reports)
+    rel = os.path.relpath(reports.resolve(), root.resolve())
     common = {
         "stage": stage,
-        "commit": git_commit(root),
+        "commit": git_commit(root, (rel, "dvc.lock")),
         "params_digest": None if params is None else params_digest(params),
         "machine": machine(),
         "stage_wall_s": round(float(wall_s), 2),

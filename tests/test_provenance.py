@@ -58,6 +58,13 @@ def test_git_commit_says_dirty(tmp_path):
     git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
     head = provenance.git_head(tmp_path)
     assert len(head) == 40 and provenance.git_commit(tmp_path) == head
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "r.json").write_text("1")
+    git("add", "reports/r.json")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "y")
+    head = provenance.git_head(tmp_path)
+    (tmp_path / "reports" / "r.json").write_text("2")  # a run rewriting its own tracked report: still clean
+    assert provenance.git_commit(tmp_path) == head
     (tmp_path / "f").write_text("2")
     assert provenance.git_commit(tmp_path) == f"{head}+dirty"
 
