@@ -27,11 +27,13 @@ models_app = typer.Typer(no_args_is_help=True, help="Models: bootstrap the embed
 eval_app = typer.Typer(no_args_is_help=True, help="Evaluation: models alone, the tau sweep with baselines.")
 labels_app = typer.Typer(no_args_is_help=True, help="Token-level preference labels.")
 router_app = typer.Typer(no_args_is_help=True, help="The MLP router.")
+report_app = typer.Typer(no_args_is_help=True, help="What the reports say, for people and for the docs.")
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 app.add_typer(eval_app, name="eval")
 app.add_typer(labels_app, name="labels")
 app.add_typer(router_app, name="router")
+app.add_typer(report_app, name="report")
 
 ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
 
@@ -318,7 +320,47 @@ def pipeline(params: ParamsOpt = "params.yaml") -> None:
     from flows.pipeline import pipeline_flow
 
     out = pipeline_flow(params_path=params)
-    typer.echo(f"pipeline finished: {sorted(out)}")
+    from citer.evaluation.headline import headline_rows
+    from citer.project import load_project
+
+    proj = load_project(params)
+    rows, files = headline_rows(proj.reports)
+    width = max(len(label) for label, _ in rows)
+    typer.echo("pipeline finished:")
+    for label, value in rows:
+        typer.echo(f"  {label:<{width}}  {value}")
+    typer.echo(f"  reports: {proj.portable_ref(proj.reports)}/ ({', '.join(files)}; provenance.json)")
+    uri = (
+        os.environ.get("MLFLOW_TRACKING_URI") or proj.params.paths.mlflow_tracking_uri
+    )  # as the user wrote it
+    typer.echo(f"  MLflow run {out.get('mlflow_run', '?')}: mlflow ui --backend-store-uri {uri}")
+
+
+@report_app.command("docs")
+@friendly
+def report_docs(
+    docs: Annotated[list[Path] | None, typer.Argument(help="documents with citer blocks")] = None,
+    reports: Annotated[Path, typer.Option(help="the reports directory the blocks are rendered from")] = Path(
+        "reports"
+    ),
+    check: Annotated[
+        bool, typer.Option(help="change nothing; exit 1 if a block differs from its reports")
+    ] = False,
+) -> None:
+    """Re-render the measured tables in README.md and docs/results.md from the report files."""
+    from citer.evaluation.headline import blocks_in, render_blocks, rewrite
+
+    stale = []
+    for doc in docs or [Path("README.md"), Path("docs/results.md")]:
+        if check:
+            held = blocks_in(doc.read_text(encoding="utf-8"))
+            fresh = render_blocks(reports, list(held))
+            stale += [f"{doc}: {n}" for n, body in held.items() if body != fresh[n][0]]
+        else:
+            typer.echo(f"{doc}: {', '.join(rewrite(doc, reports)) or 'no citer blocks'}")
+    if stale:
+        typer.echo("blocks that differ from the reports: " + "; ".join(stale), err=True)
+        raise typer.Exit(1)
 
 
 @app.command("serve")

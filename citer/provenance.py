@@ -169,8 +169,14 @@ def stamp_bench(out: str | os.PathLike[str], bench: str, args: Any, wall_s: floa
     """A bench's report ``out`` (in a ``reports/`` directory whose parent is the checkout) stamped with the bench's
     name and arguments (``argparse.Namespace`` or mapping) in place of params."""
     p = Path(out).resolve()
+    root = p.parent.parent
     given = vars(args) if hasattr(args, "__dict__") else dict(args)
-    clean = {
-        k: v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v) for k, v in given.items()
-    }
-    stamp(p.parent, [p], stage=f"bench:{bench}", root=p.parent.parent, wall_s=wall_s, args=clean)
+
+    def portable(v: Any) -> Any:  # the project records paths relative to its root
+        if isinstance(v, os.PathLike) or (isinstance(v, str) and os.path.isabs(v)):
+            q = Path(v).resolve()
+            return q.relative_to(root).as_posix() if q.is_relative_to(root) else str(v)
+        return v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v)
+
+    clean = {k: portable(v) for k, v in given.items()}
+    stamp(p.parent, [p], stage=f"bench:{bench}", root=root, wall_s=wall_s, args=clean)

@@ -55,6 +55,7 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 out["inference"] = batch_inference_flow(params_path)
             else:  # nothing promoted yet (no τ met the rule): there is no deployed router to infer with
                 out["inference"] = {"skipped": "no champion: " + out["sweep"]["reason"]}
+            out["mlflow_run"] = parent.run_id
         finally:
             if previous is None:
                 os.environ.pop("CITER_PARENT_RUN_ID", None)

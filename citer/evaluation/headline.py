@@ -1,0 +1,223 @@
+"""The numbers a person reads first, rendered from the report files, and the docs blocks that quote them.
+
+README.md and docs/results.md hold their measured tables between markers::
+
+    <!-- citer:NAME -->
+    ...generated markdown...
+    <!-- /citer:NAME -->
+
+:func:`render_blocks` builds every block from ``reports/`` alone, each table naming the files it read;
+``citer report docs`` rewrites the blocks in place and ``tests/test_docs_numbers.py`` fails when a committed block
+differs from what the committed reports render, or when a file it reads has no matching entry in
+``reports/provenance.json`` -- so the docs cannot drift from the data. The same rows feed the console's closing table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from citer.io import write_text
+
+Block = tuple[str, list[str]]  # (markdown, the report files it read, relative to the reports dir)
+
+
+def _load(reports: Path, name: str) -> Any:
+    return json.loads((reports / name).read_text(encoding="utf-8"))
+
+
+def pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def ci(c: list[float | None] | None, fmt: Callable[[float], str]) -> str:
+    if not c:
+        return ""
+    lo, hi = (("–" if v is None else fmt(v)) for v in c)
+    return f" [{lo}, {hi}]"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], list[str]]:
+    """(label, value) rows of the run's outcome: the pair, the promoted point, the claims; and the files read."""
+    d = Path(reports)
+    models, promo, claims = _load(d, "models.json"), _load(d, "promotion.json"), _load(d, "sweep_claims.json")
+    sweep = {
+        r["method"]: r for r in _load(d, "sweep.json") if r.get("tau") is None or r.get("selected_on_dev")
+    }
+    rows = [
+        [
+            "LLM / finetuned SLM test accuracy (generation)",
+            f"{pct(models['llm']['test_accuracy'])} / {pct(models['slm']['test_accuracy'])}",
+        ],  # fmt: skip
+    ]
+    if promo.get("accuracy") is not None:
+        c = sweep.get("citer", {})
+        rows.append([
+            f"promoted point (τ {promo['tau']:.3f} chosen on dev; version {promo['version'] or '–'}, "
+            f"promoted: {'yes' if promo['promoted'] else 'no'})",
+            f"accuracy {pct(promo['accuracy'])}{ci(promo['accuracy_ci'], pct)}, bytes "
+            f"{promo['bytes_moved_rel_llm']:.3f}{ci(promo['bytes_ci'], lambda v: f'{v:.3f}')} of LLM-only"
+            + (f", {c['llm_token_fraction']:.3f} of tokens from the LLM" if c else ""),
+        ])  # fmt: skip
+    else:
+        rows.append(["promoted point", f"none: {promo.get('reason', '')}"])
+    for key, label in (("bytes_at_target", "CITER bytes at the rule's accuracy"),
+                       ("oracle_ratio", "CITER / oracle bytes at 99% of LLM accuracy")):  # fmt: skip
+        c = claims.get(key)
+        if c:
+            rows.append([label, c["statement"]])
+    for base, c in sorted(claims.get("savings", {}).items()):
+        rows.append([f"bytes saved vs {base}", c["statement"]])
+    return rows, ["models.json", "promotion.json", "sweep_claims.json", "sweep.json"]
+
+
+def headline_block(reports: Path) -> Block:
+    rows, files = headline_rows(reports)
+    src = ", ".join(f"`reports/{f}`" for f in files)
+    return table(["", "measured on test (chosen on dev)"], rows) + f"\n\nFrom {src}.", files
+
+
+def sweep_block(reports: Path) -> Block:
+    """Every method at its dev-chosen point (fixed rows: their one point), on test with 95% intervals."""
+    rows = []
+    for r in _load(reports, "sweep.json"):
+        if r.get("tau") is not None and not r.get("selected_on_dev"):
+            continue
+        tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
+        rows.append([
+            r["method"], tau, f"{r['accuracy']:.3f}{ci(r.get('accuracy_ci'), lambda v: f'{v:.3f}')}",
+            "–" if r.get("llm_token_fraction") is None else f"{r['llm_token_fraction']:.3f}",
+            f"{r['bytes_moved_rel_llm']:.3f}{ci(r.get('bytes_ci'), lambda v: f'{v:.3f}')}",
+        ])  # fmt: skip
+    head = ["method", "τ (dev)", "test accuracy [95%]", "LLM tokens", "bytes / LLM-only [95%]"]
+    return table(head, rows) + "\n\nFrom `reports/sweep.json`.", ["sweep.json"]
+
+
+def pipeline_block(reports: Path) -> Block:
+    """Each stage's wall time and what it wrote, from reports/provenance.json."""
+    prov = _load(reports, "provenance.json")["files"]
+    stages: dict[str, dict[str, Any]] = {}
+    for path, e in prov.items():
+        if e["stage"].startswith("bench:"):
+            continue
+        s = stages.setdefault(
+            e["stage"], {"wall": e["stage_wall_s"], "files": [], "at": e["written_at"], **e}
+        )
+        s["files"].append(Path(path).name)
+    rows = [[name, f"{s['wall']:.0f} s", ", ".join(sorted(s["files"]))]
+            for name, s in sorted(stages.items(), key=lambda kv: kv[1]["at"])]  # fmt: skip
+    first = next(iter(stages.values()), None)
+    where = (f"commit `{first['commit'][:12]}`, {first['machine']['cores']} cores, torch {first['machine']['torch']}, "
+             f"{first['machine']['device']}" if first else "")  # fmt: skip
+    return table(
+        ["stage", "wall", "reports written"], rows
+    ) + f"\n\nFrom `reports/provenance.json` ({where}).", ["provenance.json"]
+
+
+def engine_block(reports: Path) -> Block:
+    """bench/engine.py: routed (p = 0.1) and the models alone, HF modules vs the lean forward, per batch."""
+    rows_in = _load(reports, "bench_engine.json")
+    by = {(r["scale"], r["method"], r["batch"], r.get("forward"), r.get("p")): r for r in rows_in}
+    rows = []
+    for scale in ("embedded", "memory_bound"):
+        for method, p in (("slm", None), ("llm", None), ("routed", 0.1), ("routed_shared", 0.1)):
+            for b in (1, 8, 32):
+                hf, lean = by.get((scale, method, b, "hf", p)), by.get((scale, method, b, "lean", p))
+                if not hf or not lean:
+                    continue
+                ms = [1000 * hf["sec_per_token"], 1000 * lean["sec_per_token"]]
+                per_step = lean.get("llm_calls_per_step")
+                rows.append([scale, method + ("" if p is None else f" p={p}"), str(b), f"{ms[0]:.3f}",
+                             f"{ms[1]:.3f}", f"{ms[0] / ms[1]:.2f}×",
+                             "–" if per_step is None else f"{per_step:.2f}"])  # fmt: skip
+    head = [
+        "scale",
+        "method",
+        "batch",
+        "ms/token, HF modules",
+        "ms/token, lean",
+        "lean speed-up",
+        "LLM calls/step",
+    ]
+    return table(head, rows) + "\n\nFrom `reports/bench_engine.json` (one run, interleaved).", [
+        "bench_engine.json"
+    ]
+
+
+def labels_block(reports: Path) -> Block:
+    """bench/labels.py: teacher-forced label collection against the reference's per-token generate loop."""
+    r = _load(reports, "bench_labels.json")
+    rows = [
+        ["citer, teacher-forced (one pass per model)", f"{r['citer_seconds']:.3f} s"],
+        ["per-token generate loop (the reference's method)", f"{r['per_token_loop_seconds']:.3f} s"],
+        ["speed-up", f"{r['speedup']:.0f}×"],
+        [
+            f"whole iteration 1 incl. {r['n_rollouts']} rollouts, citer vs reference (estimated)",
+            f"{r['citer_collect_iter1_seconds']:.2f} s vs {r['reference_iter1_estimated_seconds']:.1f} s",
+        ],  # fmt: skip
+    ]
+    note = f"{r['n_examples']} examples, {r['n_tokens']} tokens, {r['models']}"
+    return table(["", "measured"], rows) + f"\n\nFrom `reports/bench_labels.json` ({note}).", [
+        "bench_labels.json"
+    ]
+
+
+def serving_block(reports: Path) -> Block:
+    """bench/serving.py: the real servers under 1/8/32 streaming clients."""
+    r = _load(reports, "bench_serving.json")
+    rows = [[x["server"], str(x["clients"]), f"{x['tokens_per_s']:.0f}", f"{x['p50_latency_s']:.3f}",
+             f"{x['p99_latency_s']:.3f}", f"{x['p50_ttft_s']:.3f}", f"{x['ttft_over_latency']:.2f}",
+             str(x["lost"]), str(x["differ_from_alone"])] for x in r["rows"]]  # fmt: skip
+    head = ["server", "clients", "tokens/s", "p50 latency s", "p99 latency s", "p50 TTFT s", "TTFT / latency",
+            "lost", "differ from alone"]  # fmt: skip
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in r.get("ratios", {}).items() if isinstance(v, int | float))
+    return table(head, rows) + f"\n\nRatios: {ratios}. From `reports/bench_serving.json`.", [
+        "bench_serving.json"
+    ]
+
+
+BLOCKS: dict[str, Callable[[Path], Block]] = {
+    "labels": labels_block,
+    "serving": serving_block,
+    "headline": headline_block,
+    "sweep": sweep_block,
+    "pipeline": pipeline_block,
+    "engine": engine_block,
+}
+_MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
+
+
+def blocks_in(text: str) -> dict[str, str]:
+    """The generated blocks a document holds: ``{name: body}``."""
+    return {m["name"]: m["body"].removesuffix("\n") for m in _MARK.finditer(text)}
+
+
+def render_blocks(reports: str | os.PathLike[str], names: list[str]) -> dict[str, Block]:
+    return {n: BLOCKS[n](Path(reports)) for n in names}
+
+
+def rewrite(doc: str | os.PathLike[str], reports: str | os.PathLike[str]) -> list[str]:
+    """Re-render every block ``doc`` holds from ``reports`` (atomically); returns the block names."""
+    path = Path(doc)
+    text = path.read_text(encoding="utf-8")
+    names = list(blocks_in(text))
+    unknown = [n for n in names if n not in BLOCKS]
+    if unknown:
+        raise ValueError(f"{path}: unknown citer blocks {unknown}; known: {sorted(BLOCKS)}")
+    fresh = render_blocks(reports, names)
+    new = _MARK.sub(
+        lambda m: f"<!-- citer:{m['name']} -->\n{fresh[m['name']][0]}\n<!-- /citer:{m['name']} -->", text
+    )
+    if new != text:
+        write_text(path, new)
+    return names
