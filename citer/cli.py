@@ -38,15 +38,22 @@ app.add_typer(report_app, name="report")
 ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
 
 
+_OUTPUT = {"json": False}
+
+
 @app.callback()
 def _global(
     debug: Annotated[
         bool, typer.Option("--debug", envvar="CITER_DEBUG", help="show tracebacks and the tools' own logs")
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", envvar="CITER_JSON", help="print each stage's full result as JSON")
+    ] = False,
 ) -> None:
     """citer: token-level routed decoding between a small and a large language model."""
     if debug:
         os.environ["CITER_DEBUG"] = "1"
+    _OUTPUT["json"] = as_json  # set on every invocation (a test's CliRunner reuses the process)
 
 
 def _setup() -> None:
@@ -183,13 +190,33 @@ def data_synth(params: ParamsOpt = "params.yaml") -> None:
         typer.echo(out["disabled"])
 
 
+def _brief(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        parts = [f"{k}={_brief(x)}" for k, x in v.items() if not isinstance(x, (dict, list))][:6]
+        return ", ".join(parts) + (" …" if len(v) > len(parts) else "") if parts else f"{len(v)} fields"
+    if isinstance(v, list):
+        return f"{len(v)} items"
+    return str(v)
+
+
 def _show(result: Any) -> None:
+    """A stage's result for a person: one line per top-level field (``--json``: all of it, as JSON; the full
+    figures are in the stage's report files either way)."""
     import json
 
+    if _OUTPUT["json"]:
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
     if isinstance(result, dict) and "disabled" in result:  # a disabled stage says so in one line
         typer.echo(result["disabled"])
         return
-    typer.echo(json.dumps(result, indent=2, default=str))
+    if not isinstance(result, dict):
+        typer.echo(_brief(result))
+        return
+    for k, v in result.items():
+        typer.echo(f"{k}: {_brief(v)}")
 
 
 @models_app.command("bootstrap")

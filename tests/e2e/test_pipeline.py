@@ -69,7 +69,7 @@ def test_pipeline_end_to_end(prefect_server, project):
 
     # A rerun of batch inference resumes: nothing left to decode, same file.
     before = (project / "outputs" / "predictions.jsonl").read_bytes()
-    res = runner.invoke(app, ["route"])
+    res = runner.invoke(app, ["--json", "route"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["n_skipped"] == 24
     assert (project / "outputs" / "predictions.jsonl").read_bytes() == before
