@@ -18,6 +18,15 @@ from citer.data.formats import Format
 
 ANSWER_CUE = "Answer:"
 
+# The chat template the embedded tokenizer carries (a transformers Jinja template): the last user message is the
+# question, then the answer cue. A message in the task's own form renders exactly build_prompt's text (math: the
+# problem; mc: "question\nChoices: (A) x (B) y"), so a client that applies the tokenizer's template to a chat, as
+# evaluation harnesses do before a raw completion, sends the prompt the models were trained on.
+CHAT_TEMPLATE = (
+    "{%- for m in messages if m['role'] == 'user' %}{%- if loop.last %}"
+    "Question: {{ m['content'] | trim }}\n" + ANSWER_CUE + "{%- endif %}{%- endfor %}"
+)
+
 
 def mc_choices_text(choices: Mapping[str, Any]) -> str:
     """``(A) text (B) text ...`` on one line, in the row's label order."""

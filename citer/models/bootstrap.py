@@ -21,7 +21,7 @@ import torch
 from citer.config import ArchParams, BootstrapParams, PretrainParams
 from citer.data.formats import Format
 from citer.data.jsonl import read_jsonl
-from citer.data.prompts import build_prompt, build_target
+from citer.data.prompts import CHAT_TEMPLATE, build_prompt, build_target
 from citer.decoding.forward import right_padded
 from citer.io import atomic_dir
 from citer.models.loading import count_params
@@ -48,7 +48,9 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int):
     under exactly those rules (NFC, Qwen2's split regex, byte-level) and the tokenizer is built as that class. Qwen2's
     regex makes every digit its own token; byte-level makes every NFC string representable, so
     decode(encode(x)) == x. The 256-byte alphabet plus merges of the frequent template words keeps the vocabulary --
-    and so the small model's embedding -- small.
+    and so the small model's embedding -- small. It carries the task's chat template
+    (:data:`~citer.data.prompts.CHAT_TEMPLATE`), saved with it, so clients that format chats with the tokenizer's
+    template send the training prompt.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -78,7 +80,12 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int):
     trained = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
     return Qwen2Tokenizer(
-        vocab=trained["vocab"], merges=merges, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None
+        vocab=trained["vocab"],
+        merges=merges,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -7,42 +7,20 @@ can be read and tested without a server.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from citer.data.prompts import build_prompt
+from citer.serving.errors import RequestError, error_body
+from citer.serving.templates import chat_prompt
+
+__all__ = ["RequestError", "chat_prompt", "error_body"]  # re-exported: the wire format's names in one place
 
 MAX_STOP = 4
-
-
-class RequestError(ValueError):
-    """A request the server refuses; becomes an OpenAI-style error body with ``status`` (400 unless told)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        type_: str = "invalid_request_error",
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.type = type_
-        self.code = code
-        self.headers = dict(headers or {})
-
-
-def error_body(exc: RequestError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+MAX_N = 16  # choices per prompt
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 
 
 class _Common(BaseModel):
@@ -61,7 +39,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # Text, texts, or token ids (one prompt or several), as OpenAI takes them; evaluation harnesses send ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = None
 
@@ -70,39 +49,52 @@ class ChatRequest(_Common):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
 
 
 @dataclass(frozen=True)
 class Sampling:
-    max_tokens: int
+    max_tokens: int  # 0 only with echo: the prompt scored, nothing generated
     temperature: float
     top_p: float
     seed: int
     stop: tuple[str, ...]
     include_usage: bool
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no log-probs
+    echo: bool = False
+
+
+def _logprobs_of(req: CompletionRequest | ChatRequest) -> int | None:
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        k, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        k, param = req.logprobs, "logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise RequestError(f"{param} must lie in [0, {MAX_LOGPROBS}], got {k}", param=param)
+    return k
 
 
 def sampling_of(req: CompletionRequest | ChatRequest, max_new_tokens: int) -> Sampling:
     """The decode settings of a request, checked; defaults: greedy, seed 0, the server's max_new_tokens."""
     max_tokens = req.max_tokens
     param = "max_tokens"
+    echo = False
     if isinstance(req, ChatRequest):
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-        if req.logprobs:
-            raise RequestError("logprobs are not supported", param="logprobs")
         if req.tools:
             raise RequestError("tools are not supported", param="tools")
     else:
-        if req.echo:
-            raise RequestError("echo is not supported", param="echo")
-        if req.logprobs is not None:
-            raise RequestError("logprobs are not supported", param="logprobs")
+        echo = bool(req.echo)
+    logprobs = _logprobs_of(req)
     if max_tokens is None:
         max_tokens = max_new_tokens
-    if max_tokens < 1:
-        raise RequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
+    if max_tokens < (0 if echo else 1):
+        raise RequestError(f"{param} must be >= {0 if echo else 1}, got {max_tokens}", param=param)
     if max_tokens > max_new_tokens:
         raise RequestError(
             f"{param} must be <= {max_new_tokens} (the server's limit), got {max_tokens}", param=param
@@ -113,13 +105,15 @@ def sampling_of(req: CompletionRequest | ChatRequest, max_new_tokens: int) -> Sa
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise RequestError(f"top_p must lie in (0, 1], got {top_p}", param="top_p")
-    if req.n not in (None, 1):
-        raise RequestError(f"n must be 1 (one decode per request), got {req.n}", param="n")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n must lie in [1, {MAX_N}], got {n}", param="n")
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise RequestError(f"stop takes at most {MAX_STOP} non-empty strings", param="stop")
     include_usage = bool((req.stream_options or {}).get("include_usage", False))
-    return Sampling(max_tokens, temperature, top_p, 0 if req.seed is None else req.seed, stop, include_usage)
+    seed = 0 if req.seed is None else req.seed
+    return Sampling(max_tokens, temperature, top_p, seed, stop, include_usage, n, logprobs, echo)
 
 
 def check_size(
@@ -160,63 +154,6 @@ def check_model(requested: str, served: str) -> None:
             status=404,
             code="model_not_found",
         )
-
-
-def _message_text(msg: dict[str, Any], i: int) -> str:
-    content = msg.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text parts carry anything a text model can read
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise RequestError(
-                    f"messages[{i}].content[{j}]: only text parts are supported", param="messages"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-
-
-_CHOICE = re.compile(r"\(([A-Za-z0-9])\)\s*")
-
-
-def _mc_row(text: str) -> dict[str, Any]:
-    """``"question\\nChoices: (A) x (B) y"`` -> an mc row, so the prompt is built by the training template."""
-    question, sep, rest = text.partition("\nChoices:")
-    parts = _CHOICE.split(rest.strip()) if sep else []
-    # split gives ['', 'A', 'x ', 'B', 'y']: labels at odd positions, texts after them.
-    if len(parts) < 5 or parts[0].strip():
-        raise RequestError(
-            "mc format: the user message must be 'question\\nChoices: (A) text (B) text ...'",
-            param="messages",
-        )
-    labels = parts[1::2]
-    texts = [t.strip() for t in parts[2::2]]
-    return {"question": question.strip(), "choices": {"label": labels, "text": texts}}
-
-
-def chat_prompt(messages: Sequence[dict[str, Any]], fmt: str) -> str:
-    """The prompt for a chat: the last user message, through the training template unless ``fmt`` is raw."""
-    if not messages:
-        raise RequestError("messages must not be empty", param="messages")
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") == "user":
-            text = _message_text(messages[i], i)
-            break
-    else:
-        raise RequestError("messages hold no message with role 'user'", param="messages")
-    if not text.strip():
-        raise RequestError(f"messages[{i}].content is empty", param="messages")
-    if fmt == "raw":
-        return text
-    if fmt == "mc":
-        return build_prompt(_mc_row(text), "mc")
-    return build_prompt({"problem": text.strip()}, "math")
 
 
 def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:

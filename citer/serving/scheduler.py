@@ -5,7 +5,8 @@ estimated from recent requests). The engine thread moves them into a :class:`~ci
 whenever the batch has room (``max_batch_rows`` rows), steps it, and hands every token to its request's asyncio
 queue as it is chosen -- so answers stream as they are decoded and a new request starts at the next step, not after
 the others. A request that stops (a stop string, a client gone) is cancelled and frees its rows' slots. With
-``continuous=False`` one request decodes at a time (the old behaviour, kept to compare against).
+``continuous=False`` one request decodes at a time (the old behaviour, kept to compare against). A scoring request
+(echoed prompt log-probs) waits in the same inbox and is scored between two steps (:mod:`citer.decoding.scoring`).
 
 The engine thread holds ``lock`` while it admits and steps; nothing else holds it (tests hold it to stall the
 engine). ``/health`` and admission read counters kept under ``_cv``, never the engine.
@@ -20,13 +21,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from starlette.concurrency import run_in_threadpool
 
 from citer.decoding.engine import EngineInputError
+from citer.decoding.scoring import routed_loglikelihood_batch
 from citer.serving.access import ServeError
+from citer.serving.jobs import Decoded, Job, deliver
+from citer.serving.logprobs import TokenLP
 from citer.serving.protocol import RequestError, Sampling, TextStream, check_size, row_stats, total_stats
 
 PromptFormat = Literal["math", "mc", "raw"]
@@ -41,35 +44,6 @@ MAX_BATCH_ROWS = 32
 _RETRY_MIN_S, _RETRY_MAX_S = 1, 60
 # A session's cost meter keeps a record per row; an idle session is replaced after this many rows.
 _ROWS_PER_SESSION = 4096
-
-
-@dataclass
-class _Decoded:
-    """One prompt's answer: text after stop handling, and routing stats."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict[str, Any]
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request on its way through the engine; events go to ``events`` on the request's event loop."""
-
-    prompts: list[list[int]]
-    s: Sampling
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    keys: dict[int, int] = field(default_factory=dict)  # session key -> prompt index
-    t0: float = field(default_factory=time.perf_counter)
-
-    def post(self, *event: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the request's loop is gone (client and server shut down): nobody listens
-            pass
 
 
 class _Server:
@@ -109,13 +83,13 @@ class _Server:
         self.continuous = continuous
         self.lock = threading.Lock()  # held by the engine thread while it admits and steps
         self._cv = threading.Condition()  # guards the fields below; never held across a step
-        self._inbox: deque[_Job] = deque()
-        self._cancels: list[tuple[_Job, list[int] | None]] = []
+        self._inbox: deque[Job] = deque()
+        self._cancels: list[tuple[Job, list[int] | None]] = []
         self._closed = False
         self.active_rows = 0
         self.request_seconds = 1.0  # running estimate of one request's wall time, for Retry-After
         self._sess: Any = None
-        self._owner: dict[int, _Job] = {}  # session key -> its request (engine thread only)
+        self._owner: dict[int, Job] = {}  # session key -> its request (engine thread only)
         self._thread: threading.Thread | None = None
         self.created = int(time.time())
 
@@ -130,11 +104,15 @@ class _Server:
             tokens_param=tokens_param,
         )
 
-    def encode(self, texts: list[tuple[str, str]], s: Sampling) -> list[list[int]]:
-        """``(text, param)`` pairs as token ids, each checked against the models' context with ``s.max_tokens``."""
+    def encode(self, texts: list[tuple[str | list[int], str]], s: Sampling) -> list[list[int]]:
+        """``(text or ids, param)`` pairs as token ids, each checked against the models' context with
+        ``s.max_tokens``."""
         prompts = []
+        vocab = getattr(self.engine, "vocab_size", len(self.tok))
         for i, (text, param) in enumerate(texts):
-            ids = self.tok.encode(text, add_special_tokens=False)
+            ids = list(text) if isinstance(text, list) else self.tok.encode(text, add_special_tokens=False)
+            if isinstance(text, list) and not all(0 <= t < vocab for t in ids):
+                raise RequestError(f"{param}: token ids must lie in [0, {vocab})", param=param)
             if not ids:
                 raise RequestError(f"{param} encodes to no tokens", param=param)
             if self.context_length is not None and len(ids) + s.max_tokens > self.context_length:
@@ -155,9 +133,11 @@ class _Server:
                 "max_queued_requests": self.max_queued,
             }
 
-    def _submit(self, prompts: list[list[int]], s: Sampling) -> _Job:
+    def _submit(
+        self, prompts: list[list[int]], s: Sampling, score: list[tuple[list[int], list[int]]] | None = None
+    ) -> Job:
         """Put one request in the inbox, or refuse it (429) when ``max_queued`` already wait."""
-        job = _Job(prompts, s, asyncio.get_running_loop())
+        job = Job(prompts, s, asyncio.get_running_loop(), score)
         with self._cv:
             if len(self._inbox) >= self.max_queued:
                 n = len(self._inbox)
@@ -177,7 +157,7 @@ class _Server:
             self._cv.notify()
         return job
 
-    def _cancel(self, job: _Job, prompts: list[int] | None = None) -> None:
+    def _cancel(self, job: Job, prompts: list[int] | None = None) -> None:
         """Stop decoding ``prompts`` of ``job`` (all: None); a request still in the inbox just leaves it."""
         with self._cv:
             if prompts is None and job in self._inbox:
@@ -186,22 +166,41 @@ class _Server:
             self._cancels.append((job, prompts))
             self._cv.notify()
 
+    async def score(self, items: list[tuple[list[int], list[int]]], top_k: int) -> list[Any]:
+        """The routed teacher-forced scores of ``(prompt, continuation)`` id pairs
+        (:func:`~citer.decoding.scoring.routed_loglikelihood_batch`), run by the engine thread between steps."""
+        s = Sampling(1, 0.0, 1.0, 0, (), False, 1, top_k)
+        job = self._submit([], s, score=items)
+        try:
+            kind, _, val = await job.events.get()
+        except BaseException:
+            self._cancel(job)
+            raise
+        if kind == "error":
+            raise val
+        return val
+
     async def answers(
         self,
-        texts: list[tuple[str, str]],
+        texts: list[tuple[str | list[int], str]],
         s: Sampling,
-        on_piece: Callable[[str, list[bool]], Awaitable[None]] | None = None,
-    ) -> list[_Decoded]:
-        """Decode ``texts``; ``on_piece`` (single-prompt streams) gets each piece of text as it is decoded.
+        on_piece: Callable[[int, str, list[bool], list[TokenLP]], Awaitable[None]] | None = None,
+        prompts: list[list[int]] | None = None,
+    ) -> list[Decoded]:
+        """Decode ``texts`` (``s.n`` choices each, choice ``prompt * n + sample``); ``on_piece`` (streams) gets
+        each choice's pieces of text as they are decoded, with the log-prob entries of their tokens.
 
         Raises :class:`RequestError` before the first piece when the engine refuses the request; if the caller is
         cancelled (a client went away) the request's rows are cancelled and free their slots."""
-        prompts = await run_in_threadpool(self.encode, texts, s)
+        if prompts is None:
+            prompts = await run_in_threadpool(self.encode, texts, s)
         job = self._submit(prompts, s)
-        streams = [TextStream(self.tok, s.stop, self.tok.eos_token_id) for _ in prompts]
+        streams = [TextStream(self.tok, s.stop, self.tok.eos_token_id) for _ in range(job.rows)]
+        entries: list[list[TokenLP]] = [[] for _ in streams]  # per choice: one per token of its text
+        sent = [0] * len(streams)
         stats: dict[int, Any] = {}
         try:
-            while len(stats) < len(prompts):
+            while len(stats) < len(streams):
                 kind, i, *rest = await job.events.get()
                 if kind == "error":
                     raise rest[0]
@@ -211,11 +210,15 @@ class _Server:
                 ts = streams[i]
                 if ts.done:  # tokens decoded after a stop string, before the engine saw the cancel
                     continue
-                piece = ts.push(*rest)
+                token, from_llm, lp, top = rest
+                piece = ts.push(token, from_llm)
+                entries[i].append(TokenLP(token, lp, top, from_llm))  # EOS too: harnesses read its log-prob
                 if ts.stopped:
                     self._cancel(job, [i])
-                if piece is not None and on_piece is not None:
-                    await on_piece(*piece)
+                if on_piece is not None and (piece is not None or (ts.ended and s.logprobs is not None)):
+                    end = len(entries[i]) if ts.ended else sent[i] + len(piece[1])  # type: ignore[index]
+                    await on_piece(i, *(piece or ("", [])), entries[i][sent[i] : end])
+                    sent[i] = end
         except BaseException:
             self._cancel(job)
             raise
@@ -226,14 +229,15 @@ class _Server:
         for i, ts in enumerate(streams):
             tail = ts.finish()
             if tail is not None and on_piece is not None:
-                await on_piece(*tail)
+                await on_piece(i, tail[0], tail[1], entries[i][sent[i] :])
             out.append(
-                _Decoded(
+                Decoded(
                     text=ts.text,
                     finish_reason="stop" if ts.done else "length",
-                    prompt_tokens=len(prompts[i]),
+                    prompt_tokens=len(prompts[i // s.n]),
                     completion_tokens=len(ts.tokens),
                     stats=row_stats(stats[i], ts.from_llm),
+                    logprobs=entries[i] if s.logprobs is not None else None,
                 )
             )
         total = total_stats([d.stats for d in out], getattr(self.engine, "tau", None), wall)
@@ -241,8 +245,8 @@ class _Server:
         for d in out:
             d.stats = d.stats | {"total": total}
         log.info(
-            "decoded %d prompt(s): %d tokens, %.1f%% by the LLM, %d LLM calls, %.3g bytes moved in %.2f s",
-            len(prompts),
+            "decoded %d choice(s): %d tokens, %.1f%% by the LLM, %d LLM calls, %.3g bytes moved in %.2f s",
+            len(out),
             sum(d.completion_tokens for d in out),
             100 * total["llm_token_fraction"],
             total["llm_calls"],
@@ -251,14 +255,17 @@ class _Server:
         )
         return out
 
-    async def stream(self, text: tuple[str, str], s: Sampling) -> AsyncIterator[tuple[str, Any]]:
-        """One prompt's answer as ``("piece", (text, flags))`` events, then ``("done", _Decoded)``."""
+    async def stream(
+        self, texts: list[tuple[str | list[int], str]], s: Sampling, prompts: list[list[int]] | None = None
+    ) -> AsyncIterator[tuple[str, Any]]:
+        """The choices' answers as ``("piece", (choice, text, flags, entries))`` events as they are decoded, then
+        ``("done", [Decoded per choice])``."""
         q: asyncio.Queue = asyncio.Queue()
 
-        async def on_piece(t: str, f: list[bool]) -> None:
-            await q.put(("piece", (t, f)))
+        async def on_piece(i: int, t: str, f: list[bool], e: list[TokenLP]) -> None:
+            await q.put(("piece", (i, t, f, e)))
 
-        task = asyncio.ensure_future(self.answers([text], s, on_piece))
+        task = asyncio.ensure_future(self.answers(texts, s, on_piece, prompts))
         task.add_done_callback(lambda _: q.put_nowait(("end", None)))
         try:
             ahead = None
@@ -266,25 +273,21 @@ class _Server:
                 kind, val = ahead or await q.get()
                 ahead = None
                 if kind == "end":
-                    yield "done", task.result()[0]  # re-raises a RequestError
+                    yield "done", task.result()  # re-raises a RequestError
                     return
-                # Pieces that queued up while the client was being written to go out as one chunk: under load the
-                # stream keeps up with the engine instead of falling behind it.
-                text, flags = val
+                # A choice's pieces that queued up while the client was being written to go out as one chunk: under
+                # load the stream keeps up with the engine instead of falling behind it.
+                i, text, flags, ents = val
                 while not q.empty():
                     ahead = q.get_nowait()
-                    if ahead[0] != "piece":
+                    if ahead[0] != "piece" or ahead[1][0] != i:
                         break
-                    text, flags, ahead = text + ahead[1][0], flags + ahead[1][1], None
-                yield "piece", (text, flags)
+                    text, flags, ents = text + ahead[1][1], flags + ahead[1][2], ents + ahead[1][3]
+                    ahead = None
+                yield "piece", (i, text, flags, ents)
         finally:
             if not task.done():
                 task.cancel()
-
-    def usage(self, ds: list[_Decoded]) -> dict[str, int]:
-        p = sum(d.prompt_tokens for d in ds)
-        c = sum(d.completion_tokens for d in ds)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def close(self) -> None:
         with self._cv:
@@ -320,7 +323,7 @@ class _Server:
             admit = []
             rows = len(sess.rows) + len(sess.queue)
             while self._inbox:
-                n = len(self._inbox[0].prompts)
+                n = self._inbox[0].rows
                 fits = rows == 0 or (self.continuous and rows + n <= self.max_rows)
                 if not fits:
                     break
@@ -331,14 +334,18 @@ class _Server:
                 if (which is None or i in which) and sess.cancel(key):
                     self._finish(key, i)
         for job in admit:
-            self._admit(job)
-        out: dict[asyncio.AbstractEventLoop, list[tuple[_Job, tuple[Any, ...]]]] = {}
+            if job.score is not None:
+                self._score(job)
+            else:
+                self._admit(job)
+        out: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple[Any, ...]]]] = {}
         if sess.busy:
             # One wake-up of each request loop per step, carrying every row's token, rather than one per token.
             for em in sess.step():
                 job = self._owner[em.key]
                 i = job.keys[em.key]
-                out.setdefault(job.loop, []).append((job, ("tok", i, em.token, em.from_llm)))
+                ev = ("tok", i, em.token, em.from_llm, em.logprob, em.top_logprobs)
+                out.setdefault(job.loop, []).append((job, ev))
                 if em.done:
                     self._owner.pop(em.key)
                     out[job.loop].append((job, ("done", i, sess.stats(em.key))))
@@ -346,24 +353,40 @@ class _Server:
             self.active_rows = len(sess.rows)
         for loop, events in out.items():
             try:
-                loop.call_soon_threadsafe(_deliver, events)
+                loop.call_soon_threadsafe(deliver, events)
             except RuntimeError:  # that loop is gone: nobody listens
                 pass
 
-    def _admit(self, job: _Job) -> None:
+    def _admit(self, job: Job) -> None:
         s = job.s
         try:
             for i, p in enumerate(job.prompts):
-                key = self._sess.add(
-                    p, s.max_tokens, row_id=i, temperature=s.temperature, top_p=s.top_p, seed=s.seed
-                )
-                job.keys[key] = i
-                self._owner[key] = job
+                for c in range(i * s.n, (i + 1) * s.n):  # choice c keys its own draws: n independent samples
+                    kw = {
+                        "temperature": s.temperature,
+                        "top_p": s.top_p,
+                        "seed": s.seed,
+                        "logprobs": s.logprobs,
+                    }
+                    key = self._sess.add(p, s.max_tokens, row_id=c, **kw)
+                    job.keys[key] = c
+                    self._owner[key] = job
         except EngineInputError as exc:  # the engine's own input checks are the client's fault, not ours
             for key in job.keys:
                 self._sess.cancel(key)
                 self._owner.pop(key, None)
             job.post("error", -1, RequestError(str(exc), param="prompt"))
+
+    def _score(self, job: Job) -> None:
+        assert job.score is not None
+        try:
+            res: Any = routed_loglikelihood_batch(self.engine, job.score, top_k=job.s.logprobs or 0)
+        except EngineInputError as exc:
+            res = RequestError(str(exc), param="prompt")
+        except Exception as exc:  # a failed pass fails this request only
+            log.exception("scoring failed")
+            res = RequestError(f"the engine failed: {exc}", status=500, type_="server_error")
+        job.post("error" if isinstance(res, RequestError) else "scored", -1, res)
 
     def _finish(self, key: int, i: int) -> None:
         job = self._owner.pop(key)
@@ -374,8 +397,3 @@ class _Server:
             job.post("error", -1, RequestError(f"the engine failed: {exc}", status=500, type_="server_error"))
         self._owner.clear()
         self._sess = None
-
-
-def _deliver(events: list[tuple[_Job, tuple[Any, ...]]]) -> None:
-    for job, ev in events:
-        job.events.put_nowait(ev)

@@ -17,9 +17,13 @@ paths. ``continuous_batching=False`` decodes one request at a time (the old beha
 A host other than loopback is refused unless an API key is set (or remote serving without one is allowed
 explicitly); with a key, every request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
 
+What evaluation tools use works (:mod:`citer.serving.endpoints`): ``n`` > 1, ``logprobs``/``top_logprobs`` from the
+model that wrote each token, ``echo`` with the routed policy's prompt log-probs, token-id prompts. ``/v1/models``
+says which template a raw completion prompt should follow (:mod:`citer.serving.templates`), and ``/openapi.json``
+declares every error status each route returns, in OpenAI's error shape (:mod:`citer.serving.errors`).
+
 Differences from the OpenAI API, all deliberate: ``temperature`` defaults to 0 (greedy, the paper's setting) and
-``seed`` to 0, so a request without them is reproducible; ``n > 1``, ``logprobs``, ``echo`` and tool calls are refused
-with a 400 rather than ignored.
+``seed`` to 0, so a request without them is reproducible; tool calls are refused with a 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import contextlib
 import gc
 import logging
 import os
-import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -41,26 +43,19 @@ from starlette.concurrency import run_in_threadpool
 from citer.project import Project, as_project
 from citer.serving.access import BearerAuth, ServeError, check_bind, is_loopback, public_info, public_ref
 from citer.serving.champion import load_champion
-from citer.serving.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    RequestError,
-    chat_prompt,
-    check_model,
-    check_size,
-    error_body,
-    sampling_of,
-)
+from citer.serving.endpoints import chat_completions as chat_endpoint
+from citer.serving.endpoints import completions as completions_endpoint
+from citer.serving.errors import RequestError, error_body, error_responses, without_validation_422
+from citer.serving.protocol import ChatRequest, CompletionRequest
 from citer.serving.scheduler import (
     MAX_BATCH_ROWS,
     MAX_PROMPTS_PER_REQUEST,
     MAX_QUEUED_REQUESTS,
     MAX_TOKENS_PER_REQUEST,
     PromptFormat,
-    _Decoded,
     _Server,
 )
-from citer.serving.streaming import stream_response
+from citer.serving.templates import template_info
 
 log = logging.getLogger("citer.serving")
 
@@ -169,6 +164,19 @@ def build_app(
         title="citer", description="CITER routed decoding, OpenAI-compatible", version="1", lifespan=lifespan
     )
     app.state.citer = srv
+    auth = (401,) if api_key else ()
+    generate = error_responses((400, *auth, 404, 429, 500))
+    sse = {
+        "content": {"application/json": {}, "text/event-stream": {}},
+        "description": "the answer, or its stream",
+    }
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = without_validation_422(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RequestError)
     async def _bad_request(_: Request, exc: RequestError) -> JSONResponse:
@@ -206,74 +214,21 @@ def build_app(
             },
         }
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(auth))
     async def models() -> dict[str, Any]:
         card = {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "citer"}
+        card["citer"] = {"prompts": template_info(srv.fmt, srv.tok), "context_length": srv.context_length}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={200: sse, **generate})
     async def completions(req: CompletionRequest) -> Any:
-        check_model(req.model, srv.model_name)
-        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        if not texts:
-            raise RequestError("prompt is an empty list", param="prompt")
-        # The count first: a request of 20,000 prompts is refused before anything else is looked at.
-        check_size(len(texts), None, max_prompts=srv.max_prompts, max_total_tokens=srv.max_total_tokens)
-        s = sampling_of(req, srv.max_new_tokens)
-        srv.check_size(len(texts), s, prompt_param="prompt", tokens_param="max_tokens")
-        if req.stream and len(texts) != 1:
-            raise RequestError("stream=true takes a single prompt", param="prompt")
-        params = ["prompt"] if len(texts) == 1 else [f"prompt[{i}]" for i in range(len(texts))]
-        if req.stream:
-            return await stream_response(srv, (texts[0], "prompt"), s, chat=False)
-        ds = await srv.answers(list(zip(texts, params, strict=True)), s)
-        choices = [
-            {"index": i, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
-            for i, d in enumerate(ds)
-        ]
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": srv.model_name,
-            "choices": choices,
-            "usage": srv.usage(ds),
-            "citer": _citer(ds),
-        }
+        return await completions_endpoint(srv, req)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={200: sse, **generate})
     async def chat_completions(req: ChatRequest) -> Any:
-        check_model(req.model, srv.model_name)
-        s = sampling_of(req, srv.max_new_tokens)
-        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        srv.check_size(1, s, prompt_param="messages", tokens_param=tokens_param)
-        text = (chat_prompt(req.messages, srv.fmt), "messages")
-        if req.stream:
-            return await stream_response(srv, text, s, chat=True)
-        ds = await srv.answers([text], s)
-        d = ds[0]
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": srv.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": d.text},
-                    "logprobs": None,
-                    "finish_reason": d.finish_reason,
-                }
-            ],
-            "usage": srv.usage(ds),
-            "citer": _citer(ds),
-        }
+        return await chat_endpoint(srv, req)
 
     return app
-
-
-def _citer(ds: list[_Decoded]) -> dict[str, Any]:
-    return dict(ds[0].stats["total"])
 
 
 def _setup_logging(level: str) -> None:

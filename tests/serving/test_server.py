@@ -139,7 +139,9 @@ def test_seeded_sampling_is_reproducible(client):
         ({"prompt": "Question: 1", "max_tokens": MAX_NEW + 1}, "max_tokens"),
         ({"prompt": "Question: 1", "temperature": -0.5}, "temperature"),
         ({"prompt": "Question: 1", "top_p": 0}, "top_p"),
-        ({"prompt": "Question: 1", "n": 2}, "n"),
+        ({"prompt": "Question: 1", "n": 0}, "n"),
+        ({"prompt": "Question: 1", "logprobs": 21}, "logprobs"),
+        ({"prompt": "Question: 1", "max_tokens": 0, "echo": False}, "max_tokens"),
         ({"prompt": "x" * 600, "max_tokens": 4}, "max_tokens"),  # longer than the tiny models' context
     ],
 )
