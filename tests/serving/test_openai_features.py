@@ -306,3 +306,15 @@ def test_schemathesis_finds_no_undeclared_status(server):
             failures.append(f"{operation.method} {operation.path}: {exc}")
     assert not failures, "\n".join(failures)
     assert {200, 400, 404} <= statuses  # it did reach both the answers and the refusals
+
+
+def test_the_embedded_tokenizer_carries_the_task_template(embedded_tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    embedded_tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.chat_template == CHAT_TEMPLATE
+    msgs = [{"role": "user", "content": "Ann has 3 apples. She finds 2. How many now?"}]
+    want = build_prompt({"problem": msgs[0]["content"]}, "math")
+    assert loaded.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
+    assert chat_prompt(msgs, "math", loaded) == want
