@@ -363,6 +363,21 @@ def pipeline(params: ParamsOpt = "params.yaml") -> None:
     typer.echo(f"  MLflow run {out.get('mlflow_run', '?')}: mlflow ui --backend-store-uri {uri}")
 
 
+@report_app.command("html")
+@friendly
+def report_html(
+    reports: Annotated[Path, typer.Option(help="the reports directory")] = Path("reports"),
+    predictions: Annotated[Path, typer.Option(help="batch-inference output with token spans")] = Path(
+        "outputs/predictions.jsonl"
+    ),
+    out: Annotated[Path | None, typer.Option(help="default: REPORTS/report.html")] = None,
+) -> None:
+    """Rebuild reports/report.html (headline, every method with intervals, the plot, who wrote which token)."""
+    from citer.evaluation.html_report import write_report
+
+    typer.echo(f"wrote {write_report(reports, predictions, out or reports / 'report.html')}")
+
+
 @report_app.command("docs")
 @friendly
 def report_docs(

@@ -50,7 +50,15 @@ def batch_inference_flow(
         meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")},
         restart_on_change=True,  # predictions for another input, champion or τ are never resumed
     )
+    from citer.evaluation.html_report import write_report
+
+    page = None
+    if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
+        page = write_report(proj.reports, dst, proj.reports / "report.html")  # the page to look at
     with stage_run(proj, "batch_inference") as run:
         run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})
         run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
-    return summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+        if page is not None:
+            run.artifact(page)
+    out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+    return out | ({"report": proj.portable_ref(page)} if page is not None else {})

@@ -11,4 +11,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -U pip
 pip install -q torch==2.13.0
 pip install -q -c constraints.txt -e '.[dev,gpu,ray]'
+# Headless Chromium renders reports/report.html in a slow test; Debian's package, where apt can install it.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "chromium not installed: the browser test of the HTML report will skip"
+fi
 echo "citer installed in $(pwd)/.venv"

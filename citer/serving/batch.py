@@ -3,9 +3,10 @@
 Output: one JSON line per non-blank input line, in input order::
 
     {"index": 0, "line": 1, "response": "...", "answer": "7", "correct": true, "n_tokens": 31, "llm_tokens": 4,
-     "llm_token_fraction": 0.129, "llm_calls": 2, "bytes_moved": 1.2e6}
+     "llm_token_fraction": 0.129, "llm_calls": 2, "bytes_moved": 1.2e6, "spans": [["7 + 3 = ", "slm"], ["1", "llm"], ...]}
     {"index": 1, "line": 2, "error": "field 'problem': missing required key"}
 
+``spans``: the response cut into runs of tokens written by one model (``citer report html`` colours them).
 ``correct`` is present only when the row carries a reference (math ``solution`` / mc ``answerKey``). Up to
 ``batch_size`` rows decode at once, and a row that finishes is replaced by the next at the following step
 (continuous batching, :class:`~citer.decoding.session.DecodeSession`). Input lines are cut into chunks of
@@ -177,7 +178,7 @@ def _stats_out(st: Any, n_tokens: int) -> dict[str, Any]:
 
 def _generate(
     engine: Any, pairs: list[tuple[_Item, list[int]]], max_new_tokens: int, batch_size: int
-) -> list[tuple[list[int], Any]]:
+) -> list[tuple[list[int], Any, list[bool]]]:
     # row_ids = input indices: a random router or sampler then draws the same numbers whatever the batch.
     res = engine.generate_batch(
         [ids for _, ids in pairs],
@@ -186,7 +187,27 @@ def _generate(
         row_ids=[it.index for it, _ in pairs],
         max_rows=batch_size,
     )
-    return list(zip(res.tokens, res.rows, strict=True))
+    return list(zip(res.tokens, res.rows, res.from_llm, strict=True))
+
+
+def writer_spans(tokenizer: Any, toks: list[int], from_llm: list[bool]) -> list[list[str]]:
+    """The response as ``[text, "slm"|"llm"]`` runs of tokens written by one model (the report's token view).
+    Each run's text is the growth of the decoded prefix, so pieces join to the decoded response."""
+    out: list[list[str]] = []
+    done = ""
+    i = 0
+    while i < len(toks):
+        j = i
+        while j < len(toks) and from_llm[j] == from_llm[i]:
+            j += 1
+        text = tokenizer.decode(list(toks[:j]), skip_special_tokens=True)
+        piece, who = text[len(done) :], "llm" if from_llm[i] else "slm"
+        if piece and out and out[-1][1] == who:  # the run between wrote no text (e.g. a special token)
+            out[-1][0] += piece
+        elif piece:
+            out.append([piece, who])
+        done, i = text, j
+    return out
 
 
 def _decode_chunk(
@@ -218,7 +239,7 @@ def _decode_chunk(
                     err = f"engine refused the prompt: {exc}"
                     out[pair[0].index] = {"index": pair[0].index, "line": pair[0].line, "error": err}
             ok = [pair for pair in ok if pair[0].index not in out]
-        for (it, _), (toks, st) in zip(ok, results, strict=True):
+        for (it, _), (toks, st, by_llm) in zip(ok, results, strict=True):
             assert it.row is not None
             text = tokenizer.decode(list(toks), skip_special_tokens=True)
             rec: dict[str, Any] = {"index": it.index, "line": it.line}
@@ -231,6 +252,7 @@ def _decode_chunk(
                 except ValueError as exc:  # e.g. a math reference without a final box
                     rec["grade_error"] = str(exc)
             rec.update(_stats_out(st, len(toks)))
+            rec["spans"] = writer_spans(tokenizer, list(toks), list(by_llm))
             out[it.index] = rec
     return [out[it.index] for it in chunk]
 

@@ -71,6 +71,11 @@ def test_route_file_rows_and_errors(engine, tiny_pair, tmp_path):
             "bytes_moved",
         }
         assert 1 <= r["n_tokens"] <= 6 and 0 <= r["llm_token_fraction"] <= 1 and r["bytes_moved"] > 0
+        # The token view: runs of one writer that join to the response, alternating writers.
+        assert "".join(t for t, _ in r["spans"]) == r["response"]
+        assert all(w in ("slm", "llm") for _, w in r["spans"])
+        assert all(a[1] != b[1] for a, b in zip(r["spans"], r["spans"][1:], strict=False))
+        assert (r["llm_tokens"] > 0) == any(w == "llm" for _, w in r["spans"]) or r["response"] == ""
     assert next(r for r in rows if r["line"] == 1)["id"] == "q0"
     assert s.n == 11 and s.n_errors == 3 and s.n_graded == 7 and s.n_processed == 11 and s.n_skipped == 0
     assert s.accuracy == sum(r["correct"] for r in ok if "correct" in r) / 7

@@ -1,0 +1,130 @@
+"""``reports/report.html``: one self-contained page to look at a run (no scripts, no files beside it).
+
+What it shows, all read from files the pipeline wrote: the headline (the pair, the promoted point, the claims as
+:mod:`citer.evaluation.headline` states them), every method at its dev-chosen point on test with intervals, the
+accuracy/bytes plot (``pareto.png``, embedded), and a token view of sample answers from batch inference with each
+piece of text coloured by the model that wrote it (``spans`` of ``outputs/predictions.jsonl``). ``citer report html``
+rebuilds it; the batch-inference stage writes it at the end of a pipeline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from citer.evaluation.headline import headline_rows
+from citer.io import write_text
+
+_STYLE = """
+body { font: 15px/1.5 system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #1b1b1b; padding: 0 1rem; }
+h1 { font-size: 1.6rem; } h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: .5rem 0; } td, th { border: 1px solid #ddd; padding: .25rem .5rem; }
+th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.oracle td { color: #666; font-style: italic; } tr.citer td { font-weight: 600; }
+.answer { font-family: ui-monospace, monospace; white-space: pre-wrap; background: #fafafa; border: 1px solid #e4e4e4;
+          padding: .5rem; margin: .4rem 0 1rem; }
+.tok.llm { background: #ffd58a; border-radius: 3px; } .tok.slm { color: #1d3f73; }
+.key { display: inline-block; padding: 0 .4rem; margin-right: .6rem; }
+.ok { color: #17702f; } .bad { color: #a11; } img { max-width: 100%; }
+"""
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _fmt(v: Any, ci: list[Any] | None = None, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    out = f"{v:.{digits}f}"
+    if ci:
+        lo, hi = ("–" if c is None else f"{c:.{digits}f}" for c in ci)
+        out += f" [{lo}, {hi}]"
+    return out
+
+
+def _sweep_table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        if r.get("tau") is not None and not r.get("selected_on_dev"):
+            continue
+        cls = r["method"] if r["method"] in ("oracle", "citer") else ""
+        tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
+        cells = [_esc(r["method"]), tau, _fmt(r["accuracy"], r.get("accuracy_ci")),
+                 _fmt(r.get("llm_token_fraction")), _fmt(r["bytes_moved_rel_llm"], r.get("bytes_ci"))]  # fmt: skip
+        body.append(f'<tr class="{cls}">' + "".join(
+            f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)) + "</tr>")  # fmt: skip
+    head = "".join(f"<th>{h}</th>" for h in ("method", "τ (dev)", "test accuracy [95%]", "LLM tokens",
+                                            "bytes / LLM-only [95%]"))  # fmt: skip
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _answers(preds: list[dict[str, Any]], n: int) -> tuple[str, int, int]:
+    """The token view of the first ``n`` answers with spans; returns (html, LLM pieces, SLM pieces)."""
+    out, n_llm, n_slm = [], 0, 0
+    shown = [p for p in preds if p.get("spans")][:n]
+    for p in shown:
+        pieces = []
+        for text, who in p["spans"]:
+            pieces.append(f'<span class="tok {who}" title="{who.upper()}">{_esc(text)}</span>')
+            n_llm += who == "llm"
+            n_slm += who == "slm"
+        verdict = ""
+        if "correct" in p:
+            verdict = '<span class="ok">correct</span>' if p["correct"] else '<span class="bad">wrong</span>'
+        share = f"{p.get('llm_tokens', 0)} of {p.get('n_tokens', 0)} tokens from the LLM"
+        out.append(
+            f'<p>Question {p["index"]} ({share}) {verdict}</p><div class="answer">{"".join(pieces)}</div>'
+        )
+    return "".join(out), n_llm, n_slm
+
+
+def build_report(
+    reports: str | os.PathLike[str], predictions: str | os.PathLike[str] | None, n_answers: int = 8
+) -> str:
+    """The page's HTML from ``reports`` (and ``predictions``, when the file exists)."""
+    d = Path(reports)
+    rows, files = headline_rows(d)
+    head = "".join(f"<tr><th>{_esc(a)}</th><td>{_esc(b)}</td></tr>" for a, b in rows)
+    sweep = json.loads((d / "sweep.json").read_text(encoding="utf-8"))
+    png = d / "pareto.png"
+    plot = (
+        f'<img alt="accuracy vs bytes on test" src="data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}">'
+        if png.is_file()
+        else "<p>(no pareto.png)</p>"
+    )
+    preds: list[dict[str, Any]] = []
+    if predictions is not None and Path(predictions).is_file():
+        preds = [
+            json.loads(x) for x in Path(predictions).read_text(encoding="utf-8").splitlines() if x.strip()
+        ]
+    answers, n_llm, n_slm = _answers(preds, n_answers)
+    if not answers:
+        answers = "<p>No batch-inference output with token spans yet (run <code>citer route</code>).</p>"
+    legend = ('<p><span class="key tok slm">SLM</span><span class="key tok llm">LLM</span>'
+              f'<span id="counts">{n_llm} LLM pieces, {n_slm} SLM pieces shown</span></p>')  # fmt: skip
+    src = ", ".join(f"reports/{f}" for f in files)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>citer report</title><style>{_STYLE}</style></head>
+<body>
+<h1>citer: routed decoding report</h1>
+<p>Every number on <b>test</b> at the point chosen on <b>dev</b>, 95% paired-bootstrap intervals in brackets.
+From {_esc(src)}.</p>
+<h2>Headline</h2><table>{head}</table>
+<h2>Every method at its dev-chosen point</h2>{_sweep_table(sweep)}
+<h2>Accuracy against bytes moved</h2>{plot}
+<h2>Who wrote which token</h2>{legend}{answers}
+</body></html>
+"""
+
+
+def write_report(
+    reports: str | os.PathLike[str], predictions: str | os.PathLike[str] | None, out: str | os.PathLike[str]
+) -> Path:
+    """Write :func:`build_report` to ``out`` atomically."""
+    write_text(out, build_report(reports, predictions))
+    return Path(out)
