@@ -10,6 +10,9 @@ Names are imported on first use, so ``import citer`` does not load torch or tran
     ids = champ.tokenizer.encode("Question: What is 2 + 3?\nAnswer:", add_special_tokens=False)
     out = champ.engine.generate(ids, max_new_tokens=64)
     print(champ.tokenizer.decode(out.tokens[0]), f"{out.batch.llm_fraction:.0%} of tokens by the LLM")
+    # The routed policy's log-likelihood of a continuation (each token scored by the model the router picks there).
+    cont = champ.tokenizer.encode(" The answer is 5.", add_special_tokens=False)
+    print(citer.routed_loglikelihood(champ.engine, ids, cont).total)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _API = {
     "load_pair": "citer.models.loading",
     "RoutedEngine": "citer.decoding.engine",
     "GenerationResult": "citer.decoding.engine",
+    "routed_loglikelihood": "citer.decoding.scoring",
     "load_router": "citer.routing.mlp",
     "load_champion": "citer.serving.champion",
     "Champion": "citer.serving.champion",
@@ -41,10 +45,12 @@ __all__ = [
     "load_pair",
     "load_project",
     "load_router",
+    "routed_loglikelihood",
 ]
 
 if TYPE_CHECKING:
     from citer.decoding.engine import GenerationResult, RoutedEngine
+    from citer.decoding.scoring import routed_loglikelihood
     from citer.models.loading import load_pair
     from citer.project import Project, load_project
     from citer.routing.mlp import load_router

@@ -265,6 +265,25 @@ def eval_model(
     _show(eval_one_flow(model, str(data), fmt, batch_size, max_new_tokens, limit))
 
 
+@eval_app.command("loglikelihood")
+@friendly
+def eval_loglikelihood(
+    data: Annotated[Path, typer.Argument(help="mc JSONL split to grade")],
+    limit: Annotated[int, typer.Option(min=0, help="first N rows only (0 = all)")] = 0,
+    params: ParamsOpt = "params.yaml",
+) -> None:
+    """Grade mc questions without generating: the champion's routed log-likelihood of each choice, likeliest wins."""
+    from citer.data.jsonl import read_jsonl
+    from citer.evaluation.loglikelihood import grade_mc
+    from citer.project import load_project
+    from citer.serving.champion import load_champion
+
+    rows = read_jsonl(data, "mc")
+    champ = load_champion(load_project(params))
+    out = grade_mc(champ.engine, champ.tokenizer, rows[:limit] if limit else rows)
+    _show({k: v for k, v in out.items() if k != "predictions"} | {"router": champ.info["router"]})
+
+
 @labels_app.command("collect")
 @friendly
 def labels_collect(
