@@ -22,7 +22,15 @@ from pathlib import Path
 
 # Bottom first. A module belongs to the first entry that is its name or a package above it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("citer.config", "citer.io", "citer.progress", "citer.locking", "citer.reaper", "citer.sharding"),
+    (
+        "citer.config",
+        "citer.io",
+        "citer.progress",
+        "citer.locking",
+        "citer.reaper",
+        "citer.sharding",
+        "citer.provenance",
+    ),
     ("citer.data",),
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),

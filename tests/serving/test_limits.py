@@ -229,10 +229,10 @@ def test_citer_serve_refuses_a_remote_host_without_key_in_one_line(bare_project,
     from typer.testing import CliRunner
 
     import citer.cli as cli
+    import citer.cli.common as cli_common
 
-    monkeypatch.setattr(
-        cli, "_setup", lambda: None
-    )  # the CLI's tool-quieting env changes stay out of this process
+    # the CLI's tool-quieting env changes stay out of this process
+    monkeypatch.setattr(cli_common, "_setup", lambda: None)
     r = CliRunner().invoke(cli.app, ["serve", "--params", "params.yaml", "--host", "0.0.0.0"])
     assert r.exit_code == 1
     lines = r.stderr.strip().splitlines()

@@ -5,108 +5,27 @@ Errors the user can fix (bad params, bad data, missing models) print one line an
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-app = typer.Typer(
-    no_args_is_help=True,
-    add_completion=False,
-    help="citer: token-level routed decoding between a small and a large language model.",
+from citer.cli import report as _report  # noqa: F401  (registers the ``citer report`` commands)
+from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used by tests)
+    ParamsOpt,
+    _one_line,
+    _setup,
+    _show,
+    app,
+    data_app,
+    eval_app,
+    friendly,
+    labels_app,
+    models_app,
+    router_app,
 )
-data_app = typer.Typer(no_args_is_help=True, help="Datasets: synthesise the embedded task, validate files.")
-models_app = typer.Typer(no_args_is_help=True, help="Models: bootstrap the embedded pair, finetune the SLM.")
-eval_app = typer.Typer(no_args_is_help=True, help="Evaluation: models alone, the tau sweep with baselines.")
-labels_app = typer.Typer(no_args_is_help=True, help="Token-level preference labels.")
-router_app = typer.Typer(no_args_is_help=True, help="The MLP router.")
-report_app = typer.Typer(no_args_is_help=True, help="What the reports say, for people and for the docs.")
-app.add_typer(data_app, name="data")
-app.add_typer(models_app, name="models")
-app.add_typer(eval_app, name="eval")
-app.add_typer(labels_app, name="labels")
-app.add_typer(router_app, name="router")
-app.add_typer(report_app, name="report")
-
-ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
-
-
-_OUTPUT = {"json": False}
-
-
-@app.callback()
-def _global(
-    debug: Annotated[
-        bool, typer.Option("--debug", envvar="CITER_DEBUG", help="show tracebacks and the tools' own logs")
-    ] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", envvar="CITER_JSON", help="print each stage's full result as JSON")
-    ] = False,
-) -> None:
-    """citer: token-level routed decoding between a small and a large language model."""
-    if debug:
-        os.environ["CITER_DEBUG"] = "1"
-    _OUTPUT["json"] = as_json  # set on every invocation (a test's CliRunner reuses the process)
-
-
-def _setup() -> None:
-    from flows.common import quiet_defaults
-
-    quiet_defaults()
-
-
-# Errors a user causes and can fix (params, data, models, registry state): their message is the whole story.
-# Anything else is a bug or an environment problem: one line too, naming the exception type, and --debug for more.
-EXPECTED = (ValueError, OSError, KeyError, ImportError)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if isinstance(exc, KeyError) and exc.args:
-        text = str(exc.args[0])
-    first = text.splitlines()[0] if text else ""
-    if isinstance(exc, EXPECTED) and first:
-        return first
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-def friendly(fn: F) -> F:
-    """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
-
-    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file is checked before
-    any flow starts, so a bad key fails fast and quietly.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _setup()
-        try:
-            params = kwargs.get("params")
-            if params is not None and (Path(params).exists() or not kwargs.get("paths")):
-                from citer.config import load_params
-
-                load_params(params)
-            return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
-        except Exception as exc:
-            if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
-                traceback.print_exc()
-            hint = "" if isinstance(exc, EXPECTED) else " (rerun with --debug for the traceback)"
-            typer.echo(f"error: {_one_line(exc)}{hint}", err=True)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 @data_app.command("validate")
@@ -188,35 +107,6 @@ def data_synth(params: ParamsOpt = "params.yaml") -> None:
         typer.echo(f"{name}: {n} rows")
     if "disabled" in out:
         typer.echo(out["disabled"])
-
-
-def _brief(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, dict):
-        parts = [f"{k}={_brief(x)}" for k, x in v.items() if not isinstance(x, (dict, list))][:6]
-        return ", ".join(parts) + (" …" if len(v) > len(parts) else "") if parts else f"{len(v)} fields"
-    if isinstance(v, list):
-        return f"{len(v)} items"
-    return str(v)
-
-
-def _show(result: Any) -> None:
-    """A stage's result for a person: one line per top-level field (``--json``: all of it, as JSON; the full
-    figures are in the stage's report files either way)."""
-    import json
-
-    if _OUTPUT["json"]:
-        typer.echo(json.dumps(result, indent=2, default=str))
-        return
-    if isinstance(result, dict) and "disabled" in result:  # a disabled stage says so in one line
-        typer.echo(result["disabled"])
-        return
-    if not isinstance(result, dict):
-        typer.echo(_brief(result))
-        return
-    for k, v in result.items():
-        typer.echo(f"{k}: {_brief(v)}")
 
 
 @models_app.command("bootstrap")
@@ -380,48 +270,6 @@ def pipeline(params: ParamsOpt = "params.yaml") -> None:
         os.environ.get("MLFLOW_TRACKING_URI") or proj.params.paths.mlflow_tracking_uri
     )  # as the user wrote it
     typer.echo(f"  MLflow run {out.get('mlflow_run', '?')}: mlflow ui --backend-store-uri {uri}")
-
-
-@report_app.command("html")
-@friendly
-def report_html(
-    reports: Annotated[Path, typer.Option(help="the reports directory")] = Path("reports"),
-    predictions: Annotated[Path, typer.Option(help="batch-inference output with token spans")] = Path(
-        "outputs/predictions.jsonl"
-    ),
-    out: Annotated[Path | None, typer.Option(help="default: REPORTS/report.html")] = None,
-) -> None:
-    """Rebuild reports/report.html (headline, every method with intervals, the plot, who wrote which token)."""
-    from citer.evaluation.html_report import write_report
-
-    typer.echo(f"wrote {write_report(reports, predictions, out or reports / 'report.html')}")
-
-
-@report_app.command("docs")
-@friendly
-def report_docs(
-    docs: Annotated[list[Path] | None, typer.Argument(help="documents with citer blocks")] = None,
-    reports: Annotated[Path, typer.Option(help="the reports directory the blocks are rendered from")] = Path(
-        "reports"
-    ),
-    check: Annotated[
-        bool, typer.Option(help="change nothing; exit 1 if a block differs from its reports")
-    ] = False,
-) -> None:
-    """Re-render the measured tables in README.md and docs/results.md from the report files."""
-    from citer.evaluation.headline import blocks_in, render_blocks, rewrite
-
-    stale = []
-    for doc in docs or [Path("README.md"), Path("docs/results.md")]:
-        if check:
-            held = blocks_in(doc.read_text(encoding="utf-8"))
-            fresh = render_blocks(reports, list(held))
-            stale += [f"{doc}: {n}" for n, body in held.items() if body != fresh[n][0]]
-        else:
-            typer.echo(f"{doc}: {', '.join(rewrite(doc, reports)) or 'no citer blocks'}")
-    if stale:
-        typer.echo("blocks that differ from the reports: " + "; ".join(stale), err=True)
-        raise typer.Exit(1)
 
 
 @app.command("serve")

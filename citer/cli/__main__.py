@@ -1,0 +1,5 @@
+"""``python -m citer.cli``: the ``citer`` command."""
+
+from citer.cli import main
+
+main()

@@ -1,0 +1,134 @@
+"""What every ``citer`` command shares: the Typer apps, the global options, one-line errors and the result printer."""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="citer: token-level routed decoding between a small and a large language model.",
+)
+data_app = typer.Typer(no_args_is_help=True, help="Datasets: synthesise the embedded task, validate files.")
+models_app = typer.Typer(no_args_is_help=True, help="Models: bootstrap the embedded pair, finetune the SLM.")
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluation: models alone, the tau sweep with baselines.")
+labels_app = typer.Typer(no_args_is_help=True, help="Token-level preference labels.")
+router_app = typer.Typer(no_args_is_help=True, help="The MLP router.")
+report_app = typer.Typer(no_args_is_help=True, help="What the reports say, for people and for the docs.")
+app.add_typer(data_app, name="data")
+app.add_typer(models_app, name="models")
+app.add_typer(eval_app, name="eval")
+app.add_typer(labels_app, name="labels")
+app.add_typer(router_app, name="router")
+app.add_typer(report_app, name="report")
+
+ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
+
+
+_OUTPUT = {"json": False}
+
+
+@app.callback()
+def _global(
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="CITER_DEBUG", help="show tracebacks and the tools' own logs")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", envvar="CITER_JSON", help="print each stage's full result as JSON")
+    ] = False,
+) -> None:
+    """citer: token-level routed decoding between a small and a large language model."""
+    if debug:
+        os.environ["CITER_DEBUG"] = "1"
+    _OUTPUT["json"] = as_json  # set on every invocation (a test's CliRunner reuses the process)
+
+
+def _setup() -> None:
+    from flows.common import quiet_defaults
+
+    quiet_defaults()
+
+
+# Errors a user causes and can fix (params, data, models, registry state): their message is the whole story.
+# Anything else is a bug or an environment problem: one line too, naming the exception type, and --debug for more.
+EXPECTED = (ValueError, OSError, KeyError, ImportError)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, EXPECTED) and first:
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def friendly(fn: F) -> F:
+    """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
+
+    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file is checked before
+    any flow starts, so a bad key fails fast and quietly.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _setup()
+        try:
+            params = kwargs.get("params")
+            if params is not None and (Path(params).exists() or not kwargs.get("paths")):
+                from citer.config import load_params
+
+                load_params(params)
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+        except Exception as exc:
+            if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
+                traceback.print_exc()
+            hint = "" if isinstance(exc, EXPECTED) else " (rerun with --debug for the traceback)"
+            typer.echo(f"error: {_one_line(exc)}{hint}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _brief(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        parts = [f"{k}={_brief(x)}" for k, x in v.items() if not isinstance(x, (dict, list))][:6]
+        return ", ".join(parts) + (" …" if len(v) > len(parts) else "") if parts else f"{len(v)} fields"
+    if isinstance(v, list):
+        return f"{len(v)} items"
+    return str(v)
+
+
+def _show(result: Any) -> None:
+    """A stage's result for a person: one line per top-level field (``--json``: all of it, as JSON; the full
+    figures are in the stage's report files either way)."""
+    import json
+
+    if _OUTPUT["json"]:
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
+    if isinstance(result, dict) and "disabled" in result:  # a disabled stage says so in one line
+        typer.echo(result["disabled"])
+        return
+    if not isinstance(result, dict):
+        typer.echo(_brief(result))
+        return
+    for k, v in result.items():
+        typer.echo(f"{k}: {_brief(v)}")
