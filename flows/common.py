@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,36 @@ QUIET_LOGGERS = (
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 
+# Library notes that are not the user's to act on. MLflow's warns whenever the router's pyfunc class is defined (its
+# predict is untyped on purpose: MLflow would read type hints as the input schema), under its own "once" filter, so
+# a warnings filter cannot hold it back; it is dropped where it is shown (stderr, or logging when Prefect captures).
+NOISE = ("Add type hints to the `predict` method",)
+
+
+def _is_noise(text: str) -> bool:
+    return any(n in text for n in NOISE)
+
+
+def _drop_noise() -> None:
+    shown = warnings.showwarning
+    if getattr(shown, "citer_quiet", False):
+        return
+
+    def showwarning(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ):
+        if not _is_noise(str(message)):
+            shown(message, category, filename, lineno, file, line)
+
+    showwarning.citer_quiet = True  # type: ignore[attr-defined]
+    warnings.showwarning = showwarning
+    captured = logging.getLogger("py.warnings")
+    if not any(getattr(f, "citer_quiet", False) for f in captured.filters):
+        keep = lambda record: not _is_noise(record.getMessage())  # noqa: E731
+        keep.citer_quiet = True  # type: ignore[attr-defined]
+        captured.addFilter(keep)
+
+
 def debug_enabled() -> bool:
     """``--debug`` or ``CITER_DEBUG=1``: tracebacks and the tools' own logs are shown."""
     return os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
@@ -81,6 +112,8 @@ def quiet_defaults(root: Path | None = None) -> None:
         "/proc/driver/nvidia"
     ).exists():  # no NVIDIA driver: DeepSpeed (imported by transformers) warns
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not debug:
+        _drop_noise()
     for name in () if debug else QUIET_LOGGERS:
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)
