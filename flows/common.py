@@ -92,6 +92,10 @@ def _at_least(level: int) -> Callable[[logging.LogRecord], bool]:
     return lambda record: record.levelno >= level
 
 
+def _below(level: int) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: record.levelno < level
+
+
 def quiet_defaults(root: Path | None = None) -> None:
     """Telemetry and tool chatter off, tool state inside the project unless the user set it (two projects never
     share it). Cheap: nothing heavy is imported, so ``citer --help`` and quick commands start fast."""
@@ -102,7 +106,14 @@ def quiet_defaults(root: Path | None = None) -> None:
     # once, in one line; --debug shows Prefect's account too.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if debug else "CRITICAL")
     for name in RUN_LOGGERS:  # when Prefect's logging was set up before this call (an embedding process)
-        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.CRITICAL)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.NOTSET if debug else logging.CRITICAL)
+        # A user's own PREFECT_LOGGING_LEVEL (or Prefect configuring logging after this call) would bring the failed
+        # run's traceback back; a filter outlives Prefect's logging config, so the error is said once, by the CLI.
+        if not debug and not any(getattr(f, "citer_quiet", False) for f in logger.filters):
+            below = _below(logging.ERROR)
+            below.citer_quiet = True  # type: ignore[attr-defined]
+            logger.addFilter(below)
     root = root or project_root()
     os.environ.setdefault("PREFECT_HOME", str(root / ".state" / "prefect"))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".state" / "torch_extensions"))

@@ -37,7 +37,16 @@ def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterV
     """
     proj = as_project(project)
     reg = proj.params.registry
-    rv = require_champion(reg.model_name, reg.alias, open_store(proj), proj.root)
+    try:
+        rv = require_champion(reg.model_name, reg.alias, open_store(proj), proj.root)
+    except RegistryError as exc:
+        refused = _refused_promotion(proj)
+        if refused is None:
+            raise
+        raise RegistryError(
+            f"no router holds the alias '{reg.alias}' of registered model '{reg.model_name}': the last sweep ran "
+            f"and promoted nothing: {refused}"
+        ) from exc
     for role in ("slm", "llm"):
         if not rv.tags.get(role):
             raise ChampionError(f"router '{rv.name}' v{rv.version} (@{reg.alias}): tag {role} missing")
@@ -51,6 +60,19 @@ def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterV
             "the champion's pair"
         )
     return rv
+
+
+def _refused_promotion(proj: Project) -> str | None:
+    """The gate that held, when the project's last sweep ran and promoted no router (``reports/promotion.json``)."""
+
+    path = proj.reports / "promotion.json"
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if rec.get("promoted") or not rec.get("reason"):
+        return None
+    return f"{rec['reason']} ({proj.portable_ref(path)})"
 
 
 def champion_tau(rv: Any, tau: float | None = None, llm_fraction: float | None = None) -> float:

@@ -118,3 +118,30 @@ def test_champion_tau_from_a_target_llm_fraction():
     old = RouterVersion("citer-router", "1", {"tau": "0.5"}, "")
     with pytest.raises(ChampionError, match="no dev score quantiles"):
         champion_tau(old, llm_fraction=0.1)
+
+
+def test_no_champion_names_the_gate_that_refused(tmp_path, monkeypatch):
+    """A project whose sweep ran and promoted nothing says why, not 'run the sweep first'."""
+    import json
+    import shutil
+
+    import pytest
+    from conftest import REPO
+
+    from citer.project import load_project
+    from citer.registry import RegistryError
+    from citer.serving.champion import project_champion
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("CITER_ROOT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    proj = load_project("params.yaml")
+    assert proj.root.resolve() == tmp_path.resolve()
+    with pytest.raises(RegistryError, match="run the sweep stage first"):
+        project_champion(proj)  # no sweep yet
+    proj.reports.mkdir(parents=True, exist_ok=True)
+    reason = "only 12 test questions; registry.min_eval_examples is 200"
+    (proj.reports / "promotion.json").write_text(json.dumps({"promoted": 0, "reason": reason}))
+    with pytest.raises(RegistryError, match=f"promoted nothing: {reason} \\(reports/promotion.json\\)"):
+        project_champion(proj)
