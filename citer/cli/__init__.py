@@ -14,6 +14,7 @@ import typer
 
 from citer.cli import report as _report  # noqa: F401  (registers the ``citer report`` commands)
 from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used by tests)
+    _OUTPUT,
     ParamsOpt,
     _one_line,
     _setup,
@@ -246,7 +247,31 @@ def route(
     """Routed batch inference with the champion router; resumes where a previous run stopped."""
     from flows.batch_inference import batch_inference_flow
 
-    _show(batch_inference_flow(params_path=params, input=input, output=output, llm_fraction=llm_fraction))
+    out = batch_inference_flow(params_path=params, input=input, output=output, llm_fraction=llm_fraction)
+    _show(out)
+    if "report" in out and not _OUTPUT["json"]:  # the last dvc stage: end on what a person wants to know
+        _headline(params, "the run so far:", None)
+
+
+def _headline(params: str, title: str, mlflow_run: str | None) -> None:
+    """The closing table: the pair's accuracy, the promoted point, the claims, and where to look next."""
+    from citer.evaluation.headline import headline_rows
+    from citer.project import load_project
+
+    proj = load_project(params)
+    rows, files = headline_rows(proj.reports)
+    width = max(len(label) for label, _ in rows)
+    typer.echo(title)
+    for label, value in rows:
+        typer.echo(f"  {label:<{width}}  {value}")
+    typer.echo(
+        f"  look at: {proj.portable_ref(proj.reports)}/report.html ({', '.join(files)}; provenance.json)"
+    )
+    uri = (
+        os.environ.get("MLFLOW_TRACKING_URI") or proj.params.paths.mlflow_tracking_uri
+    )  # as the user wrote it
+    run = f"MLflow run {mlflow_run}: " if mlflow_run else "MLflow: "
+    typer.echo(f"  {run}mlflow ui --backend-store-uri {uri}")
 
 
 @app.command("pipeline")
@@ -256,20 +281,7 @@ def pipeline(params: ParamsOpt = "params.yaml") -> None:
     from flows.pipeline import pipeline_flow
 
     out = pipeline_flow(params_path=params)
-    from citer.evaluation.headline import headline_rows
-    from citer.project import load_project
-
-    proj = load_project(params)
-    rows, files = headline_rows(proj.reports)
-    width = max(len(label) for label, _ in rows)
-    typer.echo("pipeline finished:")
-    for label, value in rows:
-        typer.echo(f"  {label:<{width}}  {value}")
-    typer.echo(f"  reports: {proj.portable_ref(proj.reports)}/ ({', '.join(files)}; provenance.json)")
-    uri = (
-        os.environ.get("MLFLOW_TRACKING_URI") or proj.params.paths.mlflow_tracking_uri
-    )  # as the user wrote it
-    typer.echo(f"  MLflow run {out.get('mlflow_run', '?')}: mlflow ui --backend-store-uri {uri}")
+    _headline(params, "pipeline finished:", out.get("mlflow_run"))
 
 
 @app.command("serve")
