@@ -267,9 +267,9 @@ def _headline(params: str, title: str, mlflow_run: str | None) -> None:
     typer.echo(
         f"  look at: {proj.portable_ref(proj.reports)}/report.html ({', '.join(files)}; provenance.json)"
     )
-    uri = (
-        os.environ.get("MLFLOW_TRACKING_URI") or proj.params.paths.mlflow_tracking_uri
-    )  # as the user wrote it
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None or uri == proj.tracking_uri:  # the project's own store: as params write it (relative)
+        uri = proj.params.paths.mlflow_tracking_uri
     run = f"MLflow run {mlflow_run}: " if mlflow_run else "MLflow: "
     typer.echo(f"  {run}mlflow ui --backend-store-uri {uri}")
 
