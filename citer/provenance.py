@@ -133,8 +133,7 @@ def stamp_written(
     """Stamp every report file modified at or after ``since`` (a ``time.time()``) that no stage finishing inside
     this one stamped already (a pipeline stamps only what its own stages did not)."""
     reports, root = Path(reports_dir), Path(root)
-    if not reports.is_dir():
-        return []
+    reports.mkdir(parents=True, exist_ok=True)
     known = read(reports)["files"]
     started = dt.datetime.fromtimestamp(since, dt.UTC).isoformat(timespec="seconds")
     fresh = []
@@ -145,7 +144,34 @@ def stamp_written(
         if entry and entry["written_at"] >= started and entry["sha256"] == file_digest(p, "sha256"):
             continue
         fresh.append(p)
-    return stamp(reports, fresh, stage=stage, root=root, wall_s=wall_s, params=params)
+    keys = stamp(reports, fresh, stage=stage, root=root, wall_s=wall_s, params=params)
+    record_run(reports, stage, root=root, started=since, wall_s=wall_s, params=params)
+    return keys
+
+
+def record_run(
+    reports_dir: str | os.PathLike[str],
+    stage: str,
+    *,
+    root: str | os.PathLike[str],
+    started: float,
+    wall_s: float,
+    params: Any = None,
+) -> None:
+    """Keep the latest run of ``stage`` under ``runs`` (a stage that writes no report, e.g. the whole pipeline or
+    the label/router iterations, still has its wall time on record)."""
+    reports = Path(reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    data = read(reports)
+    rel = os.path.relpath(reports.resolve(), Path(root).resolve())
+    data.setdefault("runs", {})[stage] = {
+        "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
+        "wall_s": round(float(wall_s), 2),
+        "commit": git_commit(root, (rel, "dvc.lock")),
+        "params_digest": None if params is None else params_digest(params),
+        "machine": machine(),
+    }
+    write_json(reports / FILE, data)
 
 
 def mismatches(reports_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> dict[str, str]:

@@ -77,3 +77,11 @@ def test_bench_stamp_keeps_its_arguments(tmp_path):
     entry = provenance.read(out.parent)["files"]["reports/bench_x.json"]
     assert entry["stage"] == "bench:engine" and entry["params_digest"] is None
     assert entry["args"] == {"quick": True, "out": "reports/bench_x.json"}  # relative to the project
+
+
+def test_a_stage_without_reports_still_records_its_run(tmp_path):
+    reports = tmp_path / "reports"
+    provenance.stamp_written(reports, time.time(), stage="pipeline", root=tmp_path, wall_s=421.0)
+    run = provenance.read(reports)["runs"]["pipeline"]
+    assert run["wall_s"] == 421.0 and run["machine"]["cores"] == os.cpu_count()
+    assert provenance.read(reports)["files"] == {}

@@ -103,20 +103,23 @@ def sweep_block(reports: Path) -> Block:
     return table(head, rows) + "\n\nFrom `reports/sweep.json`.", ["sweep.json"]
 
 
+# The pipeline's own stages, in the order it runs them (label collection and router training run inside iterate).
+PIPELINE_STAGES = ("synth", "validate", "bootstrap", "finetune", "eval_models", "iterate", "sweep", "route")
+
+
 def pipeline_block(reports: Path) -> Block:
-    """Each stage's wall time and what it wrote, from reports/provenance.json."""
-    prov = _load(reports, "provenance.json")["files"]
-    stages: dict[str, dict[str, Any]] = {}
-    for path, e in prov.items():
-        if e["stage"].startswith("bench:"):
-            continue
-        s = stages.setdefault(
-            e["stage"], {"wall": e["stage_wall_s"], "files": [], "at": e["written_at"], **e}
-        )
-        s["files"].append(Path(path).name)
-    rows = [[name, f"{s['wall']:.0f} s", ", ".join(sorted(s["files"]))]
-            for name, s in sorted(stages.items(), key=lambda kv: kv[1]["at"])]  # fmt: skip
-    first = next(iter(stages.values()), None)
+    """The pipeline's wall time, each stage's, and the reports each wrote, from reports/provenance.json."""
+    prov = _load(reports, "provenance.json")
+    runs = prov.get("runs", {})
+    written: dict[str, list[str]] = {}
+    for path, e in prov["files"].items():
+        written.setdefault(e["stage"], []).append(Path(path).name)
+    written["iterate"] = written.get("router", []) + written.get("labels", [])
+    rows = [[name, f"{runs[name]['wall_s']:.0f} s", ", ".join(sorted(written.get(name, []))) or "–"]
+            for name in PIPELINE_STAGES if name in runs]  # fmt: skip
+    if "pipeline" in runs:
+        rows.append(["**whole pipeline**", f"**{runs['pipeline']['wall_s']:.0f} s**", ""])
+    first = runs.get("pipeline") or next(iter(runs.values()), None)
     where = (f"commit `{first['commit'][:12]}`, {first['machine']['cores']} cores, torch {first['machine']['torch']}, "
              f"{first['machine']['device']}" if first else "")  # fmt: skip
     return table(
