@@ -225,17 +225,21 @@ def run_module(
             chosen = [n for n in names if any(fnmatch.fnmatch(n, g) for g in args.mutants)]
             if not chosen:
                 return {"source": source, "skipped_module": f"no mutant matches {args.mutants}"}
-        sample = len(chosen) > args.max_mutants
-        if sample:
-            chosen = sorted(random.Random(args.seed).sample(chosen, args.max_mutants), key=names.index)
         counts = dict.fromkeys(("killed", "survived", "timeout", "suspicious", "skipped", "untested"), 0)
-        run_names = chosen
         if args.rerun_survivors:
             # Tests were only added since: every mutant killed then is still killed, so only the survivors run again.
             run_names = previous_survivors(key, prev, source_sha, len(names))
             for s in prev["survivors"]:
                 prev[COLUMNS[s["status"]]] -= 1
             counts = {c: prev[c] for c in counts}
+            n, sample = prev["mutants"], prev["sample"]  # the population (and sample) of the previous run
+        else:
+            if len(chosen) > args.max_mutants:
+                chosen = sorted(random.Random(args.seed).sample(chosen, args.max_mutants), key=names.index)
+                sample = {"size": len(chosen), "of": len(names), "seed": args.seed}
+            else:
+                sample = None
+            run_names, n = chosen, len(chosen)
         env = dict(
             os.environ,
             CITER_SHARED_DATA=os.environ.get("CITER_SHARED_DATA", str(ROOT.parent / "shared" / "data")),
@@ -270,7 +274,6 @@ def run_module(
                     equivalent.append(name)
                 survivors.append(d)
         test_sha = {t: sha256(repo / t) for t in tests}
-    n = len(chosen)
     tested = n - counts["skipped"]
     detected = counts["killed"] + counts["timeout"]
     out = {
@@ -281,7 +284,7 @@ def run_module(
         "deselected": deselect,
         "generated": len(names),
         "mutants": n,
-        "sample": {"size": n, "of": len(names), "seed": args.seed} if sample else None,
+        "sample": sample,
         "selected_by": args.mutants or None,
         **counts,
         "equivalent": len(equivalent),
@@ -298,6 +301,8 @@ def run_module(
             "ran": len(run_names),
             "killed_now": len(run_names) - len(survivors),
             "previous_score": prev["score"],
+            # through any number of re-runs: the score of the first full run, before the tests were added
+            "first_score": prev.get("rerun", {}).get("first_score", prev["score"]),
             "previous_tests_sha256": prev["tests_sha256"],
         }
     return out
