@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_qwen2
 
-from citer.decoding.baselines import AlwaysLLM, RandomRouter
+from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
 
@@ -149,3 +149,84 @@ def test_slot_pool_grows_recycles_and_keeps_rows_exact(pair):
     with pytest.raises(ValueError, match="nothing to feed"):
         ragged_append(llm, pool, [[], []], slots=[0, 1])
     assert ref_lg.shape[0] == 3
+
+
+# ------------------------------------------------------------- what each scheduler decision guarantees (bench/mutation.py)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(-0.1, 1.0), (0.5, 0.0), (0.5, 1.5)])
+def test_a_row_with_bad_sampling_settings_is_refused(pair, temperature, top_p):
+    sess = RoutedEngine(*pair, RandomRouter(0.3, seed=5), tau=0.5).session()
+    with pytest.raises(EngineInputError, match="need temperature >= 0 and 0 < top_p <= 1"):
+        sess.add(PROMPTS[0], 3, temperature=temperature, top_p=top_p)
+    sess.add(PROMPTS[0], 3, temperature=0.0, top_p=1.0)  # both bounds are allowed
+
+
+def test_rows_with_their_own_sampling_settings_share_a_batch_and_keep_their_tokens(pair):
+    """A step samples each distinct (temperature, top_p, seed) group on its own; every row gets its tokens alone."""
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=5), tau=0.5)
+    settings = [
+        {},
+        dict(temperature=0.9, seed=1),
+        dict(temperature=0.9, seed=2),
+        dict(temperature=0.7, top_p=0.8, seed=1),
+        dict(temperature=0.9, seed=1),  # the same group as row 1
+        {},
+    ]
+    budgets = [7, 10, 9, 6, 10, 8]
+    sess = eng.session()
+    keys = [sess.add(PROMPTS[i], budgets[i], row_id=i, **settings[i]) for i in range(len(PROMPTS))]
+    got: dict[int, list[int]] = {k: [] for k in keys}
+    while sess.busy:
+        for em in sess.step():
+            got[em.key].append(em.token)
+            assert em.done is (len(got[em.key]) == budgets[keys.index(em.key)])
+    for i, k in enumerate(keys):
+        alone_ = eng.generate(PROMPTS[i], budgets[i], row_ids=[i], **settings[i])
+        assert got[k] == alone_.tokens[0], i
+        st = sess.stats(k)
+        assert st.new_tokens == budgets[i] and st.llm_tokens == sum(alone_.from_llm[0]), i
+    assert got[keys[1]] != got[keys[4]]  # same settings, other row: its own draws
+
+
+def test_the_meter_prices_both_models_for_the_engines_gpu(pair):
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=5), tau=0.5, gpu="H200")
+    sess = eng.session()
+    key = sess.add(PROMPTS[0], 8, row_id=0)
+    while sess.busy:
+        sess.step()
+    st = sess.stats(key)
+    assert st.slm_bytes > 0 and st.llm_bytes > 0
+    assert st.projected_seconds == pytest.approx(st.bytes_moved / 4.8e12)
+
+
+def test_a_row_waiting_alone_is_served_at_once_when_nothing_else_moves(pair):
+    eng = RoutedEngine(*pair, AlwaysLLM(), llm_min_rows=8, llm_max_wait_steps=100)
+    sess = eng.session()
+    key = sess.add(PROMPTS[0], 5)
+    for _ in range(5):
+        assert [(e.key, e.from_llm) for e in sess.step()] == [(key, True)]
+    assert not sess.busy
+
+
+def test_no_step_ends_with_llm_min_rows_rows_held(pair):
+    """As soon as ``llm_min_rows`` rows wait, the LLM is called: only fewer rows are ever held over a step."""
+    slm, llm = pair
+    prompts = [[(7 * i + j) % V for j in range(3 + i % 5)] for i in range(16)]
+    eng = RoutedEngine(slm, llm, RandomRouter(0.1, seed=2), tau=0.5, llm_min_rows=2, llm_max_wait_steps=50)
+    sess = eng.session()
+    for i, p in enumerate(prompts):
+        sess.add(p, 20, row_id=i)
+    held_at = []
+    while sess.busy:
+        sess.step()
+        held_at.append(sum(r.waited >= 0 for r in sess.rows))
+    assert max(held_at) == 1  # rows are held, one at a time
+
+
+def test_a_token_routed_to_a_missing_llm_is_an_error(pair):
+    slm, _ = pair
+    eng = RoutedEngine(slm, None, AlwaysSLM())
+    eng.tau = 2.0  # above every score: the router now sends every token to the LLM the engine does not have
+    with pytest.raises(ValueError, match="^router sent a token to the LLM but the engine has llm=None$"):
+        eng.generate(PROMPTS[0], 3)

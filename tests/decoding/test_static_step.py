@@ -89,3 +89,23 @@ def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch
     run([[t + 1 for t in p] for p in PROMPTS[:4]], 0)
     assert counters["stats"]["unique_graphs"] == graphs  # same buckets: no new graph
     assert not counters["graph_break"] and host_reads == []
+
+
+def test_a_session_steps_both_models_through_the_engines_fixed_shape_steps(pair, monkeypatch):
+    """Each model's steps are the engine's own (built once per engine and model), not a copy or the eager call."""
+    from citer.decoding import static_step
+
+    used = []
+    call = static_step.StaticSteps.__call__
+
+    def spy(self, *args, **kwargs):
+        used.append(self)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(static_step.StaticSteps, "__call__", spy)
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), static_steps="eager")
+    res = eng.generate_batch(PROMPTS, 8)
+    assert any(any(r) for r in res.from_llm)
+    steps = {"slm": eng.static_for("slm"), "llm": eng.static_for("llm")}
+    assert all(s is not None for s in steps.values())
+    assert {id(s) for s in used} == {id(s) for s in steps.values()}

@@ -337,3 +337,161 @@ def test_iter2_with_trained_mlp_router(lookup_pair, tiny_pair, char_tokenizer, t
     other_slm = tiny_pair[0]  # hidden size 32, same tokenizer
     with pytest.raises(LabelsError, match="hidden has size 128, the SLM's is 32"):
         collect_iter_k(prev, loaded, other_slm, llm, tok, rows, "math", p)
+
+
+# ------------------------------------------------------------------- the exact table, meta and errors (bench/mutation.py)
+
+
+def test_encode_rows_adds_no_special_tokens_and_one_eos(char_tokenizer):
+    """A tokenizer that adds special tokens by default (here: EOS first) adds none to prompt or target."""
+    from conftest import make_char_tokenizer
+    from tokenizers import processors
+
+    from citer.data.prompts import build_prompt, build_target
+
+    tok = make_char_tokenizer()
+    eos = tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<eos> $A", special_tokens=[("<eos>", eos)]
+    )
+    assert tok.encode("ab") == [eos] + tok.encode("ab", add_special_tokens=False)
+    (e,) = encode_rows(tok, ROWS[:1], "math")
+    assert e.prompt == char_tokenizer.encode(build_prompt(ROWS[0], "math"), add_special_tokens=False)
+    assert e.target == char_tokenizer.encode(build_target(ROWS[0], "math"), add_special_tokens=False) + [eos]
+
+
+def test_encode_rows_names_the_row_at_fault(char_tokenizer):
+    from citer.data.rows import Row
+
+    with pytest.raises(LabelsError, match="^train.jsonl:7: field 'solution' missing for format 'math'$"):
+        encode_rows(char_tokenizer, [Row({"problem": "1+1"}, "train.jsonl", 7)], "math")
+
+    class Mute:  # a tokenizer that knows none of the prompt's characters and drops them
+        eos_token_id = 1
+
+        def encode(self, text, add_special_tokens=True):
+            return []
+
+    with pytest.raises(LabelsError, match="^row 1: field prompt encodes to no tokens$"):
+        encode_rows(Mute(), ROWS[:1], "math")
+
+
+def test_rows_hash_is_stable_across_versions():
+    """Label sets on disk carry it; iteration k compares it, so its value may not drift."""
+    from citer.routing.labels import Encoded, rows_hash
+
+    assert rows_hash([Encoded("0", [5, 6, 7], [8, 1]), Encoded("1", [9], [1])]) == "0bfbefac44642e4d"
+
+
+def test_model_name_falls_back_to_the_config():
+    from types import SimpleNamespace as NS
+
+    from citer.routing.labels import model_name
+
+    assert model_name(NS(name_or_path="models/slm", config=NS(_name_or_path="other"))) == "models/slm"
+    assert model_name(NS(config=NS(_name_or_path="models/llm"))) == "models/llm"
+    assert model_name(NS(config=NS())) == ""
+
+
+def test_teacher_forced_batches_as_asked_and_any_batch_gives_the_same_tokens(tiny_pair, monkeypatch):
+    slm, llm, tok = tiny_pair
+    rows = [{"problem": f"{k}+{k}", "solution": f"{2 * k} \\boxed{{{2 * k}}}" + " so" * k} for k in range(5)]
+    enc = encode_rows(tok, rows, "math")
+    one = teacher_forced(slm, llm, enc, batch_size=1, pad_id=tok.pad_token_id)
+    calls = {"slm": 0, "llm": 0}
+    for name, model in (("slm", slm), ("llm", llm)):
+        decoder = model.get_decoder()
+
+        def counted(name=name, decoder=decoder):
+            calls[name] += 1
+            return decoder
+
+        monkeypatch.setattr(model, "get_decoder", counted)
+    three = teacher_forced(slm, llm, enc, batch_size=3, pad_id=tok.pad_token_id)  # 3 examples share a batch
+    assert calls == {"slm": 2, "llm": 2}
+    for f in ("example_index", "position", "ref", "slm_token", "llm_token"):
+        assert torch.equal(getattr(three, f), getattr(one, f)), f
+    torch.testing.assert_close(three.hidden, one.hidden, atol=1e-4, rtol=1e-4)
+
+
+def padded(model, v: int, extra: int = 8):
+    """``model`` with its embeddings padded by ``extra`` ids past the tokenizer's ``v``, ids that would win every
+    argmax if the logits were not cut to ``v`` (lookup models: the logit of a real id is at most sqrt(H))."""
+    model.resize_token_embeddings(v + extra)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[v:] = 0.0
+        model.get_output_embeddings().weight[v:] = 2.0
+    return model
+
+
+def test_padded_embeddings_never_win_a_label(char_tokenizer):
+    tok = char_tokenizer
+    v = len(tok)
+    plain = (make_lookup_model(tok, SLM_MAP, 1), make_lookup_model(tok, LLM_MAP, 2))
+    pad = (padded(make_lookup_model(tok, SLM_MAP, 1), v), padded(make_lookup_model(tok, LLM_MAP, 2), v))
+    enc = encode_rows(tok, ROWS, "math")
+    ref = teacher_forced(*plain, enc, batch_size=2, pad_id=tok.pad_token_id)
+    # Only the LLM padded: the default cut (the smaller embedding) would not reach it; the tokenizer's size does.
+    got = teacher_forced(plain[0], pad[1], enc, batch_size=2, pad_id=tok.pad_token_id, vocab_size=v)
+    assert torch.equal(got.llm_token, ref.llm_token) and torch.equal(got.slm_token, ref.slm_token)
+    p = LabelsParams(batch_size=2, citer_s=True)
+    a, b = collect_iter1(*plain, tok, ROWS, "math", p), collect_iter1(*pad, tok, ROWS, "math", p)
+    assert a.tokens.equals(b.tokens)
+
+
+class Recording:
+    """A :class:`~citer.routing.labels.LabelWork` that runs in process and records how rollouts were asked for."""
+
+    def __init__(self, work):
+        self.work, self.routed = work, []
+        self.hidden_size = work.hidden_size
+
+    def teacher_forced(self, encoded, batch_size):
+        return self.work.teacher_forced(encoded, batch_size)
+
+    def rollouts(self, encoded, branches, routed, batch, max_new):
+        self.routed.append(routed)
+        return self.work.rollouts(encoded, branches, routed, batch, max_new)
+
+
+def test_iteration_1_rolls_out_the_slm_alone_and_marks_every_token(lookup_pair, char_tokenizer):
+    from citer.routing.labels import InProcessWork
+
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    p = LabelsParams(batch_size=4, max_new_tokens=32)
+    work = Recording(InProcessWork(slm, llm, tok, ROWS, "math"))
+    ls = collect_iter1(slm, llm, tok, ROWS, "math", p, work=work)
+    assert work.routed and not any(work.routed)  # no router yet: SLM-only rollouts
+    assert set(ls.tokens["iteration"]) == {1}
+    derived = citer_s_labels(ls)
+    flipped = (ls.tokens["case"] == "both_wrong") & (ls.tokens["label"] == 1)
+    assert derived.meta["n_changed"] == int(flipped.sum()) > 0
+
+
+def test_iter_k_keeps_the_meta_and_the_examples_of_iteration_1(lookup_pair, char_tokenizer):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    p = LabelsParams(batch_size=4, max_new_tokens=32, tau=0.5, n_examples=2)
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", p)
+    nxt = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", p)  # the first 2 rows again
+    kept = {k: prev.meta[k] for k in ("fmt", "slm", "llm", "citer_s", "n_examples", "rows_hash")}
+    assert {k: nxt.meta[k] for k in kept} == kept and nxt.meta["n_examples"] == 2
+    assert nxt.meta["iteration"] == 2 and nxt.meta["tau"] == 0.5
+    # A label set written before n_examples was recorded: every row is labelled again.
+    full = collect_iter1(slm, llm, tok, ROWS, "math", p.model_copy(update={"n_examples": 0}))
+    del full.meta["n_examples"]
+    assert collect_iter_k(full, box_router(tok), slm, llm, tok, ROWS, "math", p).n_tokens == full.n_tokens
+    with pytest.raises(LabelsError, match=f"field rows_hash={prev.meta['rows_hash']!r} does not match"):
+        collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS[1:], "math", p)
+
+
+def test_iter_k_without_both_wrong_tokens_changes_nothing(lookup_pair, char_tokenizer):
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    p = LabelsParams(batch_size=4, max_new_tokens=32, tau=0.5)
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", p.model_copy(update={"citer_s": True}))
+    prev.meta["citer_s"] = False
+    prev.tokens.loc[prev.tokens["case"] == "both_wrong", "case"] = "llm_correct"
+    nxt = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", p)
+    assert nxt.tokens.equals(prev.tokens) and nxt.hidden is prev.hidden
+    assert nxt.meta == dict(
+        prev.meta, iteration=2, tau=0.5, rollout_llm_token=False, n_rollouts=0, n_changed=0
+    )
