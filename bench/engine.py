@@ -56,7 +56,7 @@ def embedded_pair(quick: bool):
     if not quick and slm_dir is not None and (models / "llm" / "config.json").is_file():
         slm = AutoModelForCausalLM.from_pretrained(slm_dir, dtype=torch.float32).eval()
         llm = AutoModelForCausalLM.from_pretrained(models / "llm", dtype=torch.float32).eval()
-        return slm, llm, f"trained pair {slm_dir.name} + llm from {models}"
+        return slm, llm, f"trained pair {slm_dir.relative_to(ROOT)} + {(models / 'llm').relative_to(ROOT)}"
     # The bootstrap default architectures (citer.config.BootstrapParams), random weights.
     slm = random_qwen2(512, 32, 64, 1, 2, 1, seed=1)
     llm = random_qwen2(512, 128, 384, 4, 4, 2, seed=2)
@@ -211,15 +211,17 @@ def main(argv: list[str] | None = None) -> int:
         slm, llm, desc = embedded_pair(args.quick)
         print(f"embedded: {desc}")
         print(f"speculative (HF assisted generation): {check_speculative_batch(slm, llm)}; reporting batch 1")
-        rows += bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 3,
-                            True, args.profile, forwards=("hf", "lean"))  # fmt: skip
+        emb = bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 3,
+                          True, args.profile, forwards=("hf", "lean"))  # fmt: skip
+        rows += [r | {"pair": desc} for r in emb]  # which pair each row ran on, never a silent fallback
         slm, llm, desc = memory_bound_pair(args.quick)
         print(f"memory_bound: {desc}")
         cc = chunk_costs(llm)
         print("memory_bound LLM, one call feeding q tokens (ms): "
               + ", ".join(f"q={q}: {1000 * v:.1f}" for q, v in cc.items()))  # fmt: skip
-        rows += bench_scale("memory_bound", slm, llm, [1, 8, 32], 4 if args.quick else 32, 1 if args.quick else 2,
-                            False, args.profile, forwards=("hf", "lean"))  # fmt: skip
+        mem = bench_scale("memory_bound", slm, llm, [1, 8, 32], 4 if args.quick else 32, 1 if args.quick else 2,
+                          False, args.profile, forwards=("hf", "lean"))  # fmt: skip
+        rows += [r | {"pair": desc} for r in mem]
     print(f"{'scale':<13}{'method':<14}{'fwd':>5}{'batch':>6}{'llm_frac':>9}{'ms/token':>10}{'ratio':>8}"
           f"{'llm/step':>9}{'wait/llm':>9}{'vs_hf':>7}")  # fmt: skip
     for r in rows:

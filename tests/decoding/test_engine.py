@@ -244,6 +244,9 @@ def test_bench_quick_writes_report(tmp_path):
     assert lean_routed and all(r["vs_hf_forward"] > 0 for r in lean_routed)
     for r in rows:
         assert r["sec_per_token"] > 0
+        assert r["pair"].startswith(
+            ("tiny random models", "trained pair", "random")
+        )  # never a silent fallback
         if r["method"].startswith("routed"):
             assert r["ratio_to_ideal"] > 0 and r["llm_calls_per_token"] <= r["llm_fraction"] + 1e-12
     # Shared LLM calls read the LLM's weights at fewer steps than routing alone, at the same p.
