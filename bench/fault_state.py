@@ -22,7 +22,9 @@ def registry(root: Path) -> dict[str, Any]:
     """The registry read straight from the project's sqlite store: versions (version -> run id), the alias, citer's
     alias tag and retired versions."""
     db = root / "mlflow.db"
-    for attempt in range(40):
+    # A read-only connection fails ("readonly database", "locked") while a writer holds the store; on a loaded
+    # machine a sweep's registry write can hold it for seconds, so keep trying for up to ~30 s, not 2.
+    for attempt in range(150):
         try:
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
             try:
@@ -62,9 +64,9 @@ def registry(root: Path) -> dict[str, Any]:
                 "locations": locations,
             }
         except sqlite3.OperationalError:
-            if attempt == 39:
+            if attempt == 149:
                 raise
-            time.sleep(0.05)
+            time.sleep(0.05 if attempt < 40 else 0.25)
     raise AssertionError("unreachable")
 
 
