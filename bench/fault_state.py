@@ -22,8 +22,8 @@ def registry(root: Path) -> dict[str, Any]:
     """The registry read straight from the project's sqlite store: versions (version -> run id), the alias, citer's
     alias tag and retired versions."""
     db = root / "mlflow.db"
-    # A read-only connection fails ("readonly database", "locked") while a writer holds the store; on a loaded
-    # machine a sweep's registry write can hold it for seconds, so keep trying for up to ~30 s, not 2.
+    # A read-only connection fails ("locked") while a writer holds the store, and ("readonly database") when a
+    # killed writer left a hot journal; keep trying for up to ~30 s, rolling a hot journal back as a client would.
     for attempt in range(150):
         try:
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
@@ -63,9 +63,17 @@ def registry(root: Path) -> dict[str, Any]:
                 "retired": retired,
                 "locations": locations,
             }
-        except sqlite3.OperationalError:
+        except sqlite3.OperationalError as exc:
             if attempt == 149:
                 raise
+            if "readonly" in str(exc):
+                # A writer killed mid-transaction leaves a hot journal that only a read-write connection may roll
+                # back (as the next citer command would): open one, read nothing, close.
+                rw = sqlite3.connect(db, timeout=5)
+                try:
+                    rw.execute("select count(*) from sqlite_master").fetchone()
+                finally:
+                    rw.close()
             time.sleep(0.05 if attempt < 40 else 0.25)
     raise AssertionError("unreachable")
 
