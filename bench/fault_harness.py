@@ -83,6 +83,7 @@ def citer_env(api_url: str | None) -> dict[str, str]:
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
         HF_HUB_OFFLINE="1",
         CITER_PROGRESS="0",
+        CITER_JSON="1",  # each command's whole result as JSON on stdout: Cmd.json reads it
         MLFLOW_DISABLE_TELEMETRY="true",
         DVC_NO_ANALYTICS="1",
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
