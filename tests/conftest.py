@@ -108,6 +108,14 @@ def make_qwen2(
     return model.eval()
 
 
+def decoding_pair(vocab_size: int = 97):
+    """The decoding tests' tiny random pair: a one-layer SLM (hidden 32) and a two-layer LLM (hidden 64)."""
+    return (
+        make_qwen2(vocab_size, hidden_size=32, num_hidden_layers=1, seed=1),
+        make_qwen2(vocab_size, hidden_size=64, num_hidden_layers=2, seed=2),
+    )
+
+
 def spread_router(hidden_size: int):
     """A seeded MLP router whose scores spread over [0, 1], so at tau 0.5 both models write tokens."""
     from citer.routing.mlp import MLPRouter

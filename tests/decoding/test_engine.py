@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, make_qwen2
+from conftest import REPO, decoding_pair, make_qwen2
 from torch import nn
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, ConfidenceRouter, RandomRouter
@@ -17,9 +17,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 2
 
 @pytest.fixture(scope="module")
 def pair():
-    slm = make_qwen2(V, hidden_size=32, num_hidden_layers=1, seed=1)
-    llm = make_qwen2(V, hidden_size=64, num_hidden_layers=2, seed=2)
-    return slm, llm
+    return decoding_pair(V)
 
 
 def hf_greedy(model, prompt, n):

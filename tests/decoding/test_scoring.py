@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_qwen2, spread_router
+from conftest import decoding_pair, spread_router
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
@@ -16,9 +16,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 2
 
 @pytest.fixture(scope="module")
 def pair():
-    slm = make_qwen2(V, hidden_size=32, num_hidden_layers=1, seed=1)
-    llm = make_qwen2(V, hidden_size=64, num_hidden_layers=2, seed=2)
-    return slm, llm
+    return decoding_pair(V)
 
 
 def _decode(eng, budgets, logprobs, **kw):
