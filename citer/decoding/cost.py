@@ -86,6 +86,7 @@ class RowStats:
     # The same calls as if this row were decoded alone (batch 1): every call reads the whole weights.
     bytes_alone: float = 0.0
     wait_steps: int = 0  # decoding steps this row spent waiting for a shared LLM call
+    rolled_back_tokens: int = 0  # provisional SLM tokens a verified catch-up took back (not in new_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,11 +113,12 @@ class BatchStats:
     projected_seconds_per_token: float
     wall_seconds_per_token: float
     llm_fraction: float  # llm_tokens / new_tokens
-    llm_calls_per_token: float  # llm_calls / new_tokens; <= llm_fraction by construction
+    llm_calls_per_token: float  # llm_calls / new_tokens; <= llm_fraction unless check calls keep SLM tokens
     decode_steps: int = 0  # scheduler steps (each: at most one SLM decode call and one LLM call)
     llm_calls_per_step: float = 0.0  # how often a step reads the LLM's weights
     wait_row_steps: int = 0  # row-steps spent waiting for a shared LLM call (the latency shared calls add)
     wait_steps_per_llm_token: float = 0.0
+    rolled_back_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +146,7 @@ class CostMeter:
         self.llm_prompt = np.zeros(self._alloc, dtype=np.int64)
         self.llm_catchup = np.zeros(self._alloc, dtype=np.int64)
         self.wait = np.zeros(self._alloc, dtype=np.int64)
+        self.rolled = np.zeros(self._alloc, dtype=np.int64)
         self.add_rows(n_rows)
 
     def _grow(self, alloc: int) -> None:
@@ -156,7 +159,7 @@ class CostMeter:
         for m in ("slm", "llm"):
             for f in _ROW_FIELDS:
                 self._row[m, f] = grown(self._row.get((m, f)), np.float64 if f == "wshare" else np.int64)
-        for name in ("llm_prompt", "llm_catchup", "wait"):
+        for name in ("llm_prompt", "llm_catchup", "wait", "rolled"):
             if hasattr(self, name):
                 setattr(self, name, grown(getattr(self, name), np.int64))
         self._alloc = alloc
@@ -196,6 +199,14 @@ class CostMeter:
         llm = np.asarray(from_llm, dtype=bool)
         self._row["llm", "tokens"][idx[llm]] += 1
         self._row["slm", "tokens"][idx[~llm]] += 1
+
+    def rolled_back(self, rows: Sequence[int], n_tokens: Sequence[int]) -> None:
+        """Rows whose last ``n_tokens`` emitted SLM tokens were taken back: they leave the token counts; the calls
+        that wrote them (SLM steps, router reads, the LLM's KV writes past the cut) stay charged."""
+        idx = np.asarray(rows, dtype=np.int64)
+        n = np.asarray(n_tokens, dtype=np.int64)
+        self._row["slm", "tokens"][idx] -= n
+        self.rolled[idx] += n
 
     def step(self, waiting: Sequence[int]) -> None:
         """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
@@ -241,6 +252,7 @@ class CostMeter:
                     projected_seconds=float((sb[r] + lb[r]) / bw),
                     bytes_alone=float(alone[r]),
                     wait_steps=int(self.wait[r]),
+                    rolled_back_tokens=int(self.rolled[r]),
                 )
             )
         return out
@@ -278,5 +290,6 @@ class CostMeter:
             llm_calls_per_step=self.calls["llm"] / max(self.steps, 1),
             wait_row_steps=waited,
             wait_steps_per_llm_token=waited / max(llm_t, 1),
+            rolled_back_tokens=int(self.rolled[:n].sum()),
         )
         return rows, batch

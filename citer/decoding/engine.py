@@ -18,10 +18,11 @@ chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded 
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from citer.decoding.pairing import (
 )
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
+from citer.decoding.verify import Verification, VerificationError
 
 # static_steps: None = the ragged eager call; "eager" = fixed-shape calls run eagerly; "aot_eager" = traced whole
 # (fullgraph) without code generation, the CPU check of capturability; "default" = torch.compile (Inductor);
@@ -56,6 +58,8 @@ class GenerationResult:
     from_llm: list[list[bool]]  # per new token: True when the LLM wrote it
     rows: list[RowStats]
     batch: BatchStats
+    # per row, (index in ``tokens``, the provisional SLM tokens the LLM's token at that index took back)
+    replaced: list[list[tuple[int, list[int]]]] = field(default_factory=list)
 
 
 def _max_positions(model: nn.Module) -> int:
@@ -71,7 +75,8 @@ class RoutedEngine:
     the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
     models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
     ``llm_min_rows`` (>= 1) and ``llm_max_wait_steps`` (>= 0): shared LLM calls (module docstring); 1 and 0 call the
-    LLM at the step a row is routed to it.
+    LLM at the step a row is routed to it. ``verify_rho``/``verify_window``/``verify_final``: verified routing
+    (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER.
     """
 
     def __init__(
@@ -87,6 +92,9 @@ class RoutedEngine:
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
         static_steps: str | None = None,
+        verify_rho: float = math.inf,
+        verify_window: int = 0,
+        verify_final: bool = False,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
@@ -130,6 +138,12 @@ class RoutedEngine:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps
         self._static: dict[str, StaticSteps | None] = {}
+        try:
+            self.verify = Verification(verify_rho, verify_window, verify_final)
+        except VerificationError as exc:
+            raise EngineInputError(str(exc)) from exc
+        if self.verify.on and llm is None:
+            raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
 
     def static_for(self, which: str) -> StaticSteps | None:
         """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``static_steps`` asks for them and the model
@@ -226,11 +240,18 @@ class RoutedEngine:
         keys = [sess.add(p, max_new_tokens, row_id=r) for p, r in zip(prompts, ids, strict=True)]
         out_tok: dict[int, list[int]] = {k: [] for k in keys}
         out_llm: dict[int, list[bool]] = {k: [] for k in keys}
+        out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}
         while sess.busy:
             for em in sess.step():
+                if em.replaced:
+                    out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
                 out_tok[em.key].append(em.token)
                 out_llm[em.key].append(em.from_llm)
         rows, batch = sess.meter.finish(time.perf_counter() - t0)
         return GenerationResult(
-            tokens=[out_tok[k] for k in keys], from_llm=[out_llm[k] for k in keys], rows=rows, batch=batch
+            tokens=[out_tok[k] for k in keys],
+            from_llm=[out_llm[k] for k in keys],
+            rows=rows,
+            batch=batch,
+            replaced=[out_rep[k] for k in keys],
         )

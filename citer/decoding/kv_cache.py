@@ -169,6 +169,7 @@ def ragged_append(
     chunks: Sequence[Sequence[int]],
     slots: Sequence[int] | None = None,
     packed: bool | None = None,
+    every: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed ``chunks[i]`` to slot ``slots[i]`` (default: slot i) in one forward call.
 
@@ -189,18 +190,19 @@ def ragged_append(
             raise ValueError("a packed call cannot hold rows (empty chunks)")
         packed = False
     if cache.static is not None and not packed and q <= cache.static_q:
-        return cache.static(cache, chunks, sl)
+        return cache.static(cache, chunks, sl, every=every)
     if packed is None:
         # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
         packed = b > 1 and 2 * sum(gaps) <= b * q and sum(gaps) * n_keys <= 1 << 22
     if packed:
-        return _packed_append(model, cache, chunks, sl, gaps)
+        return _packed_append(model, cache, chunks, sl, gaps, every)
     cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))
     cache._slots = None if sl == list(range(b)) else torch.tensor(sl, dtype=torch.long, device=dev)
     cache._rows = torch.arange(b, device=dev)[:, None] if cache._slots is None else None
     if q == 1:
-        return _step_append(model, cache, chunks, sl)
+        logits, hidden = _step_append(model, cache, chunks, sl)
+        return (logits[:, None], hidden[:, None]) if every else (logits, hidden)
     starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
     g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
     ids = torch.tensor(
@@ -215,7 +217,8 @@ def ragged_append(
     allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
     mask = _mask_for(model, allowed[:, None])  # (b, 1, Q, K)
     try:
-        logits, hidden = decoder_forward(model, ids, mask, pos, cache, last_index=g - 1)  # (b, V), (b, H)
+        # (b, V), (b, H); every: (b, Q, V), (b, Q, H)
+        logits, hidden = decoder_forward(model, ids, mask, pos, cache, last_index=None if every else g - 1)
     finally:
         cache._slots, cache._cols, cache._rows = None, None, None
     for s, n in zip(sl, gaps, strict=True):
@@ -248,7 +251,12 @@ def _step_append(
 
 
 def _packed_append(
-    model: nn.Module, cache: RaggedKVCache, chunks: Sequence[Sequence[int]], sl: list[int], gaps: list[int]
+    model: nn.Module,
+    cache: RaggedKVCache,
+    chunks: Sequence[Sequence[int]],
+    sl: list[int],
+    gaps: list[int],
+    every: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dev = cache.device
     tok_row, tok_pos, key_row, key_col, key_slot = [], [], [], [], []
@@ -270,6 +278,8 @@ def _packed_append(
     )
     mask = _mask_for(model, allowed[None, None])  # (1, 1, N, sum K_i)
     last = torch.tensor(gaps, device=dev).cumsum(0) - 1  # (b,) index of each row's last token
+    if every:  # every token: (N, V), (N, H), scattered below to (b, Q, .)
+        last = torch.arange(len(tok_row), device=dev)
     try:
         logits, hidden = decoder_forward(
             model,
@@ -281,6 +291,13 @@ def _packed_append(
         )  # (b, V), (b, H)
     finally:
         cache._packed = None
+    if every:
+        j = torch.tensor([i for n in gaps for i in range(n)], dtype=torch.long, device=dev)  # (N,)
+        q = max(gaps)
+        lg = logits.new_zeros((len(gaps), q, logits.shape[-1]))
+        hd = hidden.new_zeros((len(gaps), q, hidden.shape[-1]))
+        lg[t["tok_row"], j], hd[t["tok_row"], j] = logits, hidden
+        logits, hidden = lg, hd
     for s, n in zip(sl, gaps, strict=True):
         cache.lengths[s] += n
     return logits, hidden

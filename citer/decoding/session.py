@@ -15,6 +15,10 @@ RaggedKVCache`), the SLM's latest logits and hidden state per slot, and a cost m
 
 A row's random draws (router noise, sampling) are keyed by its ``row_id`` and its own token index, never by the step
 or by its neighbours, so a row's tokens do not depend on what else is in the batch.
+
+With verification on (``engine.verify``, :mod:`citer.decoding.verify`), an LLM call also checks the row's unverified
+SLM tokens, may cut the row and rewind both caches, and a row may call the LLM to check (window, final); the SLM's
+tokens are held back as provisional until checked, so :meth:`DecodeSession.step` returns final tokens only.
 Shapes: b = active rows (slots 0..b-1), V = vocab, H = SLM hidden.
 """
 
@@ -22,81 +26,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
-from torch import nn
 
-from citer.decoding.cost import CostMeter, ModelCost, RowStats
+from citer.decoding.choice import TopLogprobs, choose_tokens, token_logprobs
+from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
 from citer.decoding.pairing import cut_logits
-from citer.decoding.sampling import select_tokens
+from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
+from citer.decoding.verify import first_cuts
 
-
-class Engine(Protocol):
-    """What a session needs of :class:`~citer.decoding.engine.RoutedEngine` (which builds sessions)."""
-
-    slm: nn.Module
-    llm: nn.Module | None
-    tau: float
-    eos: set[int]
-    vocab_size: int
-    gpu: str
-    cost_slm: ModelCost
-    cost_llm: ModelCost | None
-    llm_min_rows: int
-    llm_max_wait_steps: int
-
-    def check_prompts(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
-    ) -> None: ...
-
-    def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
-
-    def static_for(self, which: str) -> Any: ...
-
-
-class EngineInputError(ValueError):
-    """Bad arguments to the engine; raised before any generation."""
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    if temperature < 0.0 or not 0.0 < top_p <= 1.0:
-        raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-
-
-@dataclass
-class Emitted:
-    """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch.
-
-    For a row added with ``logprobs=k``: ``logprob``, the token's log-probability under the distribution of the model
-    that wrote it (temperature 1, over the shared vocabulary), and ``top_logprobs``, that distribution's ``k``
-    likeliest ``(token, logprob)`` (``k`` = 0: none). Other rows leave both None."""
-
-    key: int
-    token: int
-    from_llm: bool
-    done: bool
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class _Row:
-    key: int  # the caller's handle; also the meter's row index
-    row_id: int  # keys the random router and the sampler
-    seq: list[int]
-    prompt_len: int
-    max_new: int
-    sampling: tuple[float, float, int] = (0.0, 1.0, 0)  # temperature, top_p, seed
-    logprobs: int | None = None  # top log-probs to report per emitted token; None: report none
-    llm_seen: int = 0  # tokens of this row in the LLM cache
-    waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
-
-    @property
-    def n_out(self) -> int:  # tokens emitted so far: the row's own step, which keys its random draws
-        return len(self.seq) - self.prompt_len
+__all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
 
 
 class DecodeSession:
@@ -121,12 +61,16 @@ class DecodeSession:
         self.slm_cache.static = engine.static_for("slm")
         if self.llm_cache is not None:
             self.llm_cache.static = engine.static_for("llm")
-        self.rows: list[_Row] = []  # slot -> row: active rows in slot order
-        self.queue: deque[_Row] = deque()  # admitted by a later step
+        self.rows: list[Row] = []  # slot -> row: active rows in slot order
+        self.queue: deque[Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
         self.hidden: torch.Tensor | None = None  # (b, H) the router's input per slot
-        # slot -> (logprob, top) of this step's token, for rows that asked for them
-        self._lp: dict[int, tuple[float, list[tuple[int, float]]]] = {}
+        # This step's slot -> (logprob, top) of its token, for rows that asked for them; the slots whose token the
+        # LLM wrote; the slots an LLM call checked (their tokens are final); slot -> SLM tokens taken back.
+        self._lp: dict[int, TopLogprobs] = {}
+        self._llm_wrote: set[int] = set()
+        self._checked: set[int] = set()
+        self._replaced: dict[int, list[int]] = {}
 
     # -- the caller's side ------------------------------------------------------------------------------------------
     def add(
@@ -158,7 +102,7 @@ class DecodeSession:
         seq = [int(t) for t in prompt]
         rid = key if row_id is None else int(row_id)
         self.queue.append(
-            _Row(
+            Row(
                 key=key,
                 row_id=rid,
                 seq=seq,
@@ -166,6 +110,8 @@ class DecodeSession:
                 max_new=max_new_tokens,
                 sampling=samp,
                 logprobs=logprobs,
+                verified=len(seq),
+                pending=[],
             )
         )
         return key
@@ -206,7 +152,7 @@ class DecodeSession:
         e, b = self.e, len(self.rows)
         ready = [s for s, r in enumerate(self.rows) if r.waited < 0]
         tok: dict[int, int] = {}  # slot -> token emitted this step
-        self._lp = {}
+        self._lp, self._llm_wrote, self._checked, self._replaced = {}, set(), set(), {}
         if ready:
             assert self.hidden is not None and self.logits is not None
             rid = torch.tensor(
@@ -217,18 +163,24 @@ class DecodeSession:
             hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
             scores = e.score(hidden, rid, steps)  # (k,)
-            proposal = self._choose(logits, [self.rows[s] for s in ready], rid, steps)
+            rows = [self.rows[s] for s in ready]
+            proposal = choose_tokens(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)
+            lps = token_logprobs(logits, proposal, [r.logprobs for r in rows], e.vocab_size)
             to_llm = (scores < e.tau).tolist()  # one device sync for the whole batch, not one per row
-            for i, s in enumerate(ready):
+            for i, (s, r) in enumerate(zip(ready, rows, strict=True)):
                 if to_llm[i]:
-                    self.rows[s].waited = 0
+                    r.waited = 0
+                elif e.verify.wants_check(
+                    len(r.seq) - r.verified, proposal[i] in e.eos or r.n_out + 1 >= r.max_new
+                ):
+                    r.waited, r.check, r.check_lp = 0, proposal[i], lps[i]
                 else:
                     tok[s] = proposal[i]
-            self._note_logprobs(logits, [s if s in tok else -1 for s in ready], proposal)
+                    if lps[i] is not None:
+                        self._lp[s] = lps[i]
         waiting = [s for s in range(b) if self.rows[s].waited >= 0]
         if waiting and self._llm_due(waiting, advancing=len(tok)):
-            for s, t in zip(waiting, self._llm_tokens(waiting), strict=True):
-                tok[s] = t
+            tok.update(self._llm_call(waiting))
         held = [s for s in waiting if s not in tok]
         for s in held:
             self.rows[s].waited += 1
@@ -245,13 +197,17 @@ class DecodeSession:
             return True
         return max(self.rows[s].waited for s in waiting) >= e.llm_max_wait_steps
 
-    def _llm_tokens(self, slots: list[int]) -> list[int]:
+    def _llm_call(self, slots: list[int]) -> dict[int, int]:
+        """One LLM call over the waiting rows ``slots``; returns slot -> the token each emits this step."""
         e = self.e
         if self.llm_cache is None:
             raise ValueError("router sent a token to the LLM but the engine has llm=None")
         rows = [self.rows[s] for s in slots]
         chunks = [r.seq[r.llm_seen :] for r in rows]
-        logits, _ = ragged_append(e.llm, self.llm_cache, chunks, slots=slots)  # (k, V)
+        every = e.verify.on  # verification reads the LLM's distribution at every caught-up position
+        logits, _ = ragged_append(
+            e.llm, self.llm_cache, chunks, slots=slots, every=every
+        )  # (k, V) | (k, Q, V)
         keys = [r.key for r in rows]
         self.meter.forward("llm", keys, [len(c) for c in chunks], [len(r.seq) for r in rows])
         self.meter.llm_fed(
@@ -259,67 +215,103 @@ class DecodeSession:
             [max(r.prompt_len - r.llm_seen, 0) for r in rows],
             [len(r.seq) - max(r.llm_seen, r.prompt_len) for r in rows],
         )
+        self._checked.update(slots)
+        if every:
+            return self._verified(slots, rows, logits)
         for r in rows:
             r.llm_seen = len(r.seq)
         rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
         steps = torch.tensor([r.n_out for r in rows], dtype=torch.long)
-        toks = self._choose(logits, rows, rid, steps)
-        self._note_logprobs(logits, slots, toks)
-        return toks
+        toks = choose_tokens(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)
+        self._llm_wrote.update(slots)
+        for s, lp in zip(
+            slots, token_logprobs(logits, toks, [r.logprobs for r in rows], e.vocab_size), strict=True
+        ):
+            if lp is not None:
+                self._lp[s] = lp
+        return dict(zip(slots, toks, strict=True))
 
-    def _note_logprobs(self, logits: torch.Tensor, slots: list[int], toks: list[int]) -> None:
-        """Keep, for the rows of ``slots`` that asked for them, the log-probs of ``toks`` under ``logits`` (k, V);
-        slot -1 marks a row whose token comes from elsewhere. The same logits the token was chosen from."""
-        want = [i for i, s in enumerate(slots) if s >= 0 and self.rows[s].logprobs is not None]
-        if not want:
-            return
-        sel = torch.tensor(want, dtype=torch.long, device=logits.device)
-        lp = torch.log_softmax(cut_logits(logits.index_select(0, sel), self.e.vocab_size).float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor([toks[i] for i in want], device=lp.device)[:, None])[:, 0].tolist()
-        k = max(self.rows[slots[i]].logprobs or 0 for i in want)
-        top_v, top_i = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (None, None)
-        for j, i in enumerate(want):
-            s = slots[i]
-            kk = self.rows[s].logprobs or 0
-            top = (
-                list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist(), strict=True))
-                if top_i is not None and top_v is not None and kk
-                else []
-            )
-            self._lp[s] = (chosen[j], top)
-
-    def _choose(
-        self, logits: torch.Tensor, rows: list[_Row], rid: torch.Tensor, steps: torch.Tensor
-    ) -> list[int]:
-        """Tokens for ``rows`` from logits (k, V), one sampler call per distinct sampling setting."""
-        logits = cut_logits(logits, self.e.vocab_size)
-        groups: dict[tuple[float, float, int], list[int]] = {}
+    def _verified(self, slots: list[int], rows: list[Row], logits: torch.Tensor) -> dict[int, int]:
+        """Check each row's unverified tokens (and a check row's proposal) against the LLM's logits (k, Q, V) at every
+        caught-up position; cut a row at its first rejected token. A forced row's last position is always the
+        LLM's."""
+        e = self.e
+        owner, col, proposed, step_of = (
+            [],
+            [],
+            [],
+            [],
+        )  # per candidate: row, chunk position, token, step index
         for i, r in enumerate(rows):
-            groups.setdefault(r.sampling, []).append(i)
-        if len(groups) == 1:
-            ((t, p, seed),) = groups
-            return select_tokens(logits, t, p, seed, rid, steps).tolist()
-        out = [0] * len(rows)
-        for (t, p, seed), idx in groups.items():
-            sel = torch.tensor(idx, dtype=torch.long)
-            toks = select_tokens(logits[sel.to(logits.device)], t, p, seed, rid[sel], steps[sel]).tolist()
-            for i, tok in zip(idx, toks, strict=True):
-                out[i] = tok
+            for t in range(r.verified, len(r.seq) + 1):  # the token at seq index t, predicted at t - 1
+                owner.append(i)
+                col.append(t - 1 - r.llm_seen)
+                step_of.append(t - r.prompt_len)
+                proposed.append(r.seq[t] if t < len(r.seq) else -1 if r.check is None else r.check)
+        dev = logits.device
+        flat = logits[torch.tensor(owner, device=dev), torch.tensor(col, device=dev)]  # (N, V)
+        rid = torch.tensor([rows[i].row_id for i in owner], dtype=torch.long)
+        choice = choose_tokens(
+            flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), e.vocab_size
+        )
+        logp = torch.log_softmax(cut_logits(flat, e.vocab_size).float(), dim=-1)  # (N, V)
+        cuts = first_cuts(logp, proposed, choice, owner, e.verify.rho, len(rows))
+        out: dict[int, int] = {}
+        for i, (s, r) in enumerate(zip(slots, rows, strict=True)):
+            n = cuts[i]
+            r.llm_seen = len(r.seq)
+            if n < 0:  # every token passed, the check's proposal included: the SLM's token stands
+                assert r.check is not None
+                out[s] = r.check
+                if r.check_lp is not None:
+                    self._lp[s] = r.check_lp
+            else:
+                out[s] = choice[n]
+                self._llm_wrote.add(s)
+                lp = token_logprobs(flat[n : n + 1], [choice[n]], [r.logprobs], e.vocab_size)[0]
+                if lp is not None:
+                    self._lp[s] = lp
+                t = step_of[n] + r.prompt_len
+                if t < len(r.seq):
+                    self._rewind(s, r, t)
+            r.check, r.check_lp = None, None
         return out
 
+    def _rewind(self, s: int, r: Row, t: int) -> None:
+        """Take back the row's provisional tokens from seq index ``t`` on; both caches forget them."""
+        assert r.pending is not None and t >= r.verified
+        self._replaced[s] = r.seq[t:]
+        self.meter.rolled_back([r.key], [len(r.seq) - t])
+        del r.seq[t:]
+        del r.pending[t - r.verified :]
+        self.slm_cache.lengths[s] = t
+        assert self.llm_cache is not None
+        self.llm_cache.lengths[s] = t
+        r.llm_seen = t
+
     def _emit(self, tok: dict[int, int]) -> tuple[list[Emitted], set[int]]:
-        """Append each row's token; retire finished rows. Returns the tokens and the keys of the rows to feed."""
+        """Append each row's token; retire finished rows. Returns the final tokens (a provisional SLM token is held
+        back until a call checks it or its row finishes) and the keys of the rows to feed."""
         out, done = [], []
         slots = sorted(tok)
-        from_llm = [self.rows[s].waited >= 0 for s in slots]
+        from_llm = [s in self._llm_wrote for s in slots]
         self.meter.emitted([self.rows[s].key for s in slots], from_llm)
+        provisional = self.e.verify.on
         for s, llm in zip(slots, from_llm, strict=True):
             r = self.rows[s]
             r.seq.append(tok[s])
             r.waited = -1
             fin = tok[s] in self.e.eos or r.n_out >= r.max_new
             lp, top = self._lp.get(s, (None, None))
-            out.append(Emitted(r.key, tok[s], llm, fin, lp, top))
+            em = Emitted(r.key, tok[s], llm, fin, lp, top, self._replaced.get(s))
+            assert r.pending is not None
+            if provisional and not fin and s not in self._checked:
+                r.pending.append(em)
+            else:
+                out += r.pending
+                out.append(em)
+                r.pending.clear()
+                r.verified = len(r.seq)
             if fin:
                 done.append(s)
         fed = {self.rows[s].key for s in slots if s not in done}

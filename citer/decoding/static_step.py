@@ -54,12 +54,16 @@ def static_append(
     cols: torch.Tensor,
     slots: torch.Tensor,
     last: torch.Tensor,
+    every: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed-shape call. ids, pos, cols (B, Q) long; slots (B,) pool rows; last (B,) the index of each row's last
-    real token. keys/values: per layer the pool (R, kv, K, D). Returns logits (B, V) and hidden (B, H) there."""
+    real token. keys/values: per layer the pool (R, kv, K, D). Returns logits (B, V) and hidden (B, H) there
+    (``every``: (B, Q, V) and (B, Q, H) at every position, a graph of its own)."""
     k_cols = keys[0].shape[2]
     mask = torch.arange(k_cols, device=pos.device) <= pos[:, None, :, None]  # (B, 1, Q, K)
     hidden = lean.hidden(ids, pos, mask, _PoolWriter(keys, values, slots, cols), k_cols)  # (B, Q, H)
+    if every:
+        return lean.logits(hidden), hidden
     hidden = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # (B, H)
     return lean.logits(hidden), hidden
 
@@ -84,10 +88,11 @@ class StaticSteps:
         self._marked: set[int] = set()
 
     def __call__(
-        self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int]
+        self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``chunks[i]`` to slot ``slots[i]``; logits (b, V) and hidden (b, H) at each row's last fed token
-        (an empty chunk holds its row, as in :func:`~citer.decoding.kv_cache.ragged_append`)."""
+        (an empty chunk holds its row, as in :func:`~citer.decoding.kv_cache.ragged_append`); ``every``: (b, Q, .)
+        at every position, Q = the longest chunk."""
         b = len(chunks)
         big_b, q = bucket(b), bucket(max(len(c) for c in chunks))
         keys, values = self._pool(cache)
@@ -110,9 +115,12 @@ class StaticSteps:
         dev = cache.device
         t = torch.tensor([ids, pos, cols], dtype=torch.long, device=dev)  # (3, B, Q)
         extra = torch.tensor([slot_row, last], dtype=torch.long, device=dev)  # (2, B)
-        logits, hidden = self.fn(self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1])
+        logits, hidden = self.fn(self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], every)
         for s, c in zip(slots, chunks, strict=True):
             cache.lengths[s] += len(c)
+        if every:
+            g = max(len(c) for c in chunks)
+            return logits[:b, :g], hidden[:b, :g]
         return logits[:b], hidden[:b]
 
     def _pool(self, cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -1,0 +1,89 @@
+"""What a decoding session is made of: the engine it needs, the rows it decodes, the tokens it emits.
+
+Shapes: k = rows, V = vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from citer.decoding.choice import Sampling, TopLogprobs
+from citer.decoding.cost import ModelCost
+from citer.decoding.verify import Verification
+
+
+class Engine(Protocol):
+    """What a session needs of :class:`~citer.decoding.engine.RoutedEngine` (which builds sessions)."""
+
+    slm: nn.Module
+    llm: nn.Module | None
+    tau: float
+    eos: set[int]
+    vocab_size: int
+    gpu: str
+    cost_slm: ModelCost
+    cost_llm: ModelCost | None
+    llm_min_rows: int
+    llm_max_wait_steps: int
+    verify: Verification
+
+    def check_prompts(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
+    ) -> None: ...
+
+    def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
+
+    def static_for(self, which: str) -> Any: ...
+
+
+class EngineInputError(ValueError):
+    """Bad arguments to the engine; raised before any generation."""
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if temperature < 0.0 or not 0.0 < top_p <= 1.0:
+        raise EngineInputError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+
+
+@dataclass
+class Emitted:
+    """One token chosen at a step for the row ``key``; ``done``: the row has finished and left the batch.
+
+    For a row added with ``logprobs=k``: ``logprob``, the token's log-probability under the distribution of the model
+    that wrote it (temperature 1, over the shared vocabulary), and ``top_logprobs``, that distribution's ``k``
+    likeliest ``(token, logprob)`` (``k`` = 0: none). Other rows leave both None. ``replaced``: the provisional SLM
+    tokens this (LLM) token took back, in order (verified routing); None when it took none back."""
+
+    key: int
+    token: int
+    from_llm: bool
+    done: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    replaced: list[int] | None = None
+
+
+@dataclass
+class Row:
+    key: int  # the caller's handle; also the meter's row index
+    row_id: int  # keys the random router and the sampler
+    seq: list[int]
+    prompt_len: int
+    max_new: int
+    sampling: Sampling = (0.0, 1.0, 0)  # temperature, top_p, seed
+    logprobs: int | None = None  # top log-probs to report per emitted token; None: report none
+    llm_seen: int = 0  # tokens of this row in the LLM cache
+    waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
+    verified: int = 0  # seq[:verified] is final; seq[verified:] are provisional SLM tokens
+    pending: list[Emitted] | None = None  # the events of seq[verified:], released once checked
+    check: int | None = None  # a check call's SLM proposal for this step (verified in the call)
+    check_lp: TopLogprobs | None = None
+
+    @property
+    def n_out(self) -> int:  # tokens emitted so far: the row's own step, which keys its random draws
+        return len(self.seq) - self.prompt_len
