@@ -124,6 +124,14 @@ class RouterVersion:
     def tau(self) -> float:
         return float(self.tags["tau"])
 
+    @property
+    def verify_kwargs(self) -> dict[str, float | int | bool]:
+        """The verification its point was chosen with (:mod:`citer.decoding.verify`), as engine keyword arguments;
+        a version registered without one is plain CITER."""
+        from citer.decoding.verify import Verification
+
+        return Verification.from_tags(self.tags).engine_kwargs()
+
 
 def _client(tracking_uri: str | None = None):
     import mlflow

@@ -99,7 +99,7 @@ def generator_config(proj: Project, tau: float, tags: dict[str, Any]) -> dict[st
         "max_new_tokens": int(p.serve.max_new_tokens),
         "dtype": p.models.dtype,
         "device": p.models.device,
-    }
+    } | {k: tags[k] for k in ("verify_rho", "verify_window", "verify_final") if k in tags}
 
 
 def _pyfunc_config(tags: dict[str, str], model_config: dict[str, Any] | None) -> dict[str, Any]:

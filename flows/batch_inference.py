@@ -47,7 +47,9 @@ def batch_inference_flow(
         fmt,
         batch_size=inf.batch_size,
         max_new_tokens=inf.max_new_tokens,
-        meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")},
+        # the version's verification (rho, W, final) is part of what it writes: another one restarts the file
+        meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")}
+        | {k: v for k, v in rv.tags.items() if k.startswith("verify_")},
         restart_on_change=True,  # predictions for another input, champion or τ are never resumed
     )
     from citer.evaluation.html_report import write_report

@@ -24,6 +24,7 @@ and releases it once a call has checked it (or the row finishes), so callers and
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,31 @@ class Verification:
             return False
         return bool(self.window and unverified >= self.window) or (self.final and finishing)
 
-    def to_dict(self) -> dict[str, float | int | bool]:
-        return {"rho": self.rho, "window": self.window, "final": self.final}
+    def engine_kwargs(self) -> dict[str, float | int | bool]:
+        """The :class:`~citer.decoding.engine.RoutedEngine` keyword arguments that rebuild this setting."""
+        return {"verify_rho": self.rho, "verify_window": self.window, "verify_final": self.final}
+
+    def tags(self) -> dict[str, str]:
+        """As a registered version records it (strings; ``inf`` spelled out)."""
+        return {
+            "verify_rho": "inf" if self.rho == math.inf else repr(float(self.rho)),
+            "verify_window": str(self.window),
+            "verify_final": "true" if self.final else "false",
+        }
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, object]) -> Verification:
+        """The setting a version's tags (or a model config) record; none recorded: plain CITER."""
+        rho = tags.get("verify_rho")
+        final = tags.get("verify_final", False)
+        try:
+            return cls(
+                math.inf if rho is None or str(rho) == "inf" else float(str(rho)),
+                int(str(tags.get("verify_window", 0))),
+                final if isinstance(final, bool) else str(final).lower() == "true",
+            )
+        except ValueError as exc:
+            raise VerificationError(f"verification tags {dict(tags)!r}: {exc}") from exc
 
 
 def first_cuts(

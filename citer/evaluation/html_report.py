@@ -28,6 +28,7 @@ tr.oracle td { color: #666; font-style: italic; } tr.citer td { font-weight: 600
 .answer { font-family: ui-monospace, monospace; white-space: pre-wrap; background: #fafafa; border: 1px solid #e4e4e4;
           padding: .5rem; margin: .4rem 0 1rem; }
 .tok.llm { background: #ffd58a; border-radius: 3px; } .tok.slm { color: #1d3f73; }
+.tok.rolled_back { color: #9a9a9a; text-decoration: line-through; }
 .key { display: inline-block; padding: 0 .4rem; margin-right: .6rem; }
 .ok { color: #17702f; } .bad { color: #a11; } img { max-width: 100%; }
 """
@@ -70,7 +71,8 @@ def _answers(preds: list[dict[str, Any]], n: int) -> tuple[str, int, int]:
     for p in shown:
         pieces = []
         for text, who in p["spans"]:
-            pieces.append(f'<span class="tok {who}" title="{who.upper()}">{_esc(text)}</span>')
+            title = "SLM, taken back by the LLM's check" if who == "rolled_back" else who.upper()
+            pieces.append(f'<span class="tok {who}" title="{title}">{_esc(text)}</span>')
             n_llm += who == "llm"
             n_slm += who == "slm"
         verdict = ""
@@ -106,6 +108,7 @@ def build_report(
     if not answers:
         answers = "<p>No batch-inference output with token spans yet (run <code>citer route</code>).</p>"
     legend = ('<p><span class="key tok slm">SLM</span><span class="key tok llm">LLM</span>'
+              '<span class="key tok rolled_back">taken back (verified routing)</span>'
               f'<span id="counts">{n_llm} LLM pieces, {n_slm} SLM pieces shown</span></p>')  # fmt: skip
     src = ", ".join(f"reports/{f}" for f in files)
     return f"""<!doctype html>

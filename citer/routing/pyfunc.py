@@ -78,6 +78,7 @@ def prompts_of(model_input: Any) -> list[str]:
 class CiterGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context: Any) -> None:
         from citer.decoding.engine import RoutedEngine
+        from citer.decoding.verify import Verification
         from citer.models.loading import load_pair
         from citer.routing.mlp import load_router
 
@@ -110,6 +111,7 @@ class CiterGenerator(mlflow.pyfunc.PythonModel):
             tau=float(cfg["tau"]),
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
+            **Verification.from_tags(cfg).engine_kwargs(),  # the point's rho/W, when one was chosen
         )
 
     def predict(self, context, model_input, params=None):  # untyped: MLflow reads type hints as a schema

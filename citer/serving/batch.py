@@ -173,12 +173,13 @@ def _stats_out(st: Any, n_tokens: int) -> dict[str, Any]:
         "llm_token_fraction": llm_tokens / n_tokens if n_tokens else 0.0,
         "llm_calls": int(getattr(st, "llm_calls", 0)),
         "bytes_moved": float(getattr(st, "bytes_moved", 0.0)),
+        "rolled_back_tokens": int(getattr(st, "rolled_back_tokens", 0)),
     }
 
 
 def _generate(
     engine: Any, pairs: list[tuple[_Item, list[int]]], max_new_tokens: int, batch_size: int
-) -> list[tuple[list[int], Any, list[bool]]]:
+) -> list[tuple[list[int], Any, list[bool], list[tuple[int, list[int]]]]]:
     # row_ids = input indices: a random router or sampler then draws the same numbers whatever the batch.
     res = engine.generate_batch(
         [ids for _, ids in pairs],
@@ -187,18 +188,31 @@ def _generate(
         row_ids=[it.index for it, _ in pairs],
         max_rows=batch_size,
     )
-    return list(zip(res.tokens, res.rows, res.from_llm, strict=True))
+    replaced = res.replaced or [[] for _ in res.tokens]
+    return list(zip(res.tokens, res.rows, res.from_llm, replaced, strict=True))
 
 
-def writer_spans(tokenizer: Any, toks: list[int], from_llm: list[bool]) -> list[list[str]]:
+def writer_spans(
+    tokenizer: Any,
+    toks: list[int],
+    from_llm: list[bool],
+    replaced: list[tuple[int, list[int]]] | None = None,
+) -> list[list[str]]:
     """The response as ``[text, "slm"|"llm"]`` runs of tokens written by one model (the report's token view).
-    Each run's text is the growth of the decoded prefix, so pieces join to the decoded response."""
+    Each run's text is the growth of the decoded prefix, so pieces join to the decoded response. ``replaced``
+    (verified routing: ``(index, SLM tokens the LLM's token at index took back)``) adds ``[text, "rolled_back"]``
+    pieces where they were taken back; they are not part of the response."""
     out: list[list[str]] = []
+    cuts = dict(replaced or [])
     done = ""
     i = 0
     while i < len(toks):
+        if i in cuts:
+            gone = tokenizer.decode(list(toks[:i]) + list(cuts[i]), skip_special_tokens=True)[len(done) :]
+            if gone:
+                out.append([gone, "rolled_back"])
         j = i
-        while j < len(toks) and from_llm[j] == from_llm[i]:
+        while j < len(toks) and from_llm[j] == from_llm[i] and (j == i or j not in cuts):
             j += 1
         text = tokenizer.decode(list(toks[:j]), skip_special_tokens=True)
         piece, who = text[len(done) :], "llm" if from_llm[i] else "slm"
@@ -239,7 +253,7 @@ def _decode_chunk(
                     err = f"engine refused the prompt: {exc}"
                     out[pair[0].index] = {"index": pair[0].index, "line": pair[0].line, "error": err}
             ok = [pair for pair in ok if pair[0].index not in out]
-        for (it, _), (toks, st, by_llm) in zip(ok, results, strict=True):
+        for (it, _), (toks, st, by_llm, cuts) in zip(ok, results, strict=True):
             assert it.row is not None
             text = tokenizer.decode(list(toks), skip_special_tokens=True)
             rec: dict[str, Any] = {"index": it.index, "line": it.line}
@@ -252,7 +266,7 @@ def _decode_chunk(
                 except ValueError as exc:  # e.g. a math reference without a final box
                     rec["grade_error"] = str(exc)
             rec.update(_stats_out(st, len(toks)))
-            rec["spans"] = writer_spans(tokenizer, list(toks), list(by_llm))
+            rec["spans"] = writer_spans(tokenizer, list(toks), list(by_llm), cuts)
             out[it.index] = rec
     return [out[it.index] for it in chunk]
 

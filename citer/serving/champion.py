@@ -136,6 +136,7 @@ def load_champion(
         pad_token_id=tok.pad_token_id,
         llm_min_rows=params.engine.llm_min_rows,
         llm_max_wait_steps=params.engine.llm_max_wait_steps,
+        **rv.verify_kwargs,
     )
     info = {
         "router": f"{rv.name}/{rv.version}",
@@ -144,5 +145,6 @@ def load_champion(
         "llm": paths["llm"],
         "tau": tau,
         "version": rv.version,
+        **rv.verify_kwargs,
     }
     return Champion(engine, tok, info)

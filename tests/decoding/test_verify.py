@@ -169,3 +169,14 @@ def test_fixed_shape_steps_verify_like_the_ragged_calls(pair):
     ragged = engine(pair, router, **kw).generate_batch(PROMPTS, N)
     fixed = engine(pair, router, static_steps="eager", **kw).generate_batch(PROMPTS, N)
     assert fixed.tokens == ragged.tokens and fixed.replaced == ragged.replaced
+
+
+def test_a_setting_survives_the_registry_tags():
+    from citer.decoding.verify import Verification, VerificationError
+
+    for v in (Verification(), Verification(0.5, 4, True), Verification(2.0, 0, False)):
+        assert Verification.from_tags(v.tags()) == v
+        assert all(isinstance(x, str) for x in v.tags().values())  # MLflow tags are strings
+    assert Verification.from_tags({"tau": "0.5"}) == Verification()  # none recorded: plain CITER
+    with pytest.raises(VerificationError, match="verify_window"):
+        Verification.from_tags({"verify_rho": "1.0", "verify_window": "-2"})

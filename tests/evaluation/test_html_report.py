@@ -16,7 +16,7 @@ PREDS = [
     {"index": 0, "response": "3 + 4 = 7. Thus 7.", "correct": True, "n_tokens": 9, "llm_tokens": 1,
      "spans": [["3 + 4 = ", "slm"], ["7", "llm"], [". Thus 7.", "slm"]]},
     {"index": 1, "response": "<b>x</b> = 2", "correct": False, "n_tokens": 5, "llm_tokens": 2,
-     "spans": [["<b>x</b>", "llm"], [" = ", "slm"], ["2", "llm"]]},
+     "spans": [["<b>x</b>", "llm"], [" = ", "slm"], ["3", "rolled_back"], ["2", "llm"]]},
     {"index": 2, "error": "field 'problem': missing required key"},
 ]  # fmt: skip
 
@@ -31,6 +31,7 @@ def test_report_holds_the_headline_every_method_and_the_token_view(tmp_path):
     page = build_report(REPO / "reports", _preds(tmp_path))
     assert page.count('class="tok llm"') == 3 and page.count('class="tok slm"') == 3
     assert "3 LLM pieces, 3 SLM pieces shown" in page
+    assert page.count('class="tok rolled_back"') == 1  # struck through, counted as neither writer
     assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page  # model text is escaped, never markup
     promo = json.loads((REPO / "reports" / "promotion.json").read_text())
     assert f"τ {promo['tau']:.3f} chosen on dev" in page

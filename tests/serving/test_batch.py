@@ -199,3 +199,35 @@ def test_too_long_prompt_is_an_error_row(engine, tiny_pair, tmp_path):
     assert "response" in out[0] and "response" in out[2]
     assert "longer than the" in out[1]["error"] and out[1]["line"] == 2
     assert s.n_errors == 1
+
+
+def test_verified_routing_shows_the_tokens_it_took_back_beside_the_response(tiny_pair, tmp_path):
+    from conftest import spread_router
+
+    from citer.decoding.engine import RoutedEngine
+    from citer.serving.batch import writer_spans
+
+    slm, llm, tok = tiny_pair
+    eng = RoutedEngine(
+        slm,
+        llm,
+        spread_router(slm.config.hidden_size),
+        tau=0.5,
+        eos_token_id=tok.eos_token_id,
+        verify_rho=1.0,
+    )
+    out = tmp_path / "out.jsonl"
+    route_file(
+        eng, tok, _write_input(tmp_path / "in.jsonl", with_bad=False), out, "math", 4, 12, progress=False
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sum(r["rolled_back_tokens"] for r in rows) > 0
+    for r in rows:
+        kept = [t for t, w in r["spans"] if w != "rolled_back"]
+        assert "".join(kept) == r["response"]  # taken-back pieces sit beside the response, not in it
+        assert any(w == "rolled_back" for _, w in r["spans"]) == (r["rolled_back_tokens"] > 0)
+    # the piece is the text of the tokens taken back, where they were taken back
+    ids = tok.encode("ab", add_special_tokens=False)
+    gone = tok.encode("xy", add_special_tokens=False)
+    spans = writer_spans(tok, ids, [False, True], [(1, gone)])
+    assert spans == [["a", "slm"], ["xy", "rolled_back"], ["b", "llm"]]

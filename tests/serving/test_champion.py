@@ -27,12 +27,12 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     params = Params.model_validate({"registry": {"model_name": "router-serve"}, "models": models})
     proj = Project(root=tmp_path, params=params)
 
-    def register(hidden: int, tau: float) -> str:
+    def register(hidden: int, tau: float, **extra: str) -> str:
         rdir = save_router(
             spread_router(hidden), tmp_path / f"router{hidden}", {"slm": str(slm_dir), "llm": str(llm_dir)}
         )
         run = client.create_run(exp)
-        tags = {"slm": str(slm_dir), "llm": str(llm_dir), "tau": tau}
+        tags = {"slm": str(slm_dir), "llm": str(llm_dir), "tau": tau, **extra}
         rv = register_router(
             rdir, model_name="router-serve", run_id=run.info.run_id, tags=tags, tracking_uri=uri
         )
@@ -50,6 +50,13 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     params.serve.tau = 0.9
     assert load_champion(proj).engine.tau == 0.9
     assert load_champion(proj, tau=0.2).engine.tau == 0.2
+    assert not engine.verify.on  # a version registered without verification routes as plain CITER
+
+    # a verified point: the engine checks with the version's rho, window and final check
+    register(32, 0.4, verify_rho="1.5", verify_window="4", verify_final="true")
+    engine, _, info = load_champion(proj)
+    assert (engine.verify.rho, engine.verify.window, engine.verify.final) == (1.5, 4, True)
+    assert info["verify_rho"] == 1.5
 
     register(16, 0.5)  # a champion whose router was trained for another SLM
     with pytest.raises(ChampionError, match="hidden_size=16"):
