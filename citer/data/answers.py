@@ -4,7 +4,9 @@ math: the answer is the last balanced ``\\boxed{...}`` (or ``\\fbox{...}``); wit
 or "#### N". Equality goes through a cheap string/number normalisation first and only then through ``math-verify``
 (LaTeX -> sympy) for symbolic forms.
 
-mc: the answer is the label of the last "answer is B" / "answer: (C)" statement (or a last boxed label).
+mc: the answer is the label of the last "answer is B" / "answer: (C)" statement (or a last boxed label); given the
+row's choices, a last statement that names a choice's text instead ("The answer is 13.", "answer: a revolving door")
+stands for that choice's label; a statement that is exactly a label ("The answer is 3." with labels 1-4) names it.
 
 Grading runs inside Prefect task threads and server threads. math-verify's timeouts use ``signal.alarm``, which only
 works on the main thread, so off the main thread it is called without a timeout; :func:`_too_costly` keeps out the
@@ -97,11 +99,43 @@ _NUM = r"-?\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?"
 _MATH_FALLBACK_RE = re.compile(rf"(?:answer\s+is\s*:?|####)\s*({_NUM})", re.IGNORECASE)
 
 
-def extract_answer(text: str, fmt: Format) -> str | None:
-    """The final answer stated in model text (see the module docstring); None when it states none."""
+# The last "answer is ..." / "answer: ..." statement, for matching a choice's text (mc rows whose choices are known).
+_MC_STATED_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*(?:option\s+|choice\s+)?", re.IGNORECASE)
+
+
+def _choice_by_text(text: str, choices: Mapping[str, Any]) -> str | None:
+    """The label of the one choice whose text the last "answer is ..." statement names; None when none or several."""
+    found = list(_MC_STATED_RE.finditer(text))
+    if not found:
+        return None
+    tail = text[found[-1].end() :].split("\n", 1)[0].strip()
+    labels, texts = list(choices["label"]), [str(t) for t in choices["text"]]
+    # The whole rest of the line, then up to the first sentence end ("13. So ..."), each without dressing.
+    for cand in (tail, re.split(r"(?<=[^\s])\.(?:\s|$)", tail, maxsplit=1)[0]):
+        cand = cand.strip().strip("*()[]").strip().rstrip(".").strip()
+        if cand in labels:  # "The answer is 3." with labels 1-4 names the label, whatever the texts say
+            return None
+        key = normalize_answer(cand).lower()
+        if not key:
+            continue
+        hits = [lab for lab, t in zip(labels, texts, strict=True) if normalize_answer(t).lower() == key]
+        if len(hits) == 1:
+            return str(hits[0])
+    return None
+
+
+def extract_answer(text: str, fmt: Format, choices: Mapping[str, Any] | None = None) -> str | None:
+    """The final answer stated in model text (see the module docstring); None when it states none.
+
+    ``choices`` (an mc row's ``{"text", "label"}``) lets a statement that names a choice's text count as its label.
+    """
     if fmt == "mc":
         # The label group must match as written (upper case), while "answer is" may be any case.
         labels = [m.group(1) for m in _MC_RE.finditer(text) if not m.group(1).islower()]
+        if choices is not None:
+            by_text = _choice_by_text(text, choices)
+            if by_text is not None:
+                return by_text
         if labels:
             return labels[-1]
         boxed = extract_boxed(text)
@@ -251,8 +285,9 @@ def answers_equal(pred: str | None, gold: str | None) -> bool:
 
 
 def grade(pred_text: str, row: Mapping[str, Any], fmt: Format) -> bool:
-    """Whether model text ``pred_text`` answers ``row`` correctly (mc: same label; math: equal final answers)."""
-    pred = extract_answer(pred_text, fmt)
+    """Whether model text ``pred_text`` answers ``row`` correctly (mc: same label, stated as the label or as the
+    choice's text; math: equal final answers)."""
+    pred = extract_answer(pred_text, fmt, row.get("choices") if fmt == "mc" else None)
     if fmt == "mc":
         return pred is not None and pred == str(row["answerKey"]).strip()
     gold = extract_boxed(str(row["solution"]))

@@ -136,7 +136,7 @@ def evaluate_model(
                 index=i,
                 id=str(row["id"]) if "id" in row else None,
                 text=text,
-                extracted=extract_answer(text, fmt),
+                extracted=extract_answer(text, fmt, row.get("choices") if fmt == "mc" else None),
                 correct=grade(text, row, fmt),
                 n_tokens=len(toks),
             )

@@ -259,7 +259,9 @@ def _decode_chunk(
             rec: dict[str, Any] = {"index": it.index, "line": it.line}
             if "id" in it.row:
                 rec["id"] = it.row["id"]
-            rec.update(response=text, answer=extract_answer(text, fmt))
+            # A response naming a choice's text is recorded as that choice's label.
+            choices = it.row.get("choices") if fmt == "mc" else None
+            rec.update(response=text, answer=extract_answer(text, fmt, choices))
             if all(k in it.row for k in _REFERENCE[fmt]):
                 try:
                     rec["correct"] = bool(grade(text, it.row, fmt))

@@ -151,6 +151,46 @@ def test_grade_mc_and_math():
         grade("\\boxed{1}", {"problem": "p", "solution": "1"}, "math")
 
 
+MC_NUMBERS = {
+    "question": "q",
+    "choices": {"text": ["5", "10", "13", "8"], "label": list("ABCD")},
+    "answerKey": "C",
+}
+MC_WORDS = {
+    "question": "q",
+    "choices": {"text": ["a revolving door", "Alice", "3.5"], "label": ["1", "2", "3"]},
+    "answerKey": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("row", "text", "label", "correct"),
+    [
+        (MC_NUMBERS, "7 - 1 = 13. 13 is (C). So the answer is C.", "C", True),
+        (MC_NUMBERS, "= 13. The answer is 13.", "C", True),  # the choice's text stands for its label
+        (MC_NUMBERS, "The answer is (C) 13.", "C", True),
+        (MC_NUMBERS, "answer: **13**", "C", True),
+        (MC_NUMBERS, "The answer is 10.", "B", False),
+        (MC_NUMBERS, "The answer is B. No: the answer is 13", "C", True),  # the last statement counts
+        (MC_NUMBERS, "The answer is 13 apples.", "13", False),  # no choice reads "13 apples"
+        (MC_WORDS, "The answer is a revolving door.", "1", True),
+        (MC_WORDS, "The answer is A revolving door", "1", True),  # case-insensitive text
+        (MC_WORDS, "The answer is 3.", "3", False),  # exactly a label: the label, not a text
+        (MC_WORDS, "the answer is Alice. Because she said so.", "2", False),
+    ],
+)
+def test_mc_grades_the_label_or_the_choice_text(row, text, label, correct):
+    assert extract_answer(text, "mc", row["choices"]) == label
+    assert grade(text, row, "mc") is correct
+
+
+def test_mc_choice_text_needs_one_match():
+    row = {"question": "q", "choices": {"text": ["7", "7", "9"], "label": list("ABC")}, "answerKey": "A"}
+    assert extract_answer("The answer is 7.", "mc", row["choices"]) == "7"  # two choices read 7: no label
+    assert not grade("The answer is 7.", row, "mc")
+    assert extract_answer("The answer is 7.", "mc") == "7"  # without choices: as before
+
+
 # Pairs that go past the fast path into math-verify (sympy), where the signal-based timeout lives.
 SYMBOLIC = [
     ("\\sqrt{128}", "8\\sqrt2", True),
