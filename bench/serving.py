@@ -9,7 +9,10 @@ streaming its requests one after another:
 - ``continuous``: requests join the running batch (the default);
 - ``continuous_shared``: the same with shared LLM calls (``engine.llm_min_rows``/``llm_max_wait_steps``, 4 and 4);
 - ``one_at_a_time``: ``continuous_batching=False``, the old behaviour;
-- ``llm_only``: continuous batching with every token routed to the LLM.
+- ``llm_only``: continuous batching with every token routed to the LLM;
+- ``continuous_verified``: continuous batching with verified routing (``--verify-rho``, ``--verify-window``, final
+  check on): a token streams only once a check can no longer take it back, so its time to first token shows the
+  latency verification adds (random weights disagree often, so this is a pessimistic case).
 
 Per level: throughput (completion tokens/s), p50/p99 latency, p50 time to first token and its ratio to the full
 answer's time, requests lost (not 200), and answers that differ from the same request served alone. The servers run
@@ -103,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--llm-max-wait-steps", type=int, default=4, help="continuous_shared: engine.llm_max_wait_steps"
     )
+    ap.add_argument("--verify-rho", type=float, default=1.0, help="continuous_verified: rho")
+    ap.add_argument("--verify-window", type=int, default=4, help="continuous_verified: W")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per level; each server's best is kept")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_serving.json"))
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [f"Question: What is {a} + {3 * a % 17}?\nAnswer:" for a in range(40)]
     eos = tok.eos_token_id
     shared = dict(llm_min_rows=args.llm_min_rows, llm_max_wait_steps=args.llm_max_wait_steps)
+    verify = dict(verify_rho=args.verify_rho, verify_window=args.verify_window, verify_final=True)
     servers = {
         "continuous": (
             RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos),
@@ -131,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             False,
         ),
         "llm_only": (RoutedEngine(slm, llm, AlwaysLLM(), eos_token_id=eos), True),
+        "continuous_verified": (
+            RoutedEngine(slm, llm, RandomRouter(args.llm_fraction, seed=0), eos_token_id=eos, **verify),
+            True,
+        ),
     }
     # Every server runs at once (an idle one costs nothing); each level is measured server after server, in
     # alternating order over --rounds rounds, and each server's best round is kept: drifting load on a shared
@@ -148,11 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             load(bases[name], prompts[:2], 1, 1, 2)  # warm-up
         res, _ = load(bases["continuous"], prompts, 1, len(prompts), max_tokens)  # each prompt served alone
         alone = {r["prompt"]: r["text"] for r in res}
+        # verified answers differ from plain routing's by design: compare them with their own, served alone
+        res, _ = load(bases["continuous_verified"], prompts, 1, len(prompts), max_tokens)
+        alone_verified = {r["prompt"]: r["text"] for r in res}
         for rnd in range(args.rounds):
             for c in levels:
                 for name in list(servers)[:: 1 if rnd % 2 == 0 else -1]:
                     res, wall = load(bases[name], prompts, c, per_client[c], max_tokens)
-                    r = summarise(name, c, res, wall, {} if name == "llm_only" else alone)
+                    ref = {"llm_only": {}, "continuous_verified": alone_verified}.get(name, alone)
+                    r = summarise(name, c, res, wall, ref)
                     print(f"round {rnd} {name:<17} clients {c:>3}: {r['tokens_per_s']:8.1f} tok/s  p50 "
                           f"{r['p50_latency_s']:.3f} s  p99 {r['p99_latency_s']:.3f} s  ttft/latency "
                           f"{r['ttft_over_latency'] or float('nan'):.2f}  lost {r['lost']}  differ "
@@ -185,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         / by["llm_only", c]["tokens_per_s"]
         for c in levels
     }
+    ratios |= {
+        f"continuous_verified_ttft_vs_continuous_at_{c}": by["continuous_verified", c]["p50_ttft_s"]
+        / by["continuous", c]["p50_ttft_s"]
+        for c in levels
+        if by["continuous", c].get("p50_ttft_s")
+    }
     report = dict(
+        verify=verify,
         pair=args.models or "embedded architectures, random weights",
         llm_fraction=args.llm_fraction,
         shared=shared,

@@ -148,7 +148,10 @@ def _work(ctx: ShardContext, routed: bool) -> tuple[InProcessWork, list[Encoded]
     rows, enc = worker_examples(ctx, tok)
     router = worker_router(ctx, slm, tok) if routed else None
     labels = ctx.params.labels
-    return InProcessWork(slm, llm, tok, rows, ctx.params.data.format, router, labels.tau), enc
+    work = InProcessWork(
+        slm, llm, tok, rows, ctx.params.data.format, router, labels.tau, labels.verify_kwargs
+    )
+    return work, enc
 
 
 def teacher_forced_shard(ctx: ShardContext, ids: Sequence[int]) -> dict[str, torch.Tensor]:

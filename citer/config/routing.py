@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from citer.config.base import (
     Count0,
@@ -28,6 +28,28 @@ class LabelsParams(_Block):
     rollout_llm_token: bool = False
     citer_s: bool = False
     hidden_dtype: Literal["float16", "float32"] = "float16"
+    # Iteration-k rollouts with verified routing (citer.decoding.verify): the SLM's token is provisional, so a
+    # catch-up may repair it and the label says whether the checked decoder ends right. None = off.
+    verify_rho: float | None = Field(None, ge=0.0)
+    verify_window: int = Field(0, ge=0)
+    verify_final: bool = False
+
+    @model_validator(mode="after")
+    def _verify_needs_rho(self) -> LabelsParams:
+        if self.verify_rho is None and (self.verify_window or self.verify_final):
+            raise ValueError("verify_window/verify_final need verify_rho (rollouts without it check nothing)")
+        return self
+
+    @property
+    def verify_kwargs(self) -> dict[str, float | int | bool] | None:
+        """The rollout engine's verification arguments; None when off."""
+        if self.verify_rho is None:
+            return None
+        return {
+            "verify_rho": self.verify_rho,
+            "verify_window": self.verify_window,
+            "verify_final": self.verify_final,
+        }
 
 
 class RouterParams(_Block):

@@ -227,17 +227,24 @@ class RoutedEngine:
         seed: int = 0,
         row_ids: Sequence[int] | None = None,
         max_rows: int | None = None,
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Generate for every prompt: a :class:`DecodeSession` stepped until every row is done. ``row_ids`` (default
         0..n-1) key the random router and the sampler, so a caller splitting a long list into batches passes each
         row's global index to keep results batch-invariant. ``max_rows``: at most this many rows decode at once; the
-        others join as rows finish (continuous batching)."""
+        others join as rows finish (continuous batching). ``drafts``: per row, first new tokens given as the SLM's
+        (:meth:`DecodeSession.add`'s ``draft``); they lead the row's ``tokens`` unless a check took them back."""
         self.check_prompts(prompts, max_new_tokens, row_ids)
         t0 = time.perf_counter()
         sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
         sess.reserve(max(len(p) for p in prompts) + max_new_tokens)
         ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
-        keys = [sess.add(p, max_new_tokens, row_id=r) for p, r in zip(prompts, ids, strict=True)]
+        if drafts is not None and len(drafts) != len(prompts):
+            raise EngineInputError(f"drafts: need {len(prompts)} lists, got {len(drafts)}")
+        keys = [
+            sess.add(p, max_new_tokens, row_id=r, draft=drafts[i] if drafts is not None else ())
+            for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
+        ]
         out_tok: dict[int, list[int]] = {k: [] for k in keys}
         out_llm: dict[int, list[bool]] = {k: [] for k in keys}
         out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}

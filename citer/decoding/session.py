@@ -83,11 +83,18 @@ class DecodeSession:
         top_p: float | None = None,
         seed: int | None = None,
         logprobs: int | None = None,
+        draft: Sequence[int] = (),
     ) -> int:
         """Queue a row (checked now, admitted at the next step); returns its key. Sampling settings default to the
         session's; rows of one batch may differ (each server request brings its own). ``logprobs=k`` (>= 0): each
-        of the row's :class:`Emitted` carries its token's log-probability and the ``k`` likeliest alternatives."""
-        self.e.check_prompts([prompt], max_new_tokens, None)
+        of the row's :class:`Emitted` carries its token's log-probability and the ``k`` likeliest alternatives.
+        ``draft``: the row's first new tokens, given as if the SLM had written them (counted in ``max_new_tokens``,
+        returned as its first tokens, without log-probs); with verification on they are provisional like any SLM
+        token, so a check may take them back -- what label rollouts ask: would the catch-up repair this token?"""
+        d = [int(t) for t in draft]
+        if len(d) >= max_new_tokens:
+            raise EngineInputError(f"draft: {len(d)} tokens leave nothing of max_new_tokens={max_new_tokens}")
+        self.e.check_prompts([[*prompt, *d]], max_new_tokens - len(d), None)
         if logprobs is not None and (
             isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
         ):
@@ -105,15 +112,17 @@ class DecodeSession:
             Row(
                 key=key,
                 row_id=rid,
-                seq=seq,
+                seq=seq + d,
                 prompt_len=len(seq),
                 max_new=max_new_tokens,
                 sampling=samp,
                 logprobs=logprobs,
                 verified=len(seq),
-                pending=[],
+                pending=[Emitted(key, t, False, False) for t in d],
             )
         )
+        if d:
+            self.meter.emitted([key] * len(d), [False] * len(d))
         return key
 
     @torch.inference_mode()
@@ -348,9 +357,7 @@ class DecodeSession:
             c.ensure_capacity(need)
             slots = c.add_slots(len(new))
         logits, hidden = ragged_append(self.e.slm, self.slm_cache, [r.seq for r in new], slots=slots)
-        self.meter.forward(
-            "slm", [r.key for r in new], [r.prompt_len for r in new], [r.prompt_len for r in new]
-        )
+        self.meter.forward("slm", [r.key for r in new], [len(r.seq) for r in new], [len(r.seq) for r in new])
         self.rows += new
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden])

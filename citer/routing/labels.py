@@ -219,6 +219,7 @@ class InProcessWork:
     fmt: Format
     router: Router | None = None
     tau: float = 1.0
+    verify: dict[str, Any] | None = None  # routed rollouts' verification (RoutedEngine keyword arguments)
 
     @property
     def hidden_size(self) -> int:
@@ -234,7 +235,7 @@ class InProcessWork:
         if routed and hasattr(self.router, "eval"):
             self.router.eval()
         args = (self.llm, self.router, self.tau) if routed else (None, None, 1.0)
-        engine = rollout_engine(self.slm, *args, self.tokenizer)
+        engine = rollout_engine(self.slm, *args, self.tokenizer, self.verify if routed else None)
         tok = self.tokenizer
         return rollout_correct(engine, tok, encoded, self.rows, self.fmt, branches, batch, max_new)
 
@@ -336,7 +337,7 @@ def collect_iter_k(
     no new evidence and ``prev``'s label stands (the flag off would label it LLM). Every other token, and every
     hidden state, is carried over unchanged. ``work``: as in :func:`collect_iter1` (it holds the router then).
     """
-    work = work or InProcessWork(slm, llm, tokenizer, rows, fmt, router, params.tau)
+    work = work or InProcessWork(slm, llm, tokenizer, rows, fmt, router, params.tau, params.verify_kwargs)
     k = prev.iteration + 1
     if prev.meta.get("citer_s"):
         raise LabelsError(
@@ -354,6 +355,8 @@ def collect_iter_k(
     tokens = prev.tokens.copy()
     both = tokens.index[tokens["case"] == "both_wrong"].tolist()
     meta = dict(prev.meta, iteration=k, tau=params.tau, rollout_llm_token=params.rollout_llm_token)
+    if params.verify_kwargs:
+        meta["rollout_verify"] = {k: str(v) for k, v in params.verify_kwargs.items()}
     if not both:
         return LabelSet(prev.hidden, tokens, dict(meta, n_rollouts=0, n_changed=0))
 

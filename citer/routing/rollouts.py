@@ -43,7 +43,11 @@ def rollout_correct(
     batch_size: int,
     max_new_tokens: int,
 ) -> list[bool]:
-    """Greedy-complete every branch through ``engine`` (many prefixes per batch) and grade each answer."""
+    """Greedy-complete every branch through ``engine`` (many prefixes per batch) and grade each answer.
+
+    With verification on (``engine.verify``), the branch's token is the row's provisional first token, not part of
+    its prompt: a catch-up may take it back, so the answer says whether the routed decoder *with its checks* ends
+    right after the SLM writes this token."""
     eos = int(tokenizer.eos_token_id)
     models = [m for m in (engine.slm, engine.llm) if m is not None]
     max_positions = min(int(m.config.max_position_embeddings) for m in models)
@@ -59,6 +63,7 @@ def rollout_correct(
         for j in chunk:
             br, e = branches[j], encoded[branches[j].ex]
             prompts.append(e.prompt + e.target[: br.position] + [br.token])
+        verified = bool(getattr(engine, "verify", None) and engine.verify.on)
         # The engine refuses prompts that leave no room for max_new_tokens; near the context limit, decode less.
         room = max_positions - max(len(q) for q in prompts)
         if room < 1:
@@ -66,24 +71,40 @@ def rollout_correct(
                 f"{encoded[branches[chunk[-1]].ex].origin}: field prompt+target fills the context "
                 f"({max_positions} positions); no room to roll out"
             )
-        res = engine.generate_batch(prompts, max_new_tokens=min(max_new_tokens, room), temperature=0.0)
+        n_new = min(max_new_tokens, room)
+        if verified:  # the branch token leads the output (it may be replaced), one more token of budget
+            res = engine.generate_batch(
+                [q[:-1] for q in prompts], n_new + 1, temperature=0.0, drafts=[q[-1:] for q in prompts]
+            )
+        else:
+            res = engine.generate_batch(prompts, max_new_tokens=n_new, temperature=0.0)
         for j, new in zip(chunk, res.tokens, strict=True):
             br, e = branches[j], encoded[branches[j].ex]
-            texts[j] = tokenizer.decode(
-                e.target[: br.position] + [br.token] + list(new), skip_special_tokens=True
-            )
+            head = e.target[: br.position] + ([] if verified else [br.token])
+            texts[j] = tokenizer.decode(head + list(new), skip_special_tokens=True)
     return [
         bool(grade(t or "", rows[br.ex], fmt))  # encoded[i] is rows[i]
         for t, br in zip(texts, branches, strict=True)
     ]
 
 
-def rollout_engine(slm: Any, llm: Any, router: Router | None, tau: float, tokenizer: Any) -> Any:
-    """The engine rollouts decode with: greedy, the tokenizer's EOS/pad/vocabulary; ``router=None``: SLM only."""
+def rollout_engine(
+    slm: Any,
+    llm: Any,
+    router: Router | None,
+    tau: float,
+    tokenizer: Any,
+    verify: Mapping[str, Any] | None = None,
+) -> Any:
+    """The engine rollouts decode with: greedy, the tokenizer's EOS/pad/vocabulary; ``router=None``: SLM only.
+    ``verify``: :class:`~citer.decoding.engine.RoutedEngine` verification keyword arguments (routed rollouts)."""
     if router is None:  # SLM-only decoding: the engine accepts llm=None with an AlwaysSLM router
         router = AlwaysSLM()
+        verify = None
     eos, pad, vocab = int(tokenizer.eos_token_id), pad_id(tokenizer), len(tokenizer)
-    return RoutedEngine(slm, llm, router, tau=tau, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab)
+    return RoutedEngine(
+        slm, llm, router, tau=tau, eos_token_id=eos, pad_token_id=pad, vocab_size=vocab, **dict(verify or {})
+    )
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -180,3 +180,19 @@ def test_a_setting_survives_the_registry_tags():
     assert Verification.from_tags({"tau": "0.5"}) == Verification()  # none recorded: plain CITER
     with pytest.raises(VerificationError, match="verify_window"):
         Verification.from_tags({"verify_rho": "1.0", "verify_window": "-2"})
+
+
+def test_a_draft_leads_the_row_and_a_check_may_take_it_back(pair):
+    slm, llm = pair
+    plain = engine(pair, AlwaysSLM())
+    first = plain.generate(PROMPTS[0], N).tokens[0]
+    bad = (first[0] + 1) % V  # a first token the SLM would not write
+    rest = plain.generate(PROMPTS[0] + [bad], N - 1).tokens[0]
+    assert plain.generate_batch([PROMPTS[0]], N, drafts=[[bad]]).tokens[0] == [bad, *rest]
+    llm_only = RoutedEngine(llm, None, AlwaysSLM(), vocab_size=V).generate(PROMPTS[0], N).tokens[0]
+    checked = engine(pair, AlwaysSLM(), verify_rho=0.0, verify_window=2, verify_final=True)
+    res = checked.generate_batch([PROMPTS[0]], N, drafts=[[bad]])
+    if llm_only[0] != bad:
+        assert res.tokens[0] == llm_only and res.replaced[0][0][0] == 0  # the draft itself was taken back
+    with pytest.raises(EngineInputError, match="draft"):
+        plain.generate_batch([PROMPTS[0]], 2, drafts=[[1, 2]])

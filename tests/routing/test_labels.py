@@ -495,3 +495,33 @@ def test_iter_k_without_both_wrong_tokens_changes_nothing(lookup_pair, char_toke
     assert nxt.meta == dict(
         prev.meta, iteration=2, tau=0.5, rollout_llm_token=False, n_rollouts=0, n_changed=0
     )
+
+
+def test_verified_rollouts_let_the_catch_up_repair_the_branch_token(lookup_pair, char_tokenizer):
+    """The SLM's "7" in row 0's box is wrong; plain rollouts keep it (wrong answer), verified rollouts let the final
+    check replace it by the LLM's "8" (right answer) -- so iteration k can label it SLM: the check repairs it."""
+    from citer.decoding.baselines import AlwaysSLM
+    from citer.decoding.engine import RoutedEngine
+    from citer.routing.rollouts import rollout_correct
+
+    slm, llm, tok = *lookup_pair, char_tokenizer
+    enc = encode_rows(tok, ROWS[:1], "math")
+    pos = len(enc[0].target) - 3  # ... "{", "8", "}", EOS: the boxed digit
+    assert tok.convert_ids_to_tokens(enc[0].target[pos]) == "8"
+    branch = [Branch(0, pos, tok.convert_tokens_to_ids("7"))]
+    kw = dict(eos_token_id=tok.eos_token_id, vocab_size=len(tok))
+    plain = RoutedEngine(slm, llm, AlwaysSLM(), **kw)
+    checked = RoutedEngine(slm, llm, AlwaysSLM(), verify_rho=1.0, verify_final=True, **kw)
+    assert rollout_correct(plain, tok, enc, ROWS[:1], "math", branch, 4, 32) == [False]
+    assert rollout_correct(checked, tok, enc, ROWS[:1], "math", branch, 4, 32) == [True]
+
+    off = LabelsParams(batch_size=4, max_new_tokens=32, tau=0.5)
+    on = off.model_copy(update={"verify_rho": 1.0, "verify_final": True})
+    prev = collect_iter1(slm, llm, tok, ROWS, "math", off)
+    a = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", off)
+    b = collect_iter_k(prev, box_router(tok), slm, llm, tok, ROWS, "math", on)
+    assert b.meta["rollout_verify"] == {"verify_rho": "1.0", "verify_window": "0", "verify_final": "True"}
+    assert "rollout_verify" not in a.meta
+    # the checks change what the rollouts find (on this pair mostly for the worse: the lookup LLM's own boxes are
+    # wrong on rows 1 and 2, and its checks replace the SLM's tokens there)
+    assert (b.tokens["label"] != a.tokens["label"]).any()
