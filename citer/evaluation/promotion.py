@@ -70,6 +70,30 @@ def best_row(
     return max(cands, key=lambda x: (x[0], -(x[1].tau if x[1].tau is not None else math.inf)))[1]
 
 
+# The methods whose dev-chosen point may become the registered version: CITER's router-input variants (the inputs
+# are a choice made on dev) and the verified decoder on top of the dev-chosen router.
+CANDIDATES = ("citer", "citer_emb", "citer_logits", "citer_emb_logits", "citer_verify")
+VERIFY_KEYS = ("verify_rho", "verify_window", "verify_final")
+
+
+def point_key(row: SweepRow) -> tuple[Any, ...]:
+    """What identifies a row's operating point within its split: method, τ and any verification setting."""
+    return (row.method, row.tau, *(row.extra.get(k) for k in VERIFY_KEYS))
+
+
+def choose_candidate(
+    rows: Sequence[SweepRow], rule: SelectionRule, methods: Sequence[str] = CANDIDATES
+) -> SweepRow | None:
+    """The dev row, among every point of ``methods``, that best meets ``rule``; None when none meets it. Ties go to
+    the earlier method in ``methods`` (the simpler decoder), then the smaller τ."""
+    best = [(m, best_row(rows, rule, m, feasible_only=True)) for m in methods]
+    found = [(i, r) for i, (_, r) in enumerate(best) if r is not None]
+    if not found:
+        return None
+    llm_acc = llm_reference(rows).accuracy if rule.kind == "min_bytes_at_accuracy" else None
+    return max(found, key=lambda x: (objective(x[1], rule, llm_acc), -x[0]))[1]
+
+
 def choose_tau(rows: Sequence[SweepRow], rule: SelectionRule, method: str = "citer") -> SweepRow | None:
     """The ``method`` row that best meets ``rule`` (see :func:`objective`); None when no row meets the constraint.
 
@@ -234,10 +258,10 @@ class PromotionPlan:
 
 
 def test_row_of(test_rows: Sequence[SweepRow], dev_row: SweepRow | None) -> SweepRow | None:
-    """The test row of the same method and τ as ``dev_row``."""
+    """The test row of the same operating point as ``dev_row`` (:func:`point_key`)."""
     if dev_row is None:
         return None
-    return next((r for r in test_rows if r.method == dev_row.method and r.tau == dev_row.tau), None)
+    return next((r for r in test_rows if point_key(r) == point_key(dev_row)), None)
 
 
 def plan_promotion(
@@ -254,7 +278,7 @@ def plan_promotion(
     ``champion_version`` names the version holding the alias (None: no champion yet). A champion that exists but has
     no row here (another SLM, another hidden size: ``champion_note`` says which) is kept: it cannot be compared.
     """
-    best_dev = choose_tau(dev_rows, rule)
+    best_dev = choose_candidate(dev_rows, rule)
     best = test_row_of(test_rows, best_dev)
     champion_row = next((r for r in test_rows if r.method == "champion"), None)
     if champion_version is not None and champion_row is None:
@@ -311,7 +335,13 @@ def version_tags(
             "sec_per_token": best.sec_per_token,
             "selected_on": "dev",
             "target_llm_fraction": best.extra.get("target_llm_fraction"),
+            "method": best.method,
         }
+        | {
+            k: str(best.extra[k]).lower() if k == "verify_final" else str(best.extra[k])
+            for k in VERIFY_KEYS
+            if k in best.extra
+        }  # fmt: skip
         | ({"dev_score_quantiles": json.dumps(dev_quantiles)} if dev_quantiles else {})
     )
 
@@ -334,6 +364,8 @@ def promotion_record(plan: PromotionPlan, version: str | None, rows: Sequence[Sw
         "version": version,
         "previous": plan.decision.previous,
         "tau": best.tau if best else None,
+        "method": best.method if best else None,
+        **({k: best.extra[k] for k in VERIFY_KEYS if k in best.extra} if best else {}),
         "accuracy": best.accuracy if best else None,
         "bytes_moved_rel_llm": best.bytes_moved_rel_llm if best else None,
         "llm_accuracy": next((r.accuracy for r in rows if r.method == "llm"), None),

@@ -153,6 +153,7 @@ def test_version_tags_and_promotion_record(sweep_rows):
         "version": "7",
         "previous": None,
         "tau": 0.6,
+        "method": "citer",
         "accuracy": 0.79,
         "bytes_moved_rel_llm": 0.35,
         "llm_accuracy": 0.80,
@@ -462,6 +463,7 @@ def test_version_tags_and_record_carry_every_field(sweep_rows):
         "sec_per_token": 1e-3,
         "selected_on": "dev",
         "target_llm_fraction": 0.25,
+        "method": "citer",
         "dev_score_quantiles": "[0.1, 0.9]",
     }
     assert "dev_score_quantiles" not in version_tags(best, rule, **common)
@@ -472,3 +474,34 @@ def test_version_tags_and_record_carry_every_field(sweep_rows):
     assert rec["target_llm_fraction"] == 0.2 and rec["llm_accuracy"] is None
     assert rec["accuracy_ci"] == [0.7, 0.85] and rec["bytes_ci"] == [0.3, 0.4]
     assert rec["promoted"] == 0 and rec["previous"] == "3" and rec["dev_accuracy"] == 0.78
+
+
+def test_the_candidate_is_the_best_dev_point_of_any_router_variant_or_verified_setting(sweep_rows):
+    """The router's inputs and the verification are choices made on dev: the best feasible point among the
+    candidate methods wins, and its test row is the one of the same method, τ and verification."""
+    from conftest import sweep_row
+
+    from citer.evaluation.promotion import choose_candidate, point_key, test_row_of
+
+    rule = SelectionRule(accuracy_ratio=0.98)
+    v1 = sweep_row("citer_verify", 0.6, 0.80, 0.30)
+    v1.extra |= {"verify_rho": 2.0, "verify_window": 0, "verify_final": True}
+    v2 = sweep_row("citer_verify", 0.6, 0.80, 0.20)  # same τ, another rho: another point
+    v2.extra |= {"verify_rho": 1.0, "verify_window": 0, "verify_final": True}
+    bad = sweep_row("citer_logits", 0.5, 0.50, 0.05)  # cheapest, but misses the accuracy the rule asks
+    dev = [*sweep_rows, v1, v2, bad]
+    best = choose_candidate(dev, rule)
+    assert best is v2 and point_key(v1) != point_key(v2)
+    t1, t2 = sweep_row("citer_verify", 0.6, 0.7, 0.3), sweep_row("citer_verify", 0.6, 0.8, 0.2)
+    t1.extra |= dict(v1.extra)
+    t2.extra |= dict(v2.extra)
+    assert test_row_of([*sweep_rows, t1, t2], best) is t2
+    tags = version_tags(t2, rule, slm="s", llm="l", hidden_size=32, iteration=2, labels_hash="",
+                        data_version="", git_commit="")  # fmt: skip
+    assert (tags["method"], tags["verify_rho"], tags["verify_window"], tags["verify_final"]) == (
+        "citer_verify",
+        "1.0",
+        "0",
+        "true",
+    )
+    assert choose_candidate(dev, rule, methods=("citer",)).method == "citer"  # only the plain router
