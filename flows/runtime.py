@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from citer.config import RuntimeParams
+from citer.evaluation.plan import PassBench, PassOutcome, PassSpec, deal, gather, run_chunk, run_in_order
 from citer.routing.labels import Branch, Encoded, TeacherForced
 from citer.routing.shards import (
     branches_tensor,
@@ -98,6 +99,29 @@ class WorkerShape:
         configure_worker(self.threads, gpus)
 
 
+class Placement:
+    """Resources every task asks its runner for: CPUs (Ray) and GPUs per worker."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def of(rt: RuntimeParams) -> Iterator[None]:
+        if rt.task_runner == "ray":
+            from prefect_ray.context import remote_options
+
+            opts: dict[str, Any] = {"num_cpus": max(rt.threads_per_worker, 1)}
+            if rt.gpus_per_worker:
+                opts["num_gpus"] = rt.gpus_per_worker
+            with remote_options(**opts):
+                yield
+        elif rt.task_runner == "dask" and rt.gpus_per_worker:
+            import dask
+
+            with dask.annotate(resources={"GPU": rt.gpus_per_worker}):
+                yield
+        else:
+            yield
+
+
 @task(name="labels-teacher-forced-shard", task_run_name="teacher-forced shard {index}", cache_policy=NO_CACHE)
 def teacher_forced_task(
     ctx: ShardContext, index: int, ids: torch.Tensor, shape: WorkerShape
@@ -125,25 +149,8 @@ class ShardedWork:
     hidden_size: int
     eos: int
 
-    @contextlib.contextmanager
-    def _placement(self) -> Iterator[None]:
-        """Resources every shard task asks its runner for: CPUs (Ray) and GPUs per worker."""
-        rt = self.rt
-        if rt.task_runner == "ray":
-            from prefect_ray.context import remote_options
-
-            opts: dict[str, Any] = {"num_cpus": max(rt.threads_per_worker, 1)}
-            if rt.gpus_per_worker:
-                opts["num_gpus"] = rt.gpus_per_worker
-            with remote_options(**opts):
-                yield
-        elif rt.task_runner == "dask" and rt.gpus_per_worker:
-            import dask
-
-            with dask.annotate(resources={"GPU": rt.gpus_per_worker}):
-                yield
-        else:
-            yield
+    def _placement(self) -> contextlib.AbstractContextManager[None]:
+        return Placement.of(self.rt)
 
     def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced:
         if batch_size != self.ctx.params.labels.batch_size:  # workers read it from ctx.params
@@ -178,3 +185,30 @@ class ShardedWork:
                 for s, ids in enumerate(shards)
             ]
         return merge_rollouts(len(branches), shards, [f.result().tolist() for f in futures])
+
+
+@task(name="sweep-passes", task_run_name="sweep passes {index}", cache_policy=NO_CACHE)
+def sweep_pass_task(
+    bench: PassBench, specs: list[PassSpec], index: int, ids: list[int], shape: WorkerShape
+) -> list[PassOutcome]:
+    """Chunk ``index`` of a round of sweep passes (``ids``: indices into ``specs``)."""
+    shape.apply()
+    return run_chunk(bench, specs, ids)
+
+
+@dataclass(frozen=True)
+class SweepPasses:
+    """:data:`citer.evaluation.plan.PassMap` as Prefect tasks on the running flow's task runner: the specs dealt into
+    ``runtime.n_shards`` chunks, one task per chunk (each is sent the bench: the pair, the splits and the routers),
+    outcomes gathered back in spec order. One chunk: the passes run here, in order, with no task."""
+
+    rt: RuntimeParams
+
+    def __call__(self, bench: PassBench, specs: list[PassSpec]) -> list[PassOutcome]:
+        chunks = deal(len(specs), self.rt.n_shards)
+        if len(chunks) <= 1:
+            return run_in_order(bench, specs)
+        shape = WorkerShape.of(self.rt)
+        with Placement.of(self.rt):
+            futures = [sweep_pass_task.submit(bench, specs, i, ids, shape) for i, ids in enumerate(chunks)]
+        return gather(len(specs), chunks, [f.result() for f in futures])

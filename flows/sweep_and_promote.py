@@ -63,31 +63,20 @@ def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str,
     return routers, meta
 
 
-@flow(name="sweep-and-promote")
-@locked("sweep")
-def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
-    from citer.evaluation.report import sweep_metrics, write_sweep_reports
+@flow(name="sweep-decode")
+def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, Any], int]:
+    """Every decoding pass of the sweep, mapped over the flow's task runner (``runtime``); returns the sweep's
+    result, the champion compared, the candidate router's meta and the SLM's hidden size."""
     from citer.evaluation.sweep import run_sweep
-    from citer.io import file_digest, write_json
-    from citer.project import git_commit
-    from citer.registry import AliasMoved, finish_pending, generator_config, open_store, publish_router
+    from flows.runtime import SweepPasses
 
     logger = get_run_logger()
     proj = load_project(params_path)
     p = proj.params
-    pending = proj.root / PENDING_FILE
-    recovered = finish_pending(pending, proj.reports / "promotion.json", open_store(proj))
-    if recovered:
-        logger.warning("interrupted promotion: %s", recovered)
     slm, llm, tok = proj.load_pair()
-    hidden = slm.config.hidden_size
-    k = p.labels.iterations
-    router_dir = proj.router_dir(k)
     routers, rmeta = sweep_routers(proj, slm, len(tok))
     champion = find_champion(proj, slm)
     logger.info(champion.note)
-
     result = run_sweep(
         slm,
         llm,
@@ -100,7 +89,32 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         train_rows=proj.read_split("train"),
         champion=champion.router,
         log=logger.info,
+        passes=SweepPasses(p.runtime),
     )
+    return result, champion, rmeta, int(slm.config.hidden_size)
+
+
+@flow(name="sweep-and-promote")
+@locked("sweep")
+def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
+    from citer.evaluation.report import sweep_metrics, write_sweep_reports
+    from citer.io import file_digest, write_json
+    from citer.project import git_commit
+    from citer.registry import AliasMoved, finish_pending, generator_config, open_store, publish_router
+    from flows.runtime import TaskRunners
+
+    logger = get_run_logger()
+    proj = load_project(params_path)
+    p = proj.params
+    pending = proj.root / PENDING_FILE
+    recovered = finish_pending(pending, proj.reports / "promotion.json", open_store(proj))
+    if recovered:
+        logger.warning("interrupted promotion: %s", recovered)
+    runner = TaskRunners.build(p.runtime)
+    result, champion, rmeta, hidden = sweep_decode.with_options(task_runner=runner)(params_path)
+    k = p.labels.iterations
+    router_dir = proj.router_dir(k)
     found = write_sweep_reports(proj.reports, result, p.sweep)
     guard = Guard(
         min_examples=p.registry.min_eval_examples,

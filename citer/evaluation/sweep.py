@@ -17,7 +17,6 @@ in their own ``*_batch*`` columns. A pass is :mod:`citer.evaluation.passes`; the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,19 +25,18 @@ import torch
 
 from citer.config import SweepParams
 from citer.data.formats import Format
-from citer.decoding.baselines import AlwaysSLM, ConfidenceRouter, RandomRouter, Router
+from citer.decoding.baselines import ConfidenceRouter, Router
 from citer.decoding.cost import GPU_BANDWIDTH
-from citer.decoding.engine import RoutedEngine
-from citer.decoding.speculative import speculative_generate
 from citer.evaluation.oracle import OracleRouter, oracle_flags, oracle_summary
-from citer.evaluation.passes import (
-    PassResult,
-    decode_pass,
-    encode_prompts,
-    examples_hash,
-    speculative_result,
-    speculative_row,
-    to_row,
+from citer.evaluation.passes import PassResult, encode_prompts, examples_hash, speculative_row, to_row
+from citer.evaluation.plan import (
+    RANDOM,
+    PassBench,
+    PassMap,
+    PassOutcome,
+    PassSpec,
+    Split,
+    run_in_order,
 )
 from citer.evaluation.promotion import best_row
 from citer.evaluation.query import (
@@ -69,117 +67,96 @@ class SweepResult:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class _Split:
-    rows: list[Mapping[str, Any]]
-    prompts: list[list[int]]
-    ex_hash: str
-
-
-class _Runner:
-    """Decoding passes over one split with the shared engine settings."""
-
-    def __init__(
-        self, slm: Any, llm: Any, tokenizer: Any, fmt: Format, params: SweepParams, say: Log
-    ) -> None:
-        self.slm, self.llm, self.tok, self.fmt, self.p, self.say = slm, llm, tokenizer, fmt, params, say
-        self.eos = int(tokenizer.eos_token_id)
-        self.pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else self.eos
-        self.vocab = len(tokenizer)  # the ids both models share; their embeddings may be padded past it
-
-    def engine(self, router: Router, tau: float, a: Any = None, b: Any = "llm") -> RoutedEngine:
-        return RoutedEngine(
-            a if a is not None else self.slm,
-            self.llm if b == "llm" else b,
-            router,
-            tau=tau,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            gpu=self.p.gpu,
-            vocab_size=self.vocab,
-        )
-
-    def run(
-        self, split: _Split, name: str, engine: RoutedEngine, solo_llm: bool = False
-    ) -> tuple[PassResult, float]:
-        t0 = time.perf_counter()
-        res = decode_pass(
-            engine,
-            self.tok,
-            split.prompts,
-            split.rows,
-            self.fmt,
-            self.p.batch_size,
-            self.p.max_new_tokens,
-            solo_llm=solo_llm,
-            desc=f"sweep {name}",
-        )
-        secs = time.perf_counter() - t0
-        self.say(f"sweep {name}: accuracy {sum(res.correct) / len(res.correct):.3f}, {secs:.1f}s")
-        return res, secs
-
-    def references(self, split: _Split, tag: str) -> tuple[PassResult, PassResult, list[SweepRow]]:
-        llm_res, s_llm = self.run(
-            split, f"{tag} llm", self.engine(AlwaysSLM(), 1.0, self.llm, None), solo_llm=True
-        )
-        slm_res, s_slm = self.run(split, f"{tag} slm", self.engine(AlwaysSLM(), 1.0, self.slm, None))
-        rows = [
-            to_row("llm", None, llm_res, None, split.ex_hash, pass_seconds=s_llm),
-            to_row("slm", None, slm_res, llm_res, split.ex_hash, pass_seconds=s_slm),
-        ]
-        return llm_res, slm_res, rows
-
-
-def _split(tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Format, n: int, name: str) -> _Split:
+def _split(tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Format, n: int, name: str) -> Split:
     use = list(rows[:n] if n > 0 else rows)
     if not use:
         raise SweepError(f"{name}: no examples to sweep")
     prompts = encode_prompts(tokenizer, use, fmt)
-    return _Split(use, prompts, examples_hash(prompts, use))
+    return Split(use, prompts, examples_hash(prompts, use))
 
 
 def _query_rows(
-    runner: _Runner,
-    split: _Split,
+    bench: PassBench,
+    split: Split,
     scores: Any,
     taus: Sequence[tuple[float, float]],
     slm_res: PassResult,
     llm_res: PassResult,
     weight_bytes: int,
 ) -> list[SweepRow]:
-    extra = scoring_bytes(runner.slm, split.prompts, weight_bytes, runner.p.gpu)
+    extra = scoring_bytes(bench.slm, split.prompts, weight_bytes, bench.params.gpu)
     out = []
     for f, tau in taus:
         to_llm = query_decisions(scores, tau)
         charged = [e if m else 0.0 for e, m in zip(extra, to_llm, strict=True)]
-        res = combine_query(slm_res, llm_res, to_llm, charged, GPU_BANDWIDTH[runner.p.gpu])
+        res = combine_query(slm_res, llm_res, to_llm, charged, GPU_BANDWIDTH[bench.params.gpu])
         row = to_row("query", tau, res, llm_res, split.ex_hash, target_llm_fraction=f)
         row.extra["question_llm_fraction"] = sum(to_llm) / len(to_llm)
         out.append(row)
     return out
 
 
-# (method, target LLM-token fraction, router, engine τ, the row's τ)
-_Point = tuple[str, float, Router, float, float]
+def _references(tag: str) -> list[PassSpec]:
+    """The LLM-only and SLM-only passes of a split (rows ``llm`` and ``slm``)."""
+    return [PassSpec(f"{tag} llm", tag, "llm", "llm"), PassSpec(f"{tag} slm", tag, "slm", "slm")]
 
 
 def _points(
-    scored: Mapping[str, Router], thresholds: Mapping[str, Sequence[tuple[float, float]]], params: SweepParams
-) -> list[_Point]:
+    tag: str,
+    methods: Sequence[str],
+    thresholds: Mapping[str, Sequence[tuple[float, float]]],
+    params: SweepParams,
+) -> list[PassSpec]:
     """Every threshold method at its (fraction, τ) points, then random routing at each fraction (its τ is p)."""
-    pts = [(m, f, router, tau, tau) for m, router in scored.items() for f, tau in thresholds[m]]
-    return pts + [("random", f, RandomRouter(f, params.seed), 0.5, f) for f in params.llm_fractions]
+    pts = [
+        PassSpec(f"{tag} {m} f={f:g}", tag, method=m, router=m, tau=tau, fraction=f)
+        for m in methods
+        for f, tau in thresholds[m]
+    ]
+    return pts + [
+        PassSpec(f"{tag} random p={f:g}", tag, method="random", router=RANDOM, tau=0.5, fraction=f)
+        for f in params.llm_fractions
+    ]
 
 
-def _threshold_rows(
-    run: _Runner, split: _Split, tag: str, llm_res: PassResult, points: Sequence[_Point]
-) -> list[SweepRow]:
-    out = []
-    for m, f, router, tau, row_tau in points:
-        word = "p" if m == "random" else "f"
-        res, secs = run.run(split, f"{tag} {m} {word}={f:g}", run.engine(router, tau))
-        out.append(to_row(m, row_tau, res, llm_res, split.ex_hash, pass_seconds=secs, target_llm_fraction=f))
-    return out
+def _point_row(spec: PassSpec, out: PassOutcome, llm_res: PassResult, split: Split) -> SweepRow:
+    tau = spec.fraction if spec.router == RANDOM else spec.tau  # random routing's row τ is its probability
+    return to_row(
+        spec.method,
+        tau,
+        out.result,
+        llm_res,
+        split.ex_hash,
+        pass_seconds=out.seconds,
+        target_llm_fraction=spec.fraction,
+    )
+
+
+def _ref_rows(outs: Sequence[PassOutcome], split: Split) -> list[SweepRow]:
+    llm, slm = outs
+    return [
+        to_row("llm", None, llm.result, None, split.ex_hash, pass_seconds=llm.seconds),
+        to_row("slm", None, slm.result, llm.result, split.ex_hash, pass_seconds=slm.seconds),
+    ]
+
+
+class _Passes:
+    """Maps specs over the sweep's :data:`PassMap` and logs each pass in spec order."""
+
+    def __init__(self, bench: PassBench, passes: PassMap, say: Log) -> None:
+        self.bench, self.passes, self.say = bench, passes, say
+
+    def __call__(self, specs: Sequence[PassSpec]) -> list[PassOutcome]:
+        outs = self.passes(self.bench, list(specs))
+        if len(outs) != len(specs):
+            raise SweepError(f"pass map returned {len(outs)} outcomes for {len(specs)} passes")
+        for s, o in zip(specs, outs, strict=True):
+            r = o.result
+            if s.kind == "speculative":
+                self.say(f"sweep {s.name}: {o.n} questions, {o.seconds:.1f}s")
+            else:
+                self.say(f"sweep {s.name}: accuracy {sum(r.correct) / len(r.correct):.3f}, {o.seconds:.1f}s")
+        return outs
 
 
 def run_sweep(
@@ -195,11 +172,13 @@ def run_sweep(
     train_rows: Sequence[Mapping[str, Any]] | None = None,
     champion: Router | None = None,
     log: Log | None = None,
+    passes: PassMap = run_in_order,
 ) -> SweepResult:
     """Every method on dev (to choose) and test (to report). ``routers``: ``citer`` required, any of
     :data:`ROUTER_KEYS` optional. ``train_rows`` trains the query-level router (omitted: no query method).
     ``champion`` (the registered router holding the alias) is thresholded and chosen on dev like the candidate and
-    re-evaluated on the same test examples."""
+    re-evaluated on the same test examples. ``passes`` runs the decoding passes (:mod:`citer.evaluation.plan`; the
+    flow maps them over ``runtime.task_runner``); the rows do not depend on it."""
     if "citer" not in routers:
         raise SweepError("routers: key 'citer' missing (the trained router is required)")
     unknown = sorted(set(routers) - set(ROUTER_KEYS))
@@ -208,33 +187,57 @@ def run_sweep(
     for r in [*routers.values(), champion]:
         if isinstance(r, torch.nn.Module):
             r.eval()
-    say = log or (lambda _m: None)
-    run = _Runner(slm, llm, tokenizer, fmt, params, say)
-    dev = _split(tokenizer, dev_rows, fmt, params.n_examples, "dev")
-    test = _split(tokenizer, test_rows, fmt, params.n_examples, "test")
+    bench = PassBench(slm, llm, tokenizer, fmt, params)
+    run = _Passes(bench, passes, log or (lambda _m: None))
+    dev = bench.splits["dev"] = _split(tokenizer, dev_rows, fmt, params.n_examples, "dev")
+    test = bench.splits["test"] = _split(tokenizer, test_rows, fmt, params.n_examples, "test")
     rule = params.rule
 
-    # 1. dev references and every threshold method's τ from its own dev scores.
-    llm_dev, slm_dev, dev_out = run.references(dev, "dev")
+    # Passes run in three rounds, each as concurrent as its inputs allow: (1) the dev references (and the query
+    # router's SLM pass on train); (2) every dev and test pass whose τ the dev scores fix, the test references and
+    # speculative decoding; (3) the champion on test at its dev-chosen τ and the oracle (it reads the test LLM pass).
+    first = _references("dev")
+    if train_rows:
+        bench.splits["train"] = _split(tokenizer, train_rows, fmt, params.query.train_examples, "train")
+        first.append(PassSpec("query labels (slm on train)", "train", "slm", "slm"))
+    outs = run(first)
+    dev_out = _ref_rows(outs[:2], dev)
+    llm_dev, slm_dev = outs[0].result, outs[1].result
+
+    # Every threshold method's τ from its own dev scores.
     scored: dict[str, Router] = dict(routers)
-    scored["confidence"] = ConfidenceRouter.from_model(slm, vocab_size=run.vocab)
+    scored["confidence"] = ConfidenceRouter.from_model(slm, vocab_size=bench.vocab)
     if champion is not None:
         scored["champion"] = champion
-    scores = method_scores(slm, scored, dev.prompts, slm_dev.tokens, params.batch_size, run.pad)
+    bench.routers.update(scored)
+    scores = method_scores(slm, scored, dev.prompts, slm_dev.tokens, params.batch_size, bench.pad)
     thresholds = {m: taus_at_fractions(s, params.llm_fractions) for m, s in scores.items()}
     quantiles = {m: quantile_table(s) for m, s in scores.items()}
     notes: dict[str, Any] = {"dev_examples": len(dev.rows), "test_examples": len(test.rows)}
 
     query = None
     if train_rows:
-        query, q_dev, q_test = _train_query(run, train_rows, dev, test, notes)
+        query, q_dev, q_test = _train_query(bench, outs[2].result, dev, test, notes)
         thresholds["query"] = taus_at_fractions(q_dev, params.llm_fractions)
         quantiles["query"] = quantile_table(q_dev)
 
-    # 2. dev passes; the rule picks each method's point.
-    dev_out += _threshold_rows(run, dev, "dev", llm_dev, _points(scored, thresholds, params))
+    # 2. dev passes (the rule picks each method's point) and test passes (every point of every method but the
+    # champion's, which waits for its dev choice).
+    dev_pts = _points("dev", list(scored), thresholds, params)
+    test_methods = [m for m in scored if m != "champion"]
+    test_pts = _points("test", test_methods, thresholds, params)
+    spec_pass = (
+        [PassSpec("test speculative", "test", "speculative", "speculative")] if params.speculative else []
+    )
+    outs = run([*dev_pts, *_references("test"), *test_pts, *spec_pass])
+    n_dev, n_test = len(dev_pts), len(test_pts)
+    dev_outs, test_refs = outs[:n_dev], outs[n_dev : n_dev + 2]
+    test_outs = {s.name: o for s, o in zip(test_pts, outs[n_dev + 2 : n_dev + 2 + n_test], strict=True)}
+    spec_out = outs[n_dev + 2 + n_test :]
+
+    dev_out += [_point_row(s, o, llm_dev, dev) for s, o in zip(dev_pts, dev_outs, strict=True)]
     if query is not None:
-        dev_out += _query_rows(run, dev, q_dev, thresholds["query"], slm_dev, llm_dev, query.weight_bytes)
+        dev_out += _query_rows(bench, dev, q_dev, thresholds["query"], slm_dev, llm_dev, query.weight_bytes)
     methods = [*scored, "random"] + (["query"] if query is not None else [])
     chosen = {m: best_row(dev_out, rule, m, feasible_only=True) for m in methods}
     # The champion is compared at its best dev point even when none meets the rule (it then ranks below any
@@ -242,19 +245,27 @@ def run_sweep(
     champ_dev = best_row(dev_out, rule, "champion", feasible_only=False) if champion is not None else None
 
     # 3. test: every point of every method, the oracle, speculative decoding, the champion at its dev τ.
-    llm_test, slm_test, test_out = run.references(test, "test")
+    test_out = _ref_rows(test_refs, test)
+    llm_test, slm_test = test_refs[0].result, test_refs[1].result
     at_test = dict(thresholds)
     if champ_dev is not None:
         at_test["champion"] = [(champ_dev.extra["target_llm_fraction"], champ_dev.tau)]
-    test_out += _threshold_rows(run, test, "test", llm_test, _points(scored, at_test, params))
+    all_pts = _points("test", list(scored), at_test, params)
+    last = [s for s in all_pts if s.method == "champion"]
+    if params.oracle:
+        flags = oracle_flags(slm, test.prompts, llm_test.tokens, params.batch_size, bench.pad, bench.vocab)
+        bench.routers["oracle"] = OracleRouter(flags)
+        last.append(PassSpec("test oracle", "test", method="oracle", router="oracle", tau=0.5))
+    test_outs |= {s.name: o for s, o in zip(last, run(last), strict=True)}
+    test_out += [_point_row(s, test_outs[s.name], llm_test, test) for s in all_pts]
     if query is not None:
         test_out += _query_rows(
-            run, test, q_test, thresholds["query"], slm_test, llm_test, query.weight_bytes
+            bench, test, q_test, thresholds["query"], slm_test, llm_test, query.weight_bytes
         )
     if params.oracle:
-        test_out.append(_oracle_row(run, test, llm_test))
+        test_out.append(_oracle_row(test_outs["test oracle"], test, llm_test, flags))
     if params.speculative:
-        test_out.append(_speculative(run, test, llm_test))
+        test_out.append(_speculative_row(spec_out[0], test, llm_test))
     for m, row in chosen.items():
         if row is None:
             continue
@@ -270,26 +281,24 @@ def run_sweep(
 
 
 def _train_query(
-    run: _Runner, train_rows: Sequence[Mapping[str, Any]], dev: _Split, test: _Split, notes: dict[str, Any]
+    bench: PassBench, labels: PassResult, dev: Split, test: Split, notes: dict[str, Any]
 ) -> tuple[Any, Any, Any]:
-    """The query router from SLM-alone outcomes on train questions; its scores on dev and test questions."""
-    p = run.p
-    train = _split(run.tok, train_rows, run.fmt, p.query.train_examples, "train")
-    res, secs = run.run(train, "query labels (slm on train)", run.engine(AlwaysSLM(), 1.0, run.slm, None))
-    feats = prompt_features(run.slm, train.prompts, p.batch_size, run.pad)
-    router = train_query_router(feats, res.correct, p.query, p.seed)
-    q_dev = router(prompt_features(run.slm, dev.prompts, p.batch_size, run.pad)).numpy()
-    q_test = router(prompt_features(run.slm, test.prompts, p.batch_size, run.pad)).numpy()
+    """The query router from SLM-alone outcomes (``labels``) on train questions; its scores on dev and test."""
+    p = bench.params
+    train = bench.splits["train"]
+    feats = prompt_features(bench.slm, train.prompts, p.batch_size, bench.pad)
+    router = train_query_router(feats, labels.correct, p.query, p.seed)
+    q_dev = router(prompt_features(bench.slm, dev.prompts, p.batch_size, bench.pad)).numpy()
+    q_test = router(prompt_features(bench.slm, test.prompts, p.batch_size, bench.pad)).numpy()
     notes["query"] = {
         "train_examples": len(train.rows),
-        "train_slm_accuracy": sum(res.correct) / len(res.correct),
+        "train_slm_accuracy": sum(labels.correct) / len(labels.correct),
     }
     return router, q_dev, q_test
 
 
-def _oracle_row(run: _Runner, test: _Split, llm_res: PassResult) -> SweepRow:
-    flags = oracle_flags(run.slm, test.prompts, llm_res.tokens, run.p.batch_size, run.pad, run.vocab)
-    res, secs = run.run(test, "test oracle", run.engine(OracleRouter(flags), 0.5))
+def _oracle_row(out: PassOutcome, test: Split, llm_res: PassResult, flags: Any) -> SweepRow:
+    res = out.result
     agree = sum(a == b for a, b in zip(res.tokens, llm_res.tokens, strict=True)) / len(flags)
     return to_row(
         "oracle",
@@ -297,31 +306,11 @@ def _oracle_row(run: _Runner, test: _Split, llm_res: PassResult) -> SweepRow:
         res,
         llm_res,
         test.ex_hash,
-        pass_seconds=secs,
+        pass_seconds=out.seconds,
         llm_agreement=agree,
         **oracle_summary(flags),
     )
 
 
-def _speculative(run: _Runner, test: _Split, llm_res: PassResult) -> SweepRow:
-    p = run.p
-    n = len(test.rows)
-    idx = list(range(min(p.speculative_examples or n, n)))
-    t0 = time.perf_counter()
-    outputs = speculative_generate(
-        run.slm,
-        run.llm,
-        [test.prompts[i] for i in idx],
-        max_new_tokens=p.max_new_tokens,
-        draft_tokens=p.speculative_tokens,
-        eos_token_id=run.eos,
-        pad_token_id=run.pad,
-        gpu=p.gpu,
-        vocab_size=run.vocab,
-    )
-    sp, totals = speculative_result(
-        outputs, run.tok, [test.rows[i] for i in idx], run.fmt, p.gpu, min(p.batch_size, n)
-    )
-    secs = time.perf_counter() - t0
-    run.say(f"sweep test speculative: {len(idx)} questions, {secs:.1f}s")
-    return speculative_row(sp, llm_res, idx, test.ex_hash, secs, totals)
+def _speculative_row(out: PassOutcome, test: Split, llm_res: PassResult) -> SweepRow:
+    return speculative_row(out.result, llm_res, list(range(out.n)), test.ex_hash, out.seconds, out.totals)

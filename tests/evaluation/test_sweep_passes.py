@@ -1,0 +1,103 @@
+"""The sweep's passes as specs mapped over a task runner: the rows do not depend on where the passes ran."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from conftest import answering_rows
+
+from citer.config import RuntimeParams, SweepParams
+from citer.evaluation.plan import PassBench, PassSpec, deal, gather, run_in_order
+from citer.evaluation.rows import SweepError
+
+
+def test_deal_and_gather_restore_spec_order():
+    assert deal(5, 2) == [[0, 2, 4], [1, 3]]
+    assert deal(2, 8) == [[0], [1]] and deal(0, 3) == [] and deal(3, 0) == [[0, 1, 2]]
+    chunks = deal(7, 3)
+    parts = [[f"out{i}" for i in ids] for ids in chunks]
+    assert gather(7, chunks, parts) == [f"out{i}" for i in range(7)]
+    with pytest.raises(SweepError, match="returned no outcome"):
+        gather(3, [[0, 1]], [["a", "b"]])
+
+
+def test_a_spec_carries_engine_arguments(tiny_pair):
+    slm, llm, tok = tiny_pair
+    bench = PassBench(slm, llm, tok, "math", SweepParams(), routers={"r": lambda h: h[:, 0]})
+    spec = PassSpec("dev r", "dev", method="r", router="r", tau=0.3, engine={"llm_max_wait_steps": 2})
+    assert bench.engine(spec).tau == 0.3
+    with pytest.raises(TypeError, match="no_such_knob"):  # passed through to RoutedEngine as they are
+        bench.engine(dataclasses.replace(spec, engine={"no_such_knob": 1}))
+    with pytest.raises(SweepError, match="router 'x' unknown"):
+        bench.engine(dataclasses.replace(spec, router="x"))
+
+
+def _sweep(pair, passes=run_in_order):
+    import torch
+
+    from citer.evaluation.sweep import run_sweep
+    from citer.routing.mlp import MLPRouter
+
+    slm, llm, tok = pair
+    torch.manual_seed(0)
+    router = MLPRouter(slm.config.hidden_size).eval()
+    torch.manual_seed(1)
+    other = MLPRouter(slm.config.hidden_size).eval()
+    params = SweepParams(
+        llm_fractions=[0.1, 0.3, 0.5],
+        batch_size=5,
+        max_new_tokens=8,
+        query={"train_examples": 16, "epochs": 20},
+    )
+    return run_sweep(
+        slm,
+        llm,
+        tok,
+        answering_rows(11, 12),
+        answering_rows(12, 12),
+        "math",
+        {"citer": router, "citer_s": other},
+        params,
+        train_rows=answering_rows(13, 16),
+        champion=other,
+        passes=passes,
+    )
+
+
+def _rows(res):
+    """Everything but wall-clock timings."""
+
+    def strip(r):
+        d = dataclasses.asdict(r)
+        d["extra"].pop("pass_seconds", None)
+        d.pop("sec_per_token")
+        return d
+
+    chosen = {m: strip(r) if r else None for m, r in res.chosen.items()}
+    return [strip(r) for r in res.dev], [strip(r) for r in res.test], res.thresholds, res.quantiles, chosen
+
+
+@pytest.mark.parametrize("runner", ["local", "dask"])
+def test_two_workers_give_the_rows_of_one(tiny_pair, prefect_server, runner):
+    """Every pass of the sweep (oracle, speculative, the champion, the query router included) as tasks on two
+    workers (threads, or two Dask worker processes with one torch thread each): byte-identical rows."""
+    from prefect import flow
+
+    from flows.runtime import SweepPasses, TaskRunners
+
+    rt = RuntimeParams(task_runner=runner, workers=2)
+
+    @flow(name="test-sweep-passes")
+    def sweep_on_runner():
+        return _sweep(tiny_pair, SweepPasses(rt))
+
+    one = _sweep(tiny_pair)
+    two = sweep_on_runner.with_options(task_runner=TaskRunners.build(rt))()
+    assert len(one.test) > 10 and {r.method for r in one.test} >= {
+        "oracle",
+        "speculative",
+        "champion",
+        "query",
+    }
+    assert _rows(two) == _rows(one)
