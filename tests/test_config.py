@@ -282,6 +282,31 @@ def test_odd_head_width_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("blocks", "key"),
+    [
+        ({"data": {"format": "mc"}}, "data.format = 'mc'"),
+        ({"inference": {"format": "mc"}}, "inference.format = 'mc'"),
+        ({"serve": {"prompt_format": "mc"}}, "serve.prompt_format = 'mc'"),
+        ({"data": {"format": "math"}, "bootstrap": {"formats": ["mc"]}}, "data.format = 'math'"),
+    ],
+)
+def test_embedded_pair_must_learn_the_format_routed(tmp_path, blocks, key):
+    """bootstrap.formats names the forms the embedded pair learns; a format it never saw is refused in one line."""
+    f = _write(tmp_path / "params.yaml", blocks)
+    with pytest.raises(ConfigError, match=r"bootstrap\.formats: \[.*\] is not allowed \(must include " + key):
+        load_params(f)
+
+
+def test_formats_are_free_when_the_pair_is_your_own(tmp_path):
+    both = _write(
+        tmp_path / "both.yaml", {"data": {"format": "mc"}, "bootstrap": {"formats": ["math", "mc"]}}
+    )
+    assert load_params(both).data.format == "mc"
+    off = _write(tmp_path / "off.yaml", {"data": {"format": "mc"}, "bootstrap": {"enabled": False}})
+    assert load_params(off).data.format == "mc"
+
+
+@pytest.mark.parametrize(
     ("key", "value"),
     [
         ("eval.n_examples", 0),

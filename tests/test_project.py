@@ -43,7 +43,8 @@ def test_tracking_uri(tmp_path, monkeypatch):
 
 
 def test_validation_files_default_to_the_splits(tmp_path):
-    proj = _project(tmp_path, data={"format": "mc", "train": "t.jsonl", "dev": "d.jsonl", "test": "e.jsonl"})
+    mc = {"format": "mc", "train": "t.jsonl", "dev": "d.jsonl", "test": "e.jsonl"}
+    proj = _project(tmp_path, data=mc, bootstrap={"formats": ["math", "mc"]})
     assert proj.validation_files() == [(str(tmp_path / f), "mc") for f in ("t.jsonl", "d.jsonl", "e.jsonl")]
     listed = _project(tmp_path, validate={"files": [["x.jsonl", "math"], ["/abs/y.jsonl", "mc"]]})
     assert listed.validation_files() == [(str(tmp_path / "x.jsonl"), "math"), ("/abs/y.jsonl", "mc")]

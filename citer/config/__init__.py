@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 from citer.config.base import DEVICE_STRATEGIES, ConfigError, Seed, _Block, _FieldError
@@ -96,6 +96,23 @@ class Params(_Block):
     serve: ServeParams = ServeParams()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _embedded_pair_knows_the_format(self) -> Params:
+        # The embedded pair is trained from scratch on bootstrap.formats only: asked another form it is at chance.
+        if not self.bootstrap.enabled:
+            return self
+        used = {"data.format": self.data.format, "inference.format": self.inference.format}
+        if self.serve.prompt_format in ("math", "mc"):
+            used["serve.prompt_format"] = self.serve.prompt_format
+        for key, fmt in used.items():
+            if fmt is not None and fmt not in self.bootstrap.formats:
+                raise _FieldError(
+                    "bootstrap.formats",
+                    self.bootstrap.formats,
+                    f"must include {key} = {fmt!r}: the embedded pair learns only these forms",
+                )
+        return self
 
 
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))

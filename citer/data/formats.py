@@ -68,11 +68,31 @@ def _need_str_list(choices: Mapping[str, Any], key: str, out: list[Problem]) -> 
             out.append(Problem(f"{name}[{i}]", "empty string"))
 
 
+_KEYS = {"math": ("problem", "solution"), "mc": ("question", "choices")}
+
+
+def _other_format(obj: Mapping[str, Any], fmt: Format) -> Problem | None:
+    """A row of the other format (a file mixing both): one problem that says so, instead of its missing keys."""
+    other = "mc" if fmt == "math" else "math"
+    mine, theirs = _KEYS[fmt], _KEYS[other]
+    if any(k in obj for k in mine) or not all(k in obj for k in theirs):
+        return None
+    article = "an" if other == "mc" else "a"
+    return Problem(
+        None,
+        f"{article} {other} row ({', '.join(theirs)}) in {'an' if fmt == 'mc' else 'a'} {fmt} file: a file holds one format "
+        "(data.format; one project routes one format, see README 'Both formats')",
+    )
+
+
 def structural_problems(obj: Any, fmt: Format) -> list[Problem]:
     """Shape and types: an object with the required keys, strings where strings belong, none of them empty."""
     check_format(fmt)
     if not isinstance(obj, dict):
         return [Problem(None, f"row must be a JSON object, got {_type_name(obj)}")]
+    other = _other_format(obj, fmt)
+    if other is not None:
+        return [other]
     out: list[Problem] = []
     if fmt == "math":
         _need_str(obj, "problem", "problem", out)

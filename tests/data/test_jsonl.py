@@ -164,3 +164,16 @@ def test_real_files_read(name, fmt):
         assert len(rows) == sum(1 for line in fh if line.strip())
     if name == "citer-reference/cqa_test":
         assert {"id", "question_concept"} <= set(rows[0])  # extra keys kept
+
+
+@pytest.mark.parametrize(("fmt", "other"), [("mc", "math"), ("math", "mc")])
+def test_a_file_mixing_both_formats_is_refused_in_one_line(tmp_path, synth_rows, fmt, other):
+    """One project routes one format: a row of the other one is named as such, not as a list of missing keys."""
+    f = tmp_path / "mixed.jsonl"
+    write_jsonl(f, synth_rows[f"{fmt}_train"][:2] + synth_rows[f"{other}_train"][:1])
+    with pytest.raises(DataError) as err:
+        read_jsonl(f, fmt)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{f}:3: ")
+    assert f"{other} row" in msg and "a file holds one format (data.format" in msg
+    assert "missing required key" not in msg
