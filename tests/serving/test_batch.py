@@ -231,3 +231,36 @@ def test_verified_routing_shows_the_tokens_it_took_back_beside_the_response(tiny
     gone = tok.encode("xy", add_special_tokens=False)
     spans = writer_spans(tok, ids, [False, True], [(1, gone)])
     assert spans == [["a", "slm"], ["xy", "rolled_back"], ["b", "llm"]]
+
+
+def test_mc_response_naming_the_choice_text_is_graded_as_its_label(engine, tiny_pair, tmp_path, monkeypatch):
+    """A model that answers with the choice's text ("The answer is 13.") is graded, and recorded, as its label."""
+    import citer.serving.batch as batch
+
+    tok = tiny_pair[2]
+    real = batch._generate
+
+    def answering(engine, pairs, max_new_tokens, batch_size):
+        said = {0: " 13 is (C). So the answer is C.", 1: " The answer is 13.", 2: " The answer is 10."}
+        out = []
+        for (it, _), (_, st, _, _) in zip(
+            pairs, real(engine, pairs, max_new_tokens, batch_size), strict=True
+        ):
+            toks = tok.encode(said[it.index], add_special_tokens=False)
+            out.append((toks, st, [False] * len(toks), []))
+        return out
+
+    monkeypatch.setattr(batch, "_generate", answering)
+    row = {
+        "question": "q",
+        "choices": {"label": list("ABCD"), "text": ["5", "10", "13", "8"]},
+        "answerKey": "C",
+    }
+    inp = tmp_path / "mc.jsonl"
+    inp.write_text("".join(json.dumps(row) + "\n" for _ in range(3)), encoding="utf-8")
+    s = route_file(
+        engine, tok, inp, tmp_path / "o.jsonl", "mc", batch_size=8, max_new_tokens=4, progress=False
+    )
+    out = _lines(tmp_path / "o.jsonl")
+    assert [(r["answer"], r["correct"]) for r in out] == [("C", True), ("C", True), ("B", False)]
+    assert s.n_graded == 3
