@@ -27,9 +27,11 @@ from citer.config.evaluation import (
     RegistryParams,
     SelectionRule,
     SweepParams,
+    VerifySweepParams,
 )
 from citer.config.models import (
     ArchParams,
+    BootstrapOverrides,
     BootstrapParams,
     EvalParams,
     FinetuneParams,
@@ -44,6 +46,7 @@ from citer.config.serving import EngineParams, InferenceParams, ServeParams
 __all__ = [
     "DEVICE_STRATEGIES",
     "ArchParams",
+    "BootstrapOverrides",
     "BootstrapParams",
     "ConfigError",
     "DataParams",
@@ -66,6 +69,7 @@ __all__ = [
     "SelectionRule",
     "ServeParams",
     "SweepParams",
+    "VerifySweepParams",
     "SynthParams",
     "ValidateParams",
     "load_params",

@@ -37,6 +37,44 @@ class IntervalParams(_Block):
     level: float = Field(0.95, gt=0.5, lt=1.0)
 
 
+class VerifySweepParams(_Block):
+    """Verified routing in the sweep (:mod:`citer.decoding.verify`), chosen on dev in stages, never as a full product:
+
+    1. ``rhos`` x ``fractions`` with no window (the final check as ``final``) for ``citer_verify`` (the router variant
+       the rule chose on dev) and ``bild`` (the SLM's top probability as the trigger, no router: Kim et al. 2023);
+    2. at each method's dev-chosen (fraction, ρ), every ``windows`` value; the rule picks the point of stage 1 or 2;
+    3. test: each method's fraction curve at its dev-chosen ρ and W.
+    """
+
+    enabled: bool = True
+    rhos: list[float] = [1.0, 2.0, 4.0]
+    fractions: list[float] = [0.02, 0.04, 0.06, 0.1]
+    windows: list[int] = [4, 8]
+    final: bool = True
+    bild: bool = True
+
+    @field_validator("rhos")
+    @classmethod
+    def _rhos(cls, v: list[float]) -> list[float]:
+        if not v or any(not r >= 0 for r in v):
+            raise ValueError(f"must be a non-empty list of numbers >= 0, got {v}")
+        return v
+
+    @field_validator("fractions")
+    @classmethod
+    def _fractions(cls, v: list[float]) -> list[float]:
+        if not v or any(not 0.0 < f < 1.0 for f in v):
+            raise ValueError(f"must be a non-empty list of values in (0, 1), got {v}")
+        return v
+
+    @field_validator("windows")
+    @classmethod
+    def _windows(cls, v: list[int]) -> list[int]:
+        if any(w < 1 for w in v):
+            raise ValueError(f"windows are >= 1 (no window is stage 1), got {v}")
+        return v
+
+
 class SweepParams(_Block):
     """The evaluation sweep (``citer eval sweep``): every method chosen on ``dev``, reported on ``test``.
 
@@ -59,6 +97,7 @@ class SweepParams(_Block):
     speculative_examples: int = Field(0, ge=0)
     speculative_tokens: int = Field(5, ge=1)
     query: QueryRouterParams = QueryRouterParams()
+    verify: VerifySweepParams = VerifySweepParams()
     intervals: IntervalParams = IntervalParams()
     rule: SelectionRule = SelectionRule()
 

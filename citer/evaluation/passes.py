@@ -38,6 +38,7 @@ class PassResult:
     # Per question, bytes with the weight reads shared by the decoding batch (the batch-shared regime, reported
     # in its own columns; every comparison uses ``bytes_moved``, priced as if each question were decoded alone).
     batch_bytes: list[float] = field(default_factory=list)
+    rolled_back: list[int] = field(default_factory=list)  # verified routing: SLM tokens a check took back
 
     def subset(self, idx: Sequence[int]) -> PassResult:
         return PassResult(
@@ -50,6 +51,7 @@ class PassResult:
             self.gpu_seconds,
             [self.tokens[i] for i in idx] if self.tokens else [],
             [self.batch_bytes[i] for i in idx] if self.batch_bytes else [],
+            [self.rolled_back[i] for i in idx] if self.rolled_back else [],
         )
 
 
@@ -109,7 +111,7 @@ def decode_pass(
     """
     n = len(prompts)
     res_tokens: list[list[int]] = [[] for _ in range(n)]
-    llm_tokens, llm_calls, byts, shared = [0] * n, [0] * n, [0.0] * n, [0.0] * n
+    llm_tokens, llm_calls, byts, shared, rolled = [0] * n, [0] * n, [0.0] * n, [0.0] * n, [0] * n
     wall = 0.0
     todo = batches(prompts, batch_size)
     for idx in progress(todo, desc=desc, total=len(todo), unit="batch"):
@@ -126,6 +128,7 @@ def decode_pass(
             llm_calls[i] = int(st.slm_calls) if solo_llm else int(st.llm_calls)
             byts[i] = float(st.bytes_alone)
             shared[i] = float(st.bytes_moved)
+            rolled[i] = int(st.rolled_back_tokens)
     correct = grade_all(tokenizer, res_tokens, rows, fmt)
     return PassResult(
         correct,
@@ -137,6 +140,7 @@ def decode_pass(
         sum(byts) / bandwidth,
         res_tokens,
         shared,
+        rolled,
     )
 
 

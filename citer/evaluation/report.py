@@ -106,6 +106,8 @@ _STYLE = {
     "slm": ("k", "P", ""),
     "llm": ("k", "*", ""),
     "speculative": ("C0", "D", ""),
+    "citer_verify": ("C9", "h", "-"),
+    "bild": ("C2", "p", "-."),
 }
 
 
@@ -160,6 +162,12 @@ def write_sweep_reports(reports_dir: str | os.PathLike[str], result: Any, params
     found = claims(
         result.test, params.rule.accuracy_ratio, n_resamples=iv.resamples, seed=params.seed, level=iv.level
     )
+    # The verified decoder's own claims (vs the oracle, speculative decoding, BiLD and the plain router).
+    found["verified"] = {
+        m: claims(result.test, params.rule.accuracy_ratio, iv.resamples, params.seed, iv.level, method=m)
+        for m in ("citer_verify",)
+        if any(r.method == m for r in result.test)
+    }
     found["protocol"] = {
         "selected_on": "dev",
         "reported_on": "test",

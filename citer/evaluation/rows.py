@@ -26,6 +26,8 @@ METHODS = (
     "confidence",
     "query",  # a trained query-level router (RouteLLM recipe)
     "speculative",
+    "citer_verify",  # the dev-chosen router with the catch-up's check (rho), a window and the final check
+    "bild",  # Big Little Decoder: the SLM's confidence as the trigger, the same check, no router
 )
 # The methods whose points are thresholds on a score (chosen on dev at sweep.llm_fractions).
 THRESHOLD_METHODS = (
@@ -37,6 +39,8 @@ THRESHOLD_METHODS = (
     "citer_emb_logits",
     "confidence",
     "query",
+    "citer_verify",
+    "bild",
 )
 SWEEP_KEYS = (
     "method",

@@ -5,9 +5,12 @@ Protocol (nothing is tuned on test):
    answers give its τ at every ``sweep.llm_fractions`` value (:mod:`citer.evaluation.thresholds`); the query router
    is trained on train questions and thresholded on dev questions (:mod:`citer.evaluation.query`).
 2. dev: one pass per (method, τ) and per random fraction; the rule picks each method's operating point.
-3. test: the same (method, τ) points, plus the oracle bound (:mod:`citer.evaluation.oracle`) and speculative decoding
-   on the whole split; the dev-chosen point of every method is marked ``selected_on_dev``. The re-evaluated champion
-   runs on test only at the τ its own dev pass chose.
+3. dev: verified routing (``citer_verify`` on the router variant the rule chose, ``bild``), its ρ and W chosen in
+   stages (:mod:`citer.evaluation.verify_sweep`).
+4. test: the same (method, τ) points, each verified method's curve at its dev-chosen ρ and W, plus the oracle bound
+   (:mod:`citer.evaluation.oracle`) and speculative decoding on the whole split; the dev-chosen point of every method
+   is marked ``selected_on_dev``. The re-evaluated champion runs on test only at the τ (and with the verification)
+   its own dev pass chose.
 
 Every byte figure is per question as if decoded alone (batch 1), router reads included; the batch-shared figures sit
 in their own ``*_batch*`` columns. A pass is :mod:`citer.evaluation.passes`; the rule and promotion
@@ -18,7 +21,7 @@ in their own ``*_batch*`` columns. A pass is :mod:`citer.evaluation.passes`; the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from citer.evaluation.plan import (
     Split,
     run_in_order,
 )
-from citer.evaluation.promotion import best_row
+from citer.evaluation.promotion import best_row, choose_candidate, point_key
 from citer.evaluation.query import (
     combine_query,
     prompt_features,
@@ -48,6 +51,7 @@ from citer.evaluation.query import (
 )
 from citer.evaluation.rows import SweepError, SweepRow
 from citer.evaluation.thresholds import method_scores, quantile_table, taus_at_fractions
+from citer.evaluation.verify_sweep import VARIANTS, VerifyStages, verify_row
 
 Log = Callable[[str], None]
 ROUTER_KEYS = ("citer", "citer_iter1", "citer_s", "citer_emb", "citer_logits", "citer_emb_logits")
@@ -171,13 +175,15 @@ def run_sweep(
     *,
     train_rows: Sequence[Mapping[str, Any]] | None = None,
     champion: Router | None = None,
+    champion_verify: Mapping[str, Any] | None = None,
     log: Log | None = None,
     passes: PassMap = run_in_order,
 ) -> SweepResult:
     """Every method on dev (to choose) and test (to report). ``routers``: ``citer`` required, any of
     :data:`ROUTER_KEYS` optional. ``train_rows`` trains the query-level router (omitted: no query method).
     ``champion`` (the registered router holding the alias) is thresholded and chosen on dev like the candidate and
-    re-evaluated on the same test examples. ``passes`` runs the decoding passes (:mod:`citer.evaluation.plan`; the
+    re-evaluated on the same test examples, with ``champion_verify`` (its version's verification as RoutedEngine
+    keyword arguments; None: plain). ``passes`` runs the decoding passes (:mod:`citer.evaluation.plan`; the
     flow maps them over ``runtime.task_runner``); the rows do not depend on it."""
     if "citer" not in routers:
         raise SweepError("routers: key 'citer' missing (the trained router is required)")
@@ -223,7 +229,7 @@ def run_sweep(
 
     # 2. dev passes (the rule picks each method's point) and test passes (every point of every method but the
     # champion's, which waits for its dev choice).
-    dev_pts = _points("dev", list(scored), thresholds, params)
+    dev_pts = _with_engine(_points("dev", list(scored), thresholds, params), "champion", champion_verify)
     test_methods = [m for m in scored if m != "champion"]
     test_pts = _points("test", test_methods, thresholds, params)
     spec_pass = (
@@ -240,6 +246,16 @@ def run_sweep(
         dev_out += _query_rows(bench, dev, q_dev, thresholds["query"], slm_dev, llm_dev, query.weight_bytes)
     methods = [*scored, "random"] + (["query"] if query is not None else [])
     chosen = {m: best_row(dev_out, rule, m, feasible_only=True) for m in methods}
+    stages = _verify_stages(params, dev_out, scored, scores, llm is not None)
+    if stages is not None:
+        # 3. dev: verified routing in stages (ρ x fraction, then windows at the best point).
+        specs = stages.stage1()
+        dev_out += [verify_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
+        specs = stages.stage2(dev_out, rule)
+        dev_out += [verify_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
+        for m in stages.methods:
+            chosen[m] = best_row(dev_out, rule, m, feasible_only=True)
+        notes["verify"] = {"citer_verify_router": stages.routers.get("citer_verify")}
     # The champion is compared at its best dev point even when none meets the rule (it then ranks below any
     # candidate that does).
     champ_dev = best_row(dev_out, rule, "champion", feasible_only=False) if champion is not None else None
@@ -250,14 +266,20 @@ def run_sweep(
     at_test = dict(thresholds)
     if champ_dev is not None:
         at_test["champion"] = [(champ_dev.extra["target_llm_fraction"], champ_dev.tau)]
-    all_pts = _points("test", list(scored), at_test, params)
+    all_pts = _with_engine(_points("test", list(scored), at_test, params), "champion", champion_verify)
     last = [s for s in all_pts if s.method == "champion"]
+    verified = []
+    if stages is not None:  # each verified method's curve at its dev-chosen ρ and W (or its closest point)
+        closest = {m: chosen[m] or best_row(dev_out, rule, m, feasible_only=False) for m in stages.methods}
+        verified = stages.test_curve(closest)
+        last += verified
     if params.oracle:
         flags = oracle_flags(slm, test.prompts, llm_test.tokens, params.batch_size, bench.pad, bench.vocab)
         bench.routers["oracle"] = OracleRouter(flags)
         last.append(PassSpec("test oracle", "test", method="oracle", router="oracle", tau=0.5))
     test_outs |= {s.name: o for s, o in zip(last, run(last), strict=True)}
     test_out += [_point_row(s, test_outs[s.name], llm_test, test) for s in all_pts]
+    test_out += [verify_row(s, test_outs[s.name], llm_test, test) for s in verified]
     if query is not None:
         test_out += _query_rows(
             bench, test, q_test, thresholds["query"], slm_test, llm_test, query.weight_bytes
@@ -266,11 +288,11 @@ def run_sweep(
         test_out.append(_oracle_row(test_outs["test oracle"], test, llm_test, flags))
     if params.speculative:
         test_out.append(_speculative_row(spec_out[0], test, llm_test))
-    for m, row in chosen.items():
+    for row in chosen.values():
         if row is None:
             continue
         for t in test_out:
-            if t.method == m and t.tau == row.tau:
+            if point_key(t) == point_key(row):
                 t.extra["selected_on_dev"] = True
     if champ_dev is not None:
         chosen["champion"] = champ_dev
@@ -278,6 +300,32 @@ def run_sweep(
             if t.method == "champion":
                 t.extra["selected_on_dev"] = True
     return SweepResult(dev_out, test_out, thresholds, quantiles, chosen, notes)
+
+
+def _with_engine(specs: list[PassSpec], method: str, engine: Mapping[str, Any] | None) -> list[PassSpec]:
+    """``specs`` with ``method``'s passes decoding with ``engine`` (RoutedEngine keyword arguments)."""
+    if not engine:
+        return specs
+    return [replace(s, engine=dict(engine)) if s.method == method else s for s in specs]
+
+
+def _verify_stages(
+    params: SweepParams,
+    dev_rows: Sequence[SweepRow],
+    scored: Mapping[str, Router],
+    scores: Mapping[str, Any],
+    have_llm: bool,
+) -> VerifyStages | None:
+    """The verified methods' grid, on the router variant the rule chose on dev (``citer`` when none meets it)."""
+    v = params.verify
+    if not v.enabled or not have_llm:
+        return None
+    variant = choose_candidate(dev_rows, params.rule, [m for m in VARIANTS if m in scored])
+    routers = {"citer_verify": variant.method if variant is not None else "citer"}
+    if v.bild:
+        routers["bild"] = "confidence"
+    taus = {k: taus_at_fractions(scores[k], v.fractions) for k in set(routers.values())}
+    return VerifyStages(v, routers, taus)
 
 
 def _train_query(

@@ -63,6 +63,7 @@ def swept(answering_pair):
         max_new_tokens=12,
         query={"train_examples": 64, "epochs": 100},
         intervals={"resamples": 300},
+        verify={"rhos": [1.0, 4.0], "fractions": [0.05, 0.2], "windows": [4]},
     )
     logs = []
     res = run_sweep(
@@ -92,7 +93,7 @@ def test_sweep_rows_are_sane(swept, tmp_path):
     res, params, logs = swept
     by = _by_method(res.test)
     assert set(by) == {"citer", "citer_s", "confidence", "random", "query", "oracle", "speculative", "slm", "llm",
-                       "champion"}  # fmt: skip
+                       "champion", "citer_verify", "bild"}  # fmt: skip
     llm, slm = by["llm"][0], by["slm"][0]
     assert llm.llm_token_fraction == 1.0 and llm.bytes_moved_rel_llm == 1.0 and llm.llm_calls > 0
     assert slm.llm_token_fraction == 0.0 and slm.llm_calls == 0 and 0 < slm.bytes_moved_rel_llm < 1
@@ -258,3 +259,49 @@ def test_sweep_refuses_bad_input(tiny_pair):
             {"citer": lambda h: h[:, 0]},
             SweepParams(),
         )
+
+
+def test_verified_methods_are_chosen_on_dev_in_stages_and_reported_on_test(swept):
+    res, params, _ = swept
+    v = params.verify
+    dev, test = _by_method(res.dev), _by_method(res.test)
+    assert res.notes["verify"]["citer_verify_router"] == "citer"  # the only router variant given
+    for m, router in (("citer_verify", "citer"), ("bild", "confidence")):
+        rows = dev[m]
+        stage1 = [r for r in rows if r.extra["verify_window"] == 0]
+        # every rho at every τ its fractions give (repeated τ collapse to one pass)
+        taus = sorted({r.tau for r in stage1})
+        assert 1 <= len(taus) <= len(v.fractions) and len(stage1) == len(v.rhos) * len(taus)
+        assert {r.extra["verify_rho"] for r in stage1} == set(v.rhos)
+        stage2 = [r for r in rows if r.extra["verify_window"] > 0]
+        assert [r.extra["verify_window"] for r in stage2] == v.windows  # one point, every window
+        assert all(r.extra["router"] == router and r.extra["verify_final"] is True for r in rows)
+        # test: one curve, at the ρ and W of the dev-chosen (or closest) point, which is marked
+        trows = test[m]
+        assert len({(r.extra["verify_rho"], r.extra["verify_window"]) for r in trows}) == 1
+        chosen = res.chosen[m]
+        if chosen is not None:
+            marked = [r for r in trows if r.extra.get("selected_on_dev")]
+            assert len(marked) == 1 and marked[0].tau == chosen.tau
+            assert marked[0].extra["verify_rho"] == chosen.extra["verify_rho"]
+        for r in trows:
+            assert r.n_examples == 32 and len(r.correct) == 32 and r.extra["rolled_back_tokens"] >= 0
+    # a small rho takes tokens back somewhere on dev: the check ran
+    assert any(r.extra["rolled_back_tokens"] > 0 for m in ("citer_verify", "bild") for r in dev[m])
+
+
+def test_the_verified_decoder_has_claims_of_its_own(swept):
+    from citer.evaluation.pareto import claims
+
+    res, _, _ = swept
+    c = claims(res.test, 0.98, n_resamples=200, method="citer_verify")
+    assert c["method"] == "citer_verify"
+    assert {"bild", "speculative", "citer"} <= set(
+        c["savings"]
+    )  # the anchor, the lossless decoder, plain CITER
+    assert "citer_verify" not in c["savings"] and "citer" in c["dominance_at_95"]
+    assert (
+        c["oracle_ratio"]["statement"].startswith("At 99%")
+        or "CITER (citer_verify)" in (c["oracle_ratio"]["statement"])
+    )
+    assert all("CITER (citer_verify)" in s["statement"] for s in c["savings"].values())
