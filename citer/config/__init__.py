@@ -31,7 +31,6 @@ from citer.config.evaluation import (
 )
 from citer.config.models import (
     ArchParams,
-    BootstrapOverrides,
     BootstrapParams,
     EvalParams,
     FinetuneParams,
@@ -46,7 +45,6 @@ from citer.config.serving import EngineParams, InferenceParams, ServeParams
 __all__ = [
     "DEVICE_STRATEGIES",
     "ArchParams",
-    "BootstrapOverrides",
     "BootstrapParams",
     "ConfigError",
     "DataParams",
