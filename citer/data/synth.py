@@ -10,8 +10,10 @@ Built so token-level routing has something to exploit:
   reference picks one -- one-step labels call a different valid choice wrong, answer-checking labels do not.
 
 math row: ``{"id", "problem", "solution"}`` with the solution ending in ``\\boxed{N}``.
-mc row: ``{"id", "question", "choices": {"text", "label"}, "answerKey", "cot"}`` with the cot ending in
-``"The answer is C."`` (the same problems, four numeric choices).
+mc row: ``{"id", "question", "choices": {"text", "label"}, "answerKey", "cot"}``: the same problems, four consecutive
+numbers as choices (ascending, the answer at a random place); the cot computes the result, finds its place from the
+first choice, names the choice, then states the label (``"... = 13. 13 - 11 = 2, so 13 is (C). So the answer is
+C."``). The mc rows draw exactly what earlier versions drew, so the math rows do not depend on their form.
 """
 
 from __future__ import annotations
@@ -82,12 +84,20 @@ def _texts(
     return problem, " ".join(steps), total
 
 
-def _choices(rng: random.Random, answer: int, n: int, max_total: int) -> tuple[list[str], str]:
-    """``n`` distinct non-negative numbers near the answer, shuffled; returns (texts, answer label)."""
+def _choices(rng: random.Random, answer: int, n: int, max_total: int) -> tuple[list[str], str, int]:
+    """``n`` consecutive numbers holding the answer at a random place, ascending; returns (texts, answer label,
+    first choice).
+
+    The answer's place is the first choice's distance from it, so a chain of thought finds the label with one more
+    subtraction (``13 - 11 = 2``: the third choice) instead of a lookup a tiny model cannot learn in minutes. The
+    draws are the same as for the shuffled choices of earlier versions, so the math rows do not change.
+    """
     pool = [answer + d for d in range(-6, 7) if d != 0 and 0 <= answer + d <= max_total + 6]
     values = [answer, *rng.sample(pool, n - 1)]
     rng.shuffle(values)
-    return [str(v) for v in values], LABELS[values.index(answer)]
+    place = min(values.index(answer), answer)  # choices stay non-negative
+    first = answer - place
+    return [str(first + j) for j in range(n)], LABELS[place], first
 
 
 def _example(rng: random.Random, p: SynthParams, split: str, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -99,13 +109,16 @@ def _example(rng: random.Random, p: SynthParams, split: str, i: int) -> tuple[di
         "problem": problem,
         "solution": f"{steps} {closing} \\boxed{{{answer}}}.",
     }
-    texts, key = _choices(rng, answer, p.n_choices, p.max_total)
+    texts, key, first = _choices(rng, answer, p.n_choices, p.max_total)
     mc_row = {
         "id": f"synth-{split}-{i:05d}",
         "question": problem,
         "choices": {"text": texts, "label": list(LABELS[: p.n_choices])},
         "answerKey": key,
-        "cot": f"{steps} {_pick(rng, CLOSINGS, p.variety)} {key}.",
+        # The cot finds the choice holding its result (its distance from the first choice), names it, then states
+        # the label.
+        "cot": f"{steps} {answer} - {first} = {LABELS.index(key)}, so {answer} is ({key}). "
+        f"{_pick(rng, CLOSINGS, p.variety)} {key}.",
     }
     return math_row, mc_row
 

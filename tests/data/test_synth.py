@@ -51,6 +51,11 @@ def test_chains_of_thought_compute_the_right_answer():
         assert mc["choices"]["text"][mc["choices"]["label"].index(mc["answerKey"])] == str(total)
         assert len(set(mc["choices"]["text"])) == p.n_choices
         assert mc["cot"].endswith(f" {mc['answerKey']}.")
+        # Consecutive ascending choices: the cot finds the answer's place from the first one, then names it.
+        first, place = int(mc["choices"]["text"][0]), mc["choices"]["label"].index(mc["answerKey"])
+        assert mc["choices"]["text"] == [str(first + j) for j in range(p.n_choices)] and first >= 0
+        assert _steps(mc["cot"]) == steps  # the same arithmetic as the math twin
+        assert f" {total} - {first} = {place}, so {total} is ({mc['answerKey']}). " in mc["cot"]
         assert grade(" " + mc["cot"], mc, "mc")
 
 
