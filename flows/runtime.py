@@ -187,6 +187,25 @@ class ShardedWork:
         return merge_rollouts(len(branches), shards, [f.result().tolist() for f in futures])
 
 
+class DriverThreads:
+    """Torch intra-op threads of the driver while passes run in it (one chunk, or the local runner's threads):
+    ``runtime.threads_per_worker`` (0: leave them), restored after.
+
+    The embedded pair's decode loops are overhead-bound: on 2 shared cores one torch thread decodes a sweep pass many
+    times faster than two (which spin against each other and the machine's other work) and gives the same tokens."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def of(rt: RuntimeParams) -> Iterator[None]:
+        before = torch.get_num_threads()
+        configure_worker(rt.threads_per_worker)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+
 @task(name="sweep-passes", task_run_name="sweep passes {index}", cache_policy=NO_CACHE)
 def sweep_pass_task(
     bench: PassBench, specs: list[PassSpec], index: int, ids: list[int], shape: WorkerShape
@@ -200,15 +219,18 @@ def sweep_pass_task(
 class SweepPasses:
     """:data:`citer.evaluation.plan.PassMap` as Prefect tasks on the running flow's task runner: the specs dealt into
     ``runtime.n_shards`` chunks, one task per chunk (each is sent the bench: the pair, the splits and the routers),
-    outcomes gathered back in spec order. One chunk: the passes run here, in order, with no task."""
+    outcomes gathered back in spec order. One chunk: the passes run here, in order, with no task. Passes that run
+    in this process (one chunk, the local runner) do so with ``runtime.threads_per_worker`` torch threads."""
 
     rt: RuntimeParams
 
     def __call__(self, bench: PassBench, specs: list[PassSpec]) -> list[PassOutcome]:
         chunks = deal(len(specs), self.rt.n_shards)
         if len(chunks) <= 1:
-            return run_in_order(bench, specs)
+            with DriverThreads.of(self.rt):
+                return run_in_order(bench, specs)
         shape = WorkerShape.of(self.rt)
-        with Placement.of(self.rt):
+        here = self.rt.task_runner == "local"  # the local runner's tasks are threads of this process
+        with DriverThreads.of(self.rt) if here else contextlib.nullcontext(), Placement.of(self.rt):
             futures = [sweep_pass_task.submit(bench, specs, i, ids, shape) for i, ids in enumerate(chunks)]
-        return gather(len(specs), chunks, [f.result() for f in futures])
+            return gather(len(specs), chunks, [f.result() for f in futures])

@@ -101,3 +101,30 @@ def test_two_workers_give_the_rows_of_one(tiny_pair, prefect_server, runner):
         "query",
     }
     assert _rows(two) == _rows(one)
+
+
+def test_one_worker_runs_here_with_its_torch_threads_then_restores_them(tiny_pair, monkeypatch):
+    import torch
+
+    from citer.evaluation import plan
+    from citer.evaluation.sweep import _split
+    from flows.runtime import SweepPasses
+
+    slm, llm, tok = tiny_pair
+    bench = PassBench(slm, llm, tok, "math", SweepParams(batch_size=2, max_new_tokens=3))
+    bench.splits["dev"] = _split(tok, answering_rows(1, 3), "math", 0, "dev")
+    specs = [
+        PassSpec("dev llm", "dev", "llm", "llm"),
+        PassSpec("dev p", "dev", method="random", router="random"),
+    ]
+    specs[1] = dataclasses.replace(specs[1], fraction=0.5)
+    seen = []
+    monkeypatch.setattr(plan, "decode_pass", lambda *a, **k: seen.append(torch.get_num_threads()) or "res")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = SweepPasses(RuntimeParams(threads_per_worker=1))(bench, specs)
+        assert [o.result for o in outs] == ["res", "res"] and seen == [1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
