@@ -61,9 +61,14 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
         ],  # fmt: skip
     ]
     if promo.get("accuracy") is not None:
-        c = sweep.get("citer", {})
+        method = promo.get("method") or "citer"
+        c = sweep.get(method, {})
+        how = f"{method}, τ {promo['tau']:.3f}"
+        if promo.get("verify_rho") is not None:
+            how += f", ρ {float(promo['verify_rho']):g}, W {promo['verify_window']}"
+            how += ", final check" if str(promo.get("verify_final")).lower() == "true" else ""
         rows.append([
-            f"promoted point (τ {promo['tau']:.3f} chosen on dev; version {promo['version'] or '–'}, "
+            f"promoted point ({how} chosen on dev; version {promo['version'] or '–'}, "
             f"promoted: {'yes' if promo['promoted'] else 'no'})",
             f"accuracy {pct(promo['accuracy'])}{ci(promo['accuracy_ci'], pct)}, bytes "
             f"{promo['bytes_moved_rel_llm']:.3f}{ci(promo['bytes_ci'], lambda v: f'{v:.3f}')} of LLM-only"
@@ -78,6 +83,12 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
             rows.append([label, c["statement"]])
     for base, c in sorted(claims.get("savings", {}).items()):
         rows.append([f"bytes saved vs {base}", c["statement"]])
+    for m, vc in sorted(claims.get("verified", {}).items()):  # the verified decoder's own claims
+        if vc.get("oracle_ratio"):
+            rows.append([f"{m} / oracle bytes at 99% of LLM accuracy", vc["oracle_ratio"]["statement"]])
+        for base in ("speculative", "bild", "citer"):
+            if base in vc.get("savings", {}):
+                rows.append([f"{m}: bytes saved vs {base}", vc["savings"][base]["statement"]])
     return rows, ["models.json", "promotion.json", "sweep_claims.json", "sweep.json"]
 
 
