@@ -80,6 +80,24 @@ class Project:
             f"iter{iteration}" if isinstance(iteration, int) else iteration
         )
 
+    def method_router_dir(self, method: str) -> Path:
+        """The directory of the router a sweep method decodes with: ``citer`` the last iteration's, ``citer_iter1``
+        iteration 1's, ``citer_s`` CITER-S's, ``citer_<name>`` the input ablation ``name``'s."""
+        if method == "citer":
+            return self.router_dir(self.params.labels.iterations)
+        if method == "citer_iter1":
+            return self.router_dir(1)
+        if method == "citer_s":
+            return self.router_dir("citer_s")
+        return self.path(self.params.paths.routers_dir) / f"ablation_{method.removeprefix('citer_')}"
+
+    def router_inputs(self, router_dir: Path) -> list[str]:
+        """What a saved router reads (its ``features``), as its ``router.json`` records."""
+        import json
+
+        meta = json.loads((router_dir / "router.json").read_text(encoding="utf-8"))
+        return list(meta.get("features", ["hidden"]))
+
     @property
     def reports(self) -> Path:
         return self.path(self.params.paths.reports_dir)

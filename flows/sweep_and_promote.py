@@ -30,19 +30,6 @@ def find_champion(proj, slm):
     )
 
 
-def router_dir_of(proj, method: str):
-    """The directory of the router a sweep method decodes with (``citer``: the last iteration's; ``citer_<ablation>``:
-    the input ablation's), so the version registered is the router the rule chose on dev."""
-    p = proj.params
-    if method == "citer":
-        return proj.router_dir(p.labels.iterations)
-    if method == "citer_iter1":
-        return proj.router_dir(1)
-    if method == "citer_s":
-        return proj.router_dir("citer_s")
-    return proj.path(p.paths.routers_dir) / f"ablation_{method.removeprefix('citer_')}"
-
-
 @task(name="sweep-routers", cache_policy=NO_CACHE)
 def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """The routers the sweep compares: the last iteration's (``citer``, with its meta), iteration 1's, CITER-S and
@@ -64,10 +51,10 @@ def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str,
     # A router reads one SLM's hidden states: refuse one trained for other weights under the same name.
     check_provenance(meta, pair_digests(proj.slm_ref, proj.llm_ref), f"router {proj.router_dir(k)}", ("slm",))
     routers: dict[str, Any] = {"citer": router}
-    extra = {"citer_iter1": router_dir_of(proj, "citer_iter1") if k >= 2 and p.sweep.iter1 else None}
-    extra["citer_s"] = router_dir_of(proj, "citer_s")
+    extra = {"citer_iter1": proj.method_router_dir("citer_iter1") if k >= 2 and p.sweep.iter1 else None}
+    extra["citer_s"] = proj.method_router_dir("citer_s")
     for name in p.router.ablations:
-        extra[f"citer_{name}"] = router_dir_of(proj, f"citer_{name}")
+        extra[f"citer_{name}"] = proj.method_router_dir(f"citer_{name}")
     for method, d in extra.items():
         if d is not None and (d / META_FILE).exists():
             routers[method] = load_router(
@@ -155,7 +142,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         if plan.best is not None:
             # the router the chosen point decodes with (a verified point names it in extra.router)
             chosen_router = str(plan.best.extra.get("router", plan.best.method))
-            router_dir = router_dir_of(proj, chosen_router)
+            router_dir = proj.method_router_dir(chosen_router)
             tags = version_tags(
                 plan.best,
                 p.sweep.rule,
@@ -172,7 +159,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     "data_test": proj.portable_ref(p.data.test),
                 },
                 dev_quantiles=result.quantiles[chosen_router],
-            ) | {"router_inputs": ",".join(_router_inputs(router_dir))}
+            ) | {"router_inputs": ",".join(proj.router_inputs(router_dir))}
             expected = champion.version.version if champion.version else None
             intent = {"model": reg.model_name, "alias": reg.alias, "run_id": run.run_id, "expected": expected}
             intent |= {"promote": plan.decision.promoted, "record": promotion_record(plan, None, result.test)}
@@ -199,12 +186,3 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     write_json(proj.reports / "promotion.json", promotion)
     pending.unlink(missing_ok=True)
     return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}
-
-
-def _router_inputs(router_dir) -> list[str]:
-    """What a saved router reads (its ``features``): the inputs the rule chose on dev, recorded on the version."""
-    import json
-
-    from citer.routing.mlp import META_FILE
-
-    return list(json.loads((router_dir / META_FILE).read_text(encoding="utf-8")).get("features", ["hidden"]))

@@ -51,6 +51,12 @@ class LabelsParams(_Block):
             "verify_final": self.verify_final,
         }
 
+    @property
+    def verify_meta(self) -> dict[str, dict[str, str]]:
+        """What a label set records of its rollouts' verification (nothing when off)."""
+        kw = self.verify_kwargs
+        return {"rollout_verify": {k: str(v) for k, v in kw.items()}} if kw else {}
+
 
 class RouterParams(_Block):
     """The MLP router (h -> 2h -> h -> 1 on D inputs) and its training.

@@ -340,9 +340,7 @@ def collect_iter_k(
     work = work or InProcessWork(slm, llm, tokenizer, rows, fmt, router, params.tau, params.verify_kwargs)
     k = prev.iteration + 1
     if prev.meta.get("citer_s"):
-        raise LabelsError(
-            "label set: field citer_s is true; CITER-S labels are one-step and have no iteration k"
-        )
+        raise LabelsError("label set: field citer_s is true; CITER-S labels are one-step, no iteration k")
     enc = encode_rows(tokenizer, rows, fmt, int(prev.meta.get("n_examples", 0)))
     if prev.meta.get("rows_hash") != rows_hash(enc):
         raise LabelsError(
@@ -355,8 +353,7 @@ def collect_iter_k(
     tokens = prev.tokens.copy()
     both = tokens.index[tokens["case"] == "both_wrong"].tolist()
     meta = dict(prev.meta, iteration=k, tau=params.tau, rollout_llm_token=params.rollout_llm_token)
-    if params.verify_kwargs:
-        meta["rollout_verify"] = {k: str(v) for k, v in params.verify_kwargs.items()}
+    meta |= params.verify_meta
     if not both:
         return LabelSet(prev.hidden, tokens, dict(meta, n_rollouts=0, n_changed=0))
 
