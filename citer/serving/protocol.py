@@ -253,6 +253,7 @@ def row_stats(row: Any, from_llm: Sequence[bool]) -> dict[str, Any]:
         "bytes_moved": float(row.bytes_moved),
         "projected_seconds": float(getattr(row, "projected_seconds", 0.0)),
         "wait_steps": int(getattr(row, "wait_steps", 0)),
+        "rolled_back_tokens": int(getattr(row, "rolled_back_tokens", 0)),  # taken back by verified routing
     }
 
 
@@ -268,6 +269,7 @@ def total_stats(rows: list[dict[str, Any]], tau: float | None, wall: float) -> d
         "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "projected_seconds": sum(r["projected_seconds"] for r in rows),
         "wait_steps": sum(r["wait_steps"] for r in rows),
+        "rolled_back_tokens": sum(r.get("rolled_back_tokens", 0) for r in rows),
         "wall_seconds": round(wall, 4),
     }
     if len(rows) > 1:

@@ -271,3 +271,28 @@ def test_server_keeps_its_startup_heap_out_of_the_collector(engine, tiny_pair):
             == 200
         )
     assert gc.get_freeze_count() == 0
+
+
+def test_a_verified_server_streams_only_final_tokens_and_counts_what_it_took_back(tiny_pair):
+    """Verified routing behind the server: the stream equals the answer (no token it sends is taken back later),
+    and the answer's stats count the SLM tokens the checks took back."""
+    from conftest import spread_router
+
+    from citer.decoding.engine import RoutedEngine
+
+    slm, llm, tok = tiny_pair
+    eng = RoutedEngine(slm, llm, spread_router(slm.config.hidden_size), tau=0.5, eos_token_id=tok.eos_token_id,
+                       verify_rho=1.0, verify_window=3, verify_final=True)  # fmt: skip
+    ids = tok.encode("Question: 4 + 4\nAnswer:", add_special_tokens=False)
+    ref = eng.generate_batch([ids], max_new_tokens=MAX_NEW)
+    assert ref.rows[0].rolled_back_tokens > 0
+    with serving(build_app(eng, tok, model_name=MODEL, max_new_tokens=MAX_NEW, fmt="raw")) as base:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=60, max_retries=0) as c:
+            kw = dict(model=MODEL, prompt="Question: 4 + 4\nAnswer:", max_tokens=MAX_NEW, temperature=0)
+            full = c.completions.create(**kw)
+            streamed = "".join(
+                ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices
+            )
+    body = [t for t in ref.tokens[0] if t != tok.eos_token_id]
+    assert full.choices[0].text == streamed == tok.decode(body, skip_special_tokens=True)
+    assert _citer(full)["rolled_back_tokens"] == ref.rows[0].rolled_back_tokens
