@@ -34,7 +34,7 @@ def test_repo_params_load():
         "router.ablations": ["emb", "logits", "emb_logits"],
         "sweep.llm_fractions": [0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.5],
         "sweep.rule.kind": "min_bytes_at_accuracy",
-        "sweep.rule.accuracy_ratio": 0.98,
+        "sweep.rule.accuracy_ratio": 0.99,
         "sweep.rule.bytes_budget_rel_llm": 0.4,
         "registry.model_name": "citer-router",
         "registry.alias": "champion",

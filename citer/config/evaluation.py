@@ -42,8 +42,9 @@ class VerifySweepParams(_Block):
 
     1. ``rhos`` x ``fractions`` with no window (the final check as ``final``) for ``citer_verify`` (the router variant
        the rule chose on dev) and ``bild`` (the SLM's top probability as the trigger, no router: Kim et al. 2023);
-    2. at each method's dev-chosen (fraction, ρ), every ``windows`` value; the rule picks the point of stage 1 or 2;
-    3. test: each method's fraction curve at its dev-chosen ρ and W.
+    2. at each method's dev-chosen (fraction, ρ), every ``windows`` value, and the final check flipped; the rule
+       picks the point of stage 1 or 2;
+    3. test: each method's fraction curve at its dev-chosen ρ, W and final check.
     """
 
     enabled: bool = True

@@ -6,8 +6,8 @@
   LLM (the ``confidence`` router), with the same rollback.
 
 Stages (``sweep.verify``, :class:`~citer.config.VerifySweepParams`): (1) dev, every ρ x fraction without a window;
-(2) dev, at each method's best stage-1 point, every window; the rule picks the point of stage 1 or 2; (3) test, each
-method's fraction curve at its dev-chosen ρ and W, so the frontier has a curve and the chosen point is on it.
+(2) dev, at each method's best stage-1 point, every window and the final check flipped; the rule picks the point of
+stage 1 or 2; (3) test, each method's fraction curve at its dev-chosen ρ, W and final check, so the frontier has a curve and the chosen point is on it.
 Thresholds come from each router's own dev scores, as for every threshold method.
 """
 
@@ -38,10 +38,13 @@ class VerifyStages:
     def methods(self) -> list[str]:
         return list(self.routers)
 
-    def spec(self, tag: str, method: str, f: float, tau: float, rho: float, window: int) -> PassSpec:
-        eng = {"verify_rho": float(rho), "verify_window": int(window), "verify_final": self.params.final}
+    def spec(
+        self, tag: str, method: str, f: float, tau: float, rho: float, window: int, final: bool | None = None
+    ) -> PassSpec:
+        final = self.params.final if final is None else final
+        eng = {"verify_rho": float(rho), "verify_window": int(window), "verify_final": final}
         return PassSpec(
-            f"{tag} {method} f={f:g} rho={rho:g} W={window}",
+            f"{tag} {method} f={f:g} rho={rho:g} W={window}{' final' if final else ''}",
             tag,
             method=method,
             router=self.routers[method],
@@ -60,7 +63,8 @@ class VerifyStages:
         ]
 
     def stage2(self, dev_rows: Sequence[SweepRow], rule: SelectionRule) -> list[PassSpec]:
-        """Dev: every window at each method's best stage-1 point (the closest to the rule when none meets it)."""
+        """Dev: every window at each method's best stage-1 point (the closest to the rule when none meets it), and
+        the same point with the final check flipped (it costs one LLM read per answer, and may not pay for it)."""
         out = []
         for m in self.methods:
             best = best_row(dev_rows, rule, m, feasible_only=False)
@@ -68,6 +72,7 @@ class VerifyStages:
                 continue
             f, rho = best.extra["target_llm_fraction"], best.extra["verify_rho"]
             out += [self.spec("dev", m, f, best.tau or 0.0, rho, w) for w in self.params.windows]
+            out.append(self.spec("dev", m, f, best.tau or 0.0, rho, 0, not self.params.final))
         return out
 
     def test_curve(self, chosen: Mapping[str, SweepRow | None]) -> list[PassSpec]:
@@ -77,8 +82,8 @@ class VerifyStages:
             row = chosen.get(m)
             if row is None:
                 continue
-            rho, w = row.extra["verify_rho"], row.extra["verify_window"]
-            out += [self.spec("test", m, f, tau, rho, w) for f, tau in self.taus[self.routers[m]]]
+            rho, w, fin = row.extra["verify_rho"], row.extra["verify_window"], row.extra["verify_final"]
+            out += [self.spec("test", m, f, tau, rho, w, fin) for f, tau in self.taus[self.routers[m]]]
         return out
 
 

@@ -268,14 +268,18 @@ def test_verified_methods_are_chosen_on_dev_in_stages_and_reported_on_test(swept
     assert res.notes["verify"]["citer_verify_router"] == "citer"  # the only router variant given
     for m, router in (("citer_verify", "citer"), ("bild", "confidence")):
         rows = dev[m]
-        stage1 = [r for r in rows if r.extra["verify_window"] == 0]
+        stage1 = [r for r in rows if r.extra["verify_window"] == 0 and r.extra["verify_final"] is v.final]
         # every rho at every τ its fractions give (repeated τ collapse to one pass)
         taus = sorted({r.tau for r in stage1})
         assert 1 <= len(taus) <= len(v.fractions) and len(stage1) == len(v.rhos) * len(taus)
         assert {r.extra["verify_rho"] for r in stage1} == set(v.rhos)
         stage2 = [r for r in rows if r.extra["verify_window"] > 0]
         assert [r.extra["verify_window"] for r in stage2] == v.windows  # one point, every window
-        assert all(r.extra["router"] == router and r.extra["verify_final"] is True for r in rows)
+        flipped = [r for r in rows if r.extra["verify_final"] is not v.final]
+        assert (
+            len(flipped) == 1 and flipped[0].extra["verify_window"] == 0
+        )  # and the final check flipped there
+        assert all(r.extra["router"] == router for r in rows)
         # test: one curve, at the ρ and W of the dev-chosen (or closest) point, which is marked
         trows = test[m]
         assert len({(r.extra["verify_rho"], r.extra["verify_window"]) for r in trows}) == 1
