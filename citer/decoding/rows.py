@@ -6,7 +6,7 @@ Shapes: k = rows, V = vocab.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -79,11 +79,15 @@ class Row:
     logprobs: int | None = None  # top log-probs to report per emitted token; None: report none
     llm_seen: int = 0  # tokens of this row in the LLM cache
     waited: int = -1  # -1: not waiting for the LLM; else steps waited so far
-    verified: int = 0  # seq[:verified] is final; seq[verified:] are provisional SLM tokens
-    pending: list[Emitted] | None = None  # the events of seq[verified:], released once checked
+    # The events of the row's provisional SLM tokens, the last len(pending) of seq, released once checked.
+    pending: list[Emitted] = field(default_factory=list)
     check: int | None = None  # a check call's SLM proposal for this step (verified in the call)
     check_lp: TopLogprobs | None = None
 
     @property
     def n_out(self) -> int:  # tokens emitted so far: the row's own step, which keys its random draws
         return len(self.seq) - self.prompt_len
+
+    @property
+    def verified(self) -> int:  # seq[:verified] is final; seq[verified:] are provisional SLM tokens
+        return len(self.seq) - len(self.pending)

@@ -117,7 +117,6 @@ class DecodeSession:
                 max_new=max_new_tokens,
                 sampling=samp,
                 logprobs=logprobs,
-                verified=len(seq),
                 pending=[Emitted(key, t, False, False) for t in d],
             )
         )
@@ -179,9 +178,7 @@ class DecodeSession:
             for i, (s, r) in enumerate(zip(ready, rows, strict=True)):
                 if to_llm[i]:
                     r.waited = 0
-                elif e.verify.wants_check(
-                    len(r.seq) - r.verified, proposal[i] in e.eos or r.n_out + 1 >= r.max_new
-                ):
+                elif e.verify.wants_check(len(r.pending), proposal[i] in e.eos or r.n_out + 1 >= r.max_new):
                     r.waited, r.check, r.check_lp = 0, proposal[i], lps[i]
                 else:
                     tok[s] = proposal[i]
@@ -214,9 +211,8 @@ class DecodeSession:
         rows = [self.rows[s] for s in slots]
         chunks = [r.seq[r.llm_seen :] for r in rows]
         every = e.verify.on  # verification reads the LLM's distribution at every caught-up position
-        logits, _ = ragged_append(
-            e.llm, self.llm_cache, chunks, slots=slots, every=every
-        )  # (k, V) | (k, Q, V)
+        # (k, V); every: (k, Q, V)
+        logits, _ = ragged_append(e.llm, self.llm_cache, chunks, slots=slots, every=every)
         keys = [r.key for r in rows]
         self.meter.forward("llm", keys, [len(c) for c in chunks], [len(r.seq) for r in rows])
         self.meter.llm_fed(
@@ -245,12 +241,11 @@ class DecodeSession:
         caught-up position; cut a row at its first rejected token. A forced row's last position is always the
         LLM's."""
         e = self.e
-        owner, col, proposed, step_of = (
-            [],
-            [],
-            [],
-            [],
-        )  # per candidate: row, chunk position, token, step index
+        # per candidate: its row, chunk position, token (-1: the LLM writes it) and step index
+        owner: list[int] = []
+        col: list[int] = []
+        proposed: list[int] = []
+        step_of: list[int] = []
         for i, r in enumerate(rows):
             for t in range(r.verified, len(r.seq) + 1):  # the token at seq index t, predicted at t - 1
                 owner.append(i)
@@ -288,11 +283,11 @@ class DecodeSession:
 
     def _rewind(self, s: int, r: Row, t: int) -> None:
         """Take back the row's provisional tokens from seq index ``t`` on; both caches forget them."""
-        assert r.pending is not None and t >= r.verified
+        assert t >= r.verified
         self._replaced[s] = r.seq[t:]
         self.meter.rolled_back([r.key], [len(r.seq) - t])
+        del r.pending[t - r.verified :]  # before seq: ``verified`` is derived from both
         del r.seq[t:]
-        del r.pending[t - r.verified :]
         self.slm_cache.lengths[s] = t
         assert self.llm_cache is not None
         self.llm_cache.lengths[s] = t
@@ -313,14 +308,12 @@ class DecodeSession:
             fin = tok[s] in self.e.eos or r.n_out >= r.max_new
             lp, top = self._lp.get(s, (None, None))
             em = Emitted(r.key, tok[s], llm, fin, lp, top, self._replaced.get(s))
-            assert r.pending is not None
             if provisional and not fin and s not in self._checked:
                 r.pending.append(em)
             else:
                 out += r.pending
                 out.append(em)
                 r.pending.clear()
-                r.verified = len(r.seq)
             if fin:
                 done.append(s)
         fed = {self.rows[s].key for s in slots if s not in done}
