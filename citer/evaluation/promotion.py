@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from citer.config import SelectionRule
+from citer.decoding.verify import Verification
 from citer.evaluation.intervals import interval, resample_indices
 from citer.evaluation.rows import SweepError, SweepRow, llm_reference, rows_of
 
@@ -337,11 +338,7 @@ def version_tags(
             "target_llm_fraction": best.extra.get("target_llm_fraction"),
             "method": best.method,
         }
-        | {
-            k: str(best.extra[k]).lower() if k == "verify_final" else str(best.extra[k])
-            for k in VERIFY_KEYS
-            if k in best.extra
-        }  # fmt: skip
+        | (Verification.from_tags(best.extra).tags() if "verify_rho" in best.extra else {})
         | ({"dev_score_quantiles": json.dumps(dev_quantiles)} if dev_quantiles else {})
     )
 

@@ -20,6 +20,7 @@ in their own ``*_batch*`` columns. A pass is :mod:`citer.evaluation.passes`; the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +42,7 @@ from citer.evaluation.plan import (
     Split,
     run_in_order,
 )
-from citer.evaluation.promotion import best_row, choose_candidate, point_key
+from citer.evaluation.promotion import VERIFY_KEYS, best_row, choose_candidate, point_key
 from citer.evaluation.query import (
     combine_query,
     prompt_features,
@@ -51,7 +52,7 @@ from citer.evaluation.query import (
 )
 from citer.evaluation.rows import SweepError, SweepRow
 from citer.evaluation.thresholds import method_scores, quantile_table, taus_at_fractions
-from citer.evaluation.verify_sweep import VARIANTS, VerifyStages, verify_row
+from citer.evaluation.verify_sweep import VARIANTS, VerifyStages
 
 Log = Callable[[str], None]
 ROUTER_KEYS = ("citer", "citer_iter1", "citer_s", "citer_emb", "citer_logits", "citer_emb_logits")
@@ -124,16 +125,14 @@ def _points(
 
 
 def _point_row(spec: PassSpec, out: PassOutcome, llm_res: PassResult, split: Split) -> SweepRow:
+    """A threshold pass's row. A pass decoded with verification (finite ``verify_rho``) also records its setting,
+    the router it decoded with and the tokens its checks took back, so the setting is part of its point."""
     tau = spec.fraction if spec.router == RANDOM else spec.tau  # random routing's row τ is its probability
-    return to_row(
-        spec.method,
-        tau,
-        out.result,
-        llm_res,
-        split.ex_hash,
-        pass_seconds=out.seconds,
-        target_llm_fraction=spec.fraction,
-    )
+    extra: dict[str, Any] = {"pass_seconds": out.seconds, "target_llm_fraction": spec.fraction}
+    if spec.engine.get("verify_rho", math.inf) < math.inf:
+        extra |= {k: spec.engine[k] for k in VERIFY_KEYS} | {"router": spec.router}
+        extra["rolled_back_tokens"] = int(sum(out.result.rolled_back))
+    return to_row(spec.method, tau, out.result, llm_res, split.ex_hash, **extra)
 
 
 def _ref_rows(outs: Sequence[PassOutcome], split: Split) -> list[SweepRow]:
@@ -250,9 +249,9 @@ def run_sweep(
     if stages is not None:
         # 3. dev: verified routing in stages (ρ x fraction, then windows at the best point).
         specs = stages.stage1()
-        dev_out += [verify_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
+        dev_out += [_point_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
         specs = stages.stage2(dev_out, rule)
-        dev_out += [verify_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
+        dev_out += [_point_row(s, o, llm_dev, dev) for s, o in zip(specs, run(specs), strict=True)]
         for m in stages.methods:
             chosen[m] = best_row(dev_out, rule, m, feasible_only=True)
         notes["verify"] = {"citer_verify_router": stages.routers.get("citer_verify")}
@@ -279,7 +278,7 @@ def run_sweep(
         last.append(PassSpec("test oracle", "test", method="oracle", router="oracle", tau=0.5))
     test_outs |= {s.name: o for s, o in zip(last, run(last), strict=True)}
     test_out += [_point_row(s, test_outs[s.name], llm_test, test) for s in all_pts]
-    test_out += [verify_row(s, test_outs[s.name], llm_test, test) for s in verified]
+    test_out += [_point_row(s, test_outs[s.name], llm_test, test) for s in verified]
     if query is not None:
         test_out += _query_rows(
             bench, test, q_test, thresholds["query"], slm_test, llm_test, query.weight_bytes

@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from citer.config import SelectionRule, VerifySweepParams
-from citer.evaluation.passes import PassResult, to_row
-from citer.evaluation.plan import PassOutcome, PassSpec, Split
+from citer.evaluation.plan import PassSpec
 from citer.evaluation.promotion import best_row
 from citer.evaluation.rows import SweepRow
 
@@ -85,22 +84,3 @@ class VerifyStages:
             rho, w, fin = row.extra["verify_rho"], row.extra["verify_window"], row.extra["verify_final"]
             out += [self.spec("test", m, f, tau, rho, w, fin) for f, tau in self.taus[self.routers[m]]]
         return out
-
-
-def verify_row(spec: PassSpec, out: PassOutcome, llm_res: PassResult, split: Split) -> SweepRow:
-    """A verified pass's row: the point's τ, fraction, ρ, W, final check and the router it decoded with."""
-    eng = dict(spec.engine)
-    return to_row(
-        spec.method,
-        spec.tau,
-        out.result,
-        llm_res,
-        split.ex_hash,
-        pass_seconds=out.seconds,
-        target_llm_fraction=spec.fraction,
-        verify_rho=eng["verify_rho"],
-        verify_window=eng["verify_window"],
-        verify_final=eng["verify_final"],
-        router=spec.router,
-        rolled_back_tokens=int(sum(out.result.rolled_back)) if out.result.rolled_back else 0,
-    )
