@@ -95,7 +95,9 @@ class Project:
         """What a saved router reads (its ``features``), as its ``router.json`` records."""
         import json
 
-        meta = json.loads((router_dir / "router.json").read_text(encoding="utf-8"))
+        from citer.routing.mlp import META_FILE
+
+        meta = json.loads((router_dir / META_FILE).read_text(encoding="utf-8"))
         return list(meta.get("features", ["hidden"]))
 
     @property

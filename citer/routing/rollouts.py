@@ -56,6 +56,7 @@ def rollout_correct(
         if br.token == eos:  # the branch ends the answer here: grade what is written, no decoding needed
             texts[j] = tokenizer.decode(encoded[br.ex].target[: br.position], skip_special_tokens=True)
     todo = rollout_order(encoded, branches, eos)
+    verified = bool(getattr(engine, "verify", None) and engine.verify.on)
     starts = range(0, len(todo), batch_size)
     for s in progress(starts, desc="labels: rollouts", total=len(starts), unit="batch"):
         chunk = todo[s : s + batch_size]
@@ -63,7 +64,6 @@ def rollout_correct(
         for j in chunk:
             br, e = branches[j], encoded[branches[j].ex]
             prompts.append(e.prompt + e.target[: br.position] + [br.token])
-        verified = bool(getattr(engine, "verify", None) and engine.verify.on)
         # The engine refuses prompts that leave no room for max_new_tokens; near the context limit, decode less.
         room = max_positions - max(len(q) for q in prompts)
         if room < 1:
