@@ -149,9 +149,6 @@ class ShardedWork:
     hidden_size: int
     eos: int
 
-    def _placement(self) -> contextlib.AbstractContextManager[None]:
-        return Placement.of(self.rt)
-
     def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced:
         if batch_size != self.ctx.params.labels.batch_size:  # workers read it from ctx.params
             raise ValueError(
@@ -159,7 +156,7 @@ class ShardedWork:
             )
         shards = teacher_forced_shards(encoded, batch_size, self.rt.n_shards)
         shape = WorkerShape.of(self.rt)
-        with self._placement():
+        with Placement.of(self.rt):
             futures = [
                 teacher_forced_task.submit(self.ctx, s, torch.tensor(ids, dtype=torch.long), shape)
                 for s, ids in enumerate(shards)
@@ -179,7 +176,7 @@ class ShardedWork:
             )
         shards = rollout_shards(encoded, branches, self.eos, batch, self.rt.n_shards)
         shape = WorkerShape.of(self.rt)
-        with self._placement():
+        with Placement.of(self.rt):
             futures = [
                 rollout_task.submit(self.ctx, s, branches_tensor([branches[j] for j in ids]), routed, shape)
                 for s, ids in enumerate(shards)

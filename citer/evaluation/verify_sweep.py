@@ -7,7 +7,8 @@
 
 Stages (``sweep.verify``, :class:`~citer.config.VerifySweepParams`): (1) dev, every ρ x fraction without a window;
 (2) dev, at each method's best stage-1 point, every window and the final check flipped; the rule picks the point of
-stage 1 or 2; (3) test, each method's fraction curve at its dev-chosen ρ, W and final check, so the frontier has a curve and the chosen point is on it.
+stage 1 or 2; (3) test, each method's fraction curve at its dev-chosen ρ, W and final check, so the frontier has a
+curve and the chosen point is on it.
 Thresholds come from each router's own dev scores, as for every threshold method.
 """
 
