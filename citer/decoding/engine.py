@@ -181,7 +181,11 @@ class RoutedEngine:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise EngineInputError(f"prompts[{i}]: empty prompt")
-            bad = [t for t in p if not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+            # Plain ints in range, checked in C (min/max); anything else gets the per-token look that names it.
+            if all(type(t) is int for t in p) and 0 <= min(p) and max(p) < vocab:
+                bad = []
+            else:
+                bad = [t for t in p if not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
             if bad:
                 raise EngineInputError(f"prompts[{i}]: token ids outside [0, {vocab}): {bad[:5]}")
             for name, mx in limits:

@@ -2,7 +2,7 @@
 
 Each row has its own length, so rows whose caches lag by different gaps are appended to in one forward call, either
 padded (right-padded chunk; pad keys go to a trash column) or packed (all new tokens in one sequence, when padding
-would double the work). An explicit 4D mask lets each query see only its own row's valid, causal columns, and prompts
+would double the work; the lean forward then runs its linears over the packed tokens and its attention per row). An explicit 4D mask lets each query see only its own row's valid, causal columns, and prompts
 are never padded into the cache, so batching cannot change a logit beyond float rounding.
 Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = hidden.
 """
@@ -25,8 +25,8 @@ class RaggedKVCache(Cache):
     """Per-row KV cache: per layer a (R, kv_heads, capacity + 1, head_dim) buffer; row r holds ``lengths[r]`` columns.
 
     A call either pads (rows x longest chunk; pad keys go to the last column, a trash slot) or packs (all new tokens
-    in one sequence, each attending only its own row's columns: no padded compute, at the price of gathering the
-    rows' caches into one key sequence). Rows are "slots" in buffer order;
+    in one sequence, each attending only its own row's columns: no padded linears; the HF forward gathers the rows'
+    caches into one key sequence under a block-diagonal mask, the lean one lays the queries out per row). Rows are "slots" in buffer order;
     ``add_slots`` and ``remove_slots`` keep the active rows a prefix (the common call then uses views, not
     gathers).
     """
@@ -50,7 +50,10 @@ class RaggedKVCache(Cache):
         self._cols: torch.Tensor | None = None  # (b, Q) column each new key goes to
         self._rows: torch.Tensor | None = None  # (b, 1) the prefix slots 0..b-1, when no slots are named
         self._kv_len = 0
-        self._packed: tuple[torch.Tensor, ...] | None = None  # (tok_slot, tok_col, key_slot, key_col)
+        # (tok_slot, tok_col) of the new tokens, and for the HF forward (key_slot, key_col) of the keys they attend
+        self._packed: tuple[torch.Tensor, ...] | None = None
+        # A packed call of the lean forward attends per row: (tok_row, tok_j, b, Q), read by lean.hidden.
+        self.varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
         # Fixed-shape calls (citer.decoding.static_step.StaticSteps) for chunks of at most ``static_q`` tokens.
         self.static: Any = None
         self.static_q = 16
@@ -126,10 +129,18 @@ class RaggedKVCache(Cache):
         dev = kbuf.device  # the layer's device; index tensors were built on the input device
         if self._packed is not None:
             # Packed call: key_states (1, kv_heads, N, head_dim), N new tokens of several rows in one sequence.
-            tok_slot, tok_col, key_slot, key_col = (t.to(dev) for t in self._packed)
+            tok_slot, tok_col = (t.to(dev) for t in self._packed[:2])
             kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
             vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
+            if self.varlen is not None:
+                # Per-row attention (lean): the rows' own columns, padded to the longest (b, kv_heads, K, head_dim).
+                slots = self._slots.to(dev)
+                return (
+                    kbuf[:, :, : self._kv_len].index_select(0, slots),
+                    vbuf[:, :, : self._kv_len].index_select(0, slots),
+                )
             # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
+            key_slot, key_col = (t.to(dev) for t in self._packed[2:])
             return (
                 kbuf[key_slot, :, key_col].transpose(0, 1)[None],
                 vbuf[key_slot, :, key_col].transpose(0, 1)[None],
@@ -259,24 +270,37 @@ def _packed_append(
     every: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dev = cache.device
-    tok_row, tok_pos, key_row, key_col, key_slot = [], [], [], [], []
-    for i, (s, n) in enumerate(zip(sl, gaps, strict=True)):
-        start = cache.lengths[s]
-        tok_row += [i] * n
-        tok_pos += range(start, start + n)
-        key_row += [i] * (start + n)
-        key_col += range(start + n)
-        key_slot += [s] * (start + n)
+    b, q = len(chunks), max(gaps)
+    tok_row = [i for i, n in enumerate(gaps) for _ in range(n)]  # (N,) each token's row in the call
+    tok_j = [j for n in gaps for j in range(n)]  # (N,) its index within the row's chunk
+    starts = [cache.lengths[s] for s in sl]
+    tok_pos = [starts[i] + j for i, j in zip(tok_row, tok_j, strict=True)]
     t = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in
-         dict(tok_row=tok_row, tok_pos=tok_pos, key_row=key_row, key_col=key_col, key_slot=key_slot).items()}  # fmt: skip
+         dict(tok_row=tok_row, tok_j=tok_j, tok_pos=tok_pos, slots=sl).items()}  # fmt: skip
     ids = torch.tensor([[x for c in chunks for x in c]], dtype=torch.long, device=dev)  # (1, N)
-    slot_t = torch.tensor(sl, dtype=torch.long, device=dev)[t["tok_row"]]  # (N,)
-    cache._packed = (slot_t, t["tok_pos"], t["key_slot"], t["key_col"])
-    # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
-    allowed = (t["key_row"][None, :] == t["tok_row"][:, None]) & (
-        t["key_col"][None, :] <= t["tok_pos"][:, None]
-    )
-    mask = _mask_for(model, allowed[None, None])  # (1, 1, N, sum K_i)
+    slot_t = t["slots"][t["tok_row"]]  # (N,)
+    if lean_decoder(model) is not None:
+        # Linears over the N packed tokens, attention per row over its own columns (b, Q, K): a block-diagonal mask
+        # over every row's keys (N, sum K_i) would score each token against all the rows' keys.
+        cache._packed = (slot_t, t["tok_pos"])
+        cache._kv_len = max(n + g for n, g in zip(starts, gaps, strict=True))
+        cache._slots = t["slots"]
+        cache.varlen = (t["tok_row"], t["tok_j"], b, q)
+        g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
+        # Pad queries repeat their row's last position, so none is all-masked.
+        pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.minimum(
+            torch.arange(q, device=dev)[None, :], g[:, None] - 1
+        )  # (b, Q)
+        mask = (torch.arange(cache._kv_len, device=dev) <= pos[:, :, None])[:, None]  # (b, 1, Q, K)
+    else:
+        key_row = [i for i, (n, g) in enumerate(zip(starts, gaps, strict=True)) for _ in range(n + g)]
+        key_col = [c for n, g in zip(starts, gaps, strict=True) for c in range(n + g)]
+        k_row = torch.tensor(key_row, dtype=torch.long, device=dev)  # (sum K_i,)
+        k_col = torch.tensor(key_col, dtype=torch.long, device=dev)
+        cache._packed = (slot_t, t["tok_pos"], t["slots"][k_row], k_col)
+        # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
+        allowed = (k_row[None, :] == t["tok_row"][:, None]) & (k_col[None, :] <= t["tok_pos"][:, None])
+        mask = _mask_for(model, allowed[None, None])  # (1, 1, N, sum K_i)
     last = torch.tensor(gaps, device=dev).cumsum(0) - 1  # (b,) index of each row's last token
     if every:  # every token: (N, V), (N, H), scattered below to (b, Q, .)
         last = torch.arange(len(tok_row), device=dev)
@@ -290,13 +314,11 @@ def _packed_append(
             last_index=(torch.zeros_like(last), last),
         )  # (b, V), (b, H)
     finally:
-        cache._packed = None
+        cache._packed, cache.varlen, cache._slots = None, None, None
     if every:
-        j = torch.tensor([i for n in gaps for i in range(n)], dtype=torch.long, device=dev)  # (N,)
-        q = max(gaps)
-        lg = logits.new_zeros((len(gaps), q, logits.shape[-1]))
-        hd = hidden.new_zeros((len(gaps), q, hidden.shape[-1]))
-        lg[t["tok_row"], j], hd[t["tok_row"], j] = logits, hidden
+        lg = logits.new_zeros((b, q, logits.shape[-1]))
+        hd = hidden.new_zeros((b, q, hidden.shape[-1]))
+        lg[t["tok_row"], t["tok_j"]], hd[t["tok_row"], t["tok_j"]] = logits, hidden
         logits, hidden = lg, hd
     for s, n in zip(sl, gaps, strict=True):
         cache.lengths[s] += n

@@ -166,7 +166,7 @@ class LeanDecoder:
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
         nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
-        gqa = nh != nkv
+        varlen = getattr(cache, "varlen", None)
         for i, L in enumerate(self.layers):
             qkv = F.linear(_rms(x, L.ln1, self.eps), L.wqkv, L.bqkv).view(b, t, nh + 2 * nkv, d)
             if L.q_norm is not None:  # Qwen3: a norm per head before RoPE
@@ -185,13 +185,36 @@ class LeanDecoder:
             v = qkv[:, :, nh + nkv :].transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)  # type: ignore[attr-defined]
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, scale=self.scale, enable_gqa=gqa
-            )  # (B, nh, T, D)
+            o = self._attend(q, k, v, mask, varlen)  # (B, nh, T, D)
             x = x + F.linear(o.transpose(1, 2).reshape(b, t, nh * d), L.wo, L.bo)
             g, u = F.linear(_rms(x, L.ln2, self.eps), L.wgu, L.bgu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, L.wd, L.bd)
         return _rms(x, self.norm, self.eps)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+    ) -> torch.Tensor:
+        """q (B, nh, T, D), k/v (B, kv, K, D) -> (B, nh, T, D). ``varlen`` = (row (N,), j (N,), b, Q): q holds N
+        packed tokens (B = 1, T = N) of b rows and k/v are the rows' own keys (b, kv, K, D) under a (b, 1, Q, K)
+        mask; the queries are laid out per row for the attention and packed back."""
+        gqa = self.n_heads != self.n_kv
+        if varlen is None:
+            causal = mask is None and q.shape[2] > 1
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            )
+        row, j, b, width = varlen
+        qp = q.new_zeros((b, width, q.shape[1], q.shape[3]))  # (b, Q, nh, D)
+        qp[row, j] = q[0].transpose(0, 1)  # (N, nh, D)
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
+        )  # (b, nh, Q, D)
+        return o.transpose(1, 2)[row, j].transpose(0, 1)[None]  # (1, nh, N, D)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head)

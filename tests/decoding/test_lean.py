@@ -116,6 +116,35 @@ def test_ragged_cache_steps_equal_hf_at_every_position(pair):
         torch.testing.assert_close(torch.stack(got[r]), ref[ends], atol=1e-5, rtol=1e-5)
 
 
+def test_packed_catch_up_attends_per_row_and_equals_hf(pair, monkeypatch):
+    """A packed catch-up (rows with different gaps in one sequence) through the lean forward: logits at every fed
+    position equal HF's full forward, and each attention call scores a row's queries against that row's columns only
+    ((b, 1, Q, K) masks), never against every row's keys."""
+    import citer.decoding.lean as lean_mod
+
+    _, _, llm = pair
+    seqs = [list(p) for p in PROMPTS]
+    masks: list[tuple[int, ...]] = []
+    sdpa = lean_mod.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        masks.append(tuple(attn_mask.shape) if attn_mask is not None else ())
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    cache = RaggedKVCache(llm, len(seqs), 40)
+    gaps = [[50, 51, 52, 53, 54, 55], [56], [57, 58], [59, 60, 61, 62, 63]]
+    with torch.inference_mode():
+        ragged_append(llm, cache, seqs)
+        monkeypatch.setattr(lean_mod.F, "scaled_dot_product_attention", spy)
+        logits, _ = ragged_append(llm, cache, gaps, slots=[0, 1, 2, 3], packed=True, every=True)  # (b, Q, V)
+        monkeypatch.undo()
+    width = max(len(p) + len(g) for p, g in zip(PROMPTS, gaps, strict=True))
+    assert masks and all(m == (4, 1, 6, width) for m in masks)
+    for r, g in enumerate(gaps):
+        ref = hf_logits(llm, seqs[r] + g)[len(seqs[r]) :]  # (gap, V)
+        torch.testing.assert_close(logits[r, : len(g)], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_tokens_equal_hf_generate(pair):
     fam, slm, llm = pair
     eng = RoutedEngine(slm, llm, AlwaysLLM(), vocab_size=V)
