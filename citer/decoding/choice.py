@@ -25,7 +25,19 @@ def choose_tokens(
     steps: torch.Tensor,
     vocab_size: int,
 ) -> list[int]:
-    """Tokens for the k rows of ``logits`` (k, V), one sampler call per distinct sampling setting; ``rid``/``steps``
+    """Tokens for the k rows of ``logits`` (k, V), read back to the host: :func:`choose_token_tensor`'s."""
+    return choose_token_tensor(logits, sampling, rid, steps, vocab_size).tolist()
+
+
+def choose_token_tensor(
+    logits: torch.Tensor,
+    sampling: Sequence[Sampling],
+    rid: torch.Tensor,
+    steps: torch.Tensor,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Tokens (k,) long on the logits' device for the k rows of ``logits`` (k, V), one sampler call per distinct
+    sampling setting and no host read, so a caller reads them with whatever else the step needs; ``rid``/``steps``
     (k,) key each row's draw, so a row's token depends only on its own id and step."""
     logits = cut_logits(logits, vocab_size)
     groups: dict[Sampling, list[int]] = {}
@@ -33,13 +45,12 @@ def choose_tokens(
         groups.setdefault(s, []).append(i)
     if len(groups) == 1:
         ((t, p, seed),) = groups
-        return select_tokens(logits, t, p, seed, rid, steps).tolist()
-    out = [0] * len(sampling)
+        return select_tokens(logits, t, p, seed, rid, steps)
+    out = torch.empty(len(sampling), dtype=torch.long, device=logits.device)
     for (t, p, seed), idx in groups.items():
         sel = torch.tensor(idx, dtype=torch.long)
-        toks = select_tokens(logits[sel.to(logits.device)], t, p, seed, rid[sel], steps[sel]).tolist()
-        for i, tok in zip(idx, toks, strict=True):
-            out[i] = tok
+        sel_dev = sel.to(logits.device)
+        out[sel_dev] = select_tokens(logits[sel_dev], t, p, seed, rid[sel], steps[sel])
     return out
 
 

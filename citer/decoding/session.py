@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from citer.decoding.choice import TopLogprobs, choose_tokens, token_logprobs
+from citer.decoding.choice import TopLogprobs, choose_token_tensor, choose_tokens, token_logprobs
 from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
 from citer.decoding.pairing import cut_logits
@@ -172,9 +172,10 @@ class DecodeSession:
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
             scores = e.score(hidden, rid, steps)  # (k,)
             rows = [self.rows[s] for s in ready]
-            proposal = choose_tokens(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)
+            chosen = choose_token_tensor(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)  # (k,)
+            # One device -> host read per step: the proposals and the router's flags together.
+            proposal, to_llm = torch.stack((chosen, (scores < e.tau).to(chosen))).tolist()
             lps = token_logprobs(logits, proposal, [r.logprobs for r in rows], e.vocab_size)
-            to_llm = (scores < e.tau).tolist()  # one device sync for the whole batch, not one per row
             for i, (s, r) in enumerate(zip(ready, rows, strict=True)):
                 if to_llm[i]:
                     r.waited = 0

@@ -9,6 +9,7 @@ from conftest import decoding_pair
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.routing.mlp import MLPRouter
 
 V = 97
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40], [3, 4, 5], [60, 61]]
@@ -228,3 +229,31 @@ def test_a_token_routed_to_a_missing_llm_is_an_error(pair):
     eng.tau = 2.0  # above every score: the router now sends every token to the LLM the engine does not have
     with pytest.raises(ValueError, match="^router sent a token to the LLM but the engine has llm=None$"):
         eng.generate(PROMPTS[0], 3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("router", ["slm", "mlp"])
+def test_a_step_without_an_llm_call_reads_the_device_once(pair, monkeypatch, temperature, router):
+    """The proposals and the router's flags come back to the host in one read per step (on a GPU each read is a
+    sync); a step whose rows all stay with the SLM makes no other read."""
+    slm, llm = pair
+    # A learned router at tau = 0 scores every row above tau: it runs each step and never sends.
+    mlp = MLPRouter(slm.config.hidden_size).eval()
+    eng = RoutedEngine(slm, llm, AlwaysSLM() if router == "slm" else mlp, tau=0.0)
+    sess = eng.session(temperature=temperature)
+    for i in range(3):
+        sess.add(PROMPTS[i], 6, row_id=i)
+    sess.step()  # admission: the prefill
+    reads: list[str] = []
+    for name in ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **kw):
+            reads.append(_name)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    for _ in range(3):
+        reads.clear()
+        assert len(sess.step()) == 3
+        assert reads == ["tolist"]
