@@ -168,6 +168,20 @@ def engine_block(reports: Path) -> Block:
     ]
 
 
+def engine_base_block(reports: Path) -> Block:
+    """bench/engine_v0.py: routed (p = 0.1) tokens/s of this engine over the engine at an earlier commit."""
+    r = _load(reports, "bench_engine_v0.json")
+    by = {(x["engine"], x["batch"]): x for x in r["rows"]}
+    rows = [[str(b), f"{1000 * by['base', b]['sec_per_token']:.4f}", f"{1000 * by['today', b]['sec_per_token']:.4f}",
+             f"{r['ratios'][f'b{b}_today_over_base_tokens_per_s']:.2f}×"]
+            for b in sorted({b for _, b in by})]  # fmt: skip
+    head = ["batch", f"ms/token, engine at {r['base']}", "ms/token, today", "today / then (tokens/s)"]
+    pair = r["rows"][0]["pair"]
+    return table(head, rows) + f"\n\nFrom `reports/bench_engine_v0.json` ({pair}, alternating processes).", [
+        "bench_engine_v0.json"
+    ]
+
+
 def labels_block(reports: Path) -> Block:
     """bench/labels.py: teacher-forced label collection against the reference's per-token generate loop."""
     r = _load(reports, "bench_labels.json")
@@ -207,6 +221,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "sweep": sweep_block,
     "pipeline": pipeline_block,
     "engine": engine_block,
+    "engine_base": engine_base_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
