@@ -132,31 +132,29 @@ class RaggedKVCache(Cache):
             tok_slot, tok_col = (t.to(dev) for t in self._packed[:2])
             kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
             vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
-            if self.varlen is not None:
-                # Per-row attention (lean): the rows' own columns, padded to the longest (b, kv_heads, K, head_dim).
-                slots = self._slots.to(dev)
+            if self.varlen is None:
+                # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
+                key_slot, key_col = (t.to(dev) for t in self._packed[2:])
                 return (
-                    kbuf[:, :, : self._kv_len].index_select(0, slots),
-                    vbuf[:, :, : self._kv_len].index_select(0, slots),
+                    kbuf[key_slot, :, key_col].transpose(0, 1)[None],
+                    vbuf[key_slot, :, key_col].transpose(0, 1)[None],
                 )
-            # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
-            key_slot, key_col = (t.to(dev) for t in self._packed[2:])
-            return (
-                kbuf[key_slot, :, key_col].transpose(0, 1)[None],
-                vbuf[key_slot, :, key_col].transpose(0, 1)[None],
-            )
-        b = key_states.shape[0]
-        cols = self._cols if self._cols.device == dev else self._cols.to(dev)  # (b, Q)
-        if self._slots is None:
-            rows = self._rows if self._rows.device == dev else self._rows.to(dev)  # (b, 1)
-            kbuf[rows, :, cols] = key_states.transpose(1, 2)  # indexed dims first: (b, Q, kv_heads, head_dim)
+            # Per-row attention (lean): the gather below, as a padded call over named slots.
+        else:
+            cols = self._cols if self._cols.device == dev else self._cols.to(dev)  # (b, Q)
+            if self._slots is None:
+                b = key_states.shape[0]
+                rows = self._rows if self._rows.device == dev else self._rows.to(dev)  # (b, 1)
+                kbuf[rows, :, cols] = key_states.transpose(
+                    1, 2
+                )  # indexed dims first: (b, Q, kv_heads, head_dim)
+                vbuf[rows, :, cols] = value_states.transpose(1, 2)
+                return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
+            rows = self._slots.to(dev)[:, None]
+            kbuf[rows, :, cols] = key_states.transpose(1, 2)
             vbuf[rows, :, cols] = value_states.transpose(1, 2)
-            return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
-        slots = self._slots.to(dev)
-        rows = slots[:, None]
-        kbuf[rows, :, cols] = key_states.transpose(1, 2)
-        vbuf[rows, :, cols] = value_states.transpose(1, 2)
         # A gather: the selected rows' caches, cut to the longest (b, kv_heads, kv_len, head_dim).
+        slots = self._slots.to(dev)
         return (
             kbuf[:, :, : self._kv_len].index_select(0, slots),
             vbuf[:, :, : self._kv_len].index_select(0, slots),
@@ -214,19 +212,12 @@ def ragged_append(
     if q == 1:
         logits, hidden = _step_append(model, cache, chunks, sl)
         return (logits[:, None], hidden[:, None]) if every else (logits, hidden)
-    starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
-    g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
     ids = torch.tensor(
         [list(c) + [c[-1] if c else 0] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
     )  # (b, Q)
-    j = torch.arange(q, device=dev)[None, :]  # (1, Q)
+    starts, g, j, pos, mask = _row_queries(model, cache, sl, gaps)
     real = j < g[:, None]  # (b, Q)
-    # Pad queries repeat the last real position, so they see exactly the row's valid columns (never all-masked); a
-    # held row's queries sit at its last cached position.
-    pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
     cache._cols = torch.where(real, starts[:, None] + j, torch.full_like(pos, cache.capacity))  # (b, Q)
-    allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
-    mask = _mask_for(model, allowed[:, None])  # (b, 1, Q, K)
     try:
         # (b, V), (b, H); every: (b, Q, V), (b, Q, H)
         logits, hidden = decoder_forward(model, ids, mask, pos, cache, last_index=None if every else g - 1)
@@ -235,6 +226,22 @@ def ragged_append(
     for s, n in zip(sl, gaps, strict=True):
         cache.lengths[s] += n
     return logits, hidden
+
+
+def _row_queries(
+    model: nn.Module, cache: RaggedKVCache, sl: list[int], gaps: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call's queries laid out per row, padded to the longest chunk Q, against ``cache._kv_len`` (K) columns:
+    starts (b,) each row's cached length, g (b,) its chunk length, j (1, Q), pos (b, Q) and the mask (b, 1, Q, K).
+    Pad queries repeat the last real position, so they see exactly the row's valid columns (never all-masked); a
+    held row's queries sit at its last cached position."""
+    dev = cache.device
+    starts = torch.tensor([cache.lengths[s] for s in sl], dtype=torch.long, device=dev)  # (b,)
+    g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
+    j = torch.arange(max(gaps), device=dev)[None, :]  # (1, Q)
+    pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
+    allowed = torch.arange(cache._kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
+    return starts, g, j, pos, _mask_for(model, allowed[:, None])
 
 
 def _step_append(
@@ -286,12 +293,7 @@ def _packed_append(
         cache._kv_len = max(n + g for n, g in zip(starts, gaps, strict=True))
         cache._slots = t["slots"]
         cache.varlen = (t["tok_row"], t["tok_j"], b, q)
-        g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
-        # Pad queries repeat their row's last position, so none is all-masked.
-        pos = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.minimum(
-            torch.arange(q, device=dev)[None, :], g[:, None] - 1
-        )  # (b, Q)
-        mask = (torch.arange(cache._kv_len, device=dev) <= pos[:, :, None])[:, None]  # (b, 1, Q, K)
+        mask = _row_queries(model, cache, sl, gaps)[-1]  # (b, 1, Q, K)
     else:
         key_row = [i for i, (n, g) in enumerate(zip(starts, gaps, strict=True)) for _ in range(n + g)]
         key_col = [c for n, g in zip(starts, gaps, strict=True) for c in range(n + g)]
