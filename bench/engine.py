@@ -29,23 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.random_models import prompts_for, random_qwen2  # noqa: E402
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append  # noqa: E402
 from citer.decoding.lean import forward_path, set_forward_path  # noqa: E402
 from citer.io import write_json  # noqa: E402
 from citer.provenance import stamp_bench  # noqa: E402
-
-
-def random_qwen2(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int, seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def embedded_pair(quick: bool):
@@ -57,7 +47,7 @@ def embedded_pair(quick: bool):
         slm = AutoModelForCausalLM.from_pretrained(slm_dir, dtype=torch.float32).eval()
         llm = AutoModelForCausalLM.from_pretrained(models / "llm", dtype=torch.float32).eval()
         return slm, llm, f"trained pair {slm_dir.relative_to(ROOT)} + {(models / 'llm').relative_to(ROOT)}"
-    # The bootstrap default architectures (citer.config.BootstrapParams), random weights.
+    # Random weights: a 1-layer SLM and a 128 x 4 LLM (not citer.config.BootstrapParams' 2-layer SLM and 96 x 3 LLM).
     slm = random_qwen2(512, 32, 64, 1, 2, 1, seed=1)
     llm = random_qwen2(512, 128, 384, 4, 4, 2, seed=2)
     return slm, llm, "tiny random models (models/slm|slm_base and models/llm not found)"
@@ -74,12 +64,6 @@ def memory_bound_pair(quick: bool):
     llm = random_qwen2(32000, 1024, 2816, 20, 16, 4, seed=2)
     n = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (slm, llm)]
     return slm, llm, f"random Qwen2 {n[0]:.0f}M / {n[1]:.0f}M parameters, float32"
-
-
-def prompts_for(vocab: int, batch: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(12, 25, (batch,), generator=g).tolist()  # mixed lengths
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

@@ -26,17 +26,11 @@ sys.path.insert(0, str(ROOT))
 # Timed in a child process whose sys.path starts at one engine's copy; it prints one JSON line.
 CHILD = r"""
 import json, sys, time, torch
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[6]]  # that engine's citer first, then this checkout's bench helpers
+from bench.random_models import prompts_for, random_qwen2
 from citer.decoding.baselines import RandomRouter
 from citer.decoding.engine import RoutedEngine
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-def random_qwen2(vocab, hidden, inter, layers, heads, kv, seed):
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
+from transformers import AutoModelForCausalLM
 
 models, batches, new_tokens, repeats = sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(1)
@@ -50,9 +44,7 @@ with torch.inference_mode():
         vocab = len(AutoTokenizer.from_pretrained(models + "/slm"))
     out = {}
     for b in batches:
-        g = torch.Generator().manual_seed(b)
-        lens = torch.randint(12, 25, (b,), generator=g).tolist()
-        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+        prompts = prompts_for(vocab, b, seed=b)
         eng = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5)
         eng.generate_batch(prompts, 2)  # warm-up
         best, res = float("inf"), None
@@ -76,6 +68,7 @@ def time_engine(src: Path, models: str, batches: list[int], new_tokens: int, rep
         ",".join(map(str, batches)),
         str(new_tokens),
         str(repeats),
+        str(ROOT),
     ]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=src, check=False)
     if proc.returncode != 0:
