@@ -125,6 +125,9 @@ class BatchStats:
 
 
 _ROW_FIELDS = ("calls", "wshare", "kv", "kv_idle", "tokens")
+# Calls over at most this many rows update the counters entry by entry: numpy's fancy indexing costs more than the
+# loop at a handful of rows (a batch-1 step's bookkeeping); rows in one call are distinct, so both add the same.
+_FEW = 4
 
 
 class CostMeter:
@@ -175,8 +178,15 @@ class CostMeter:
         self, model: ModelKey, rows: Sequence[int], new_tokens: Sequence[int], context: Sequence[int]
     ) -> None:
         """One forward call of ``model`` over ``rows``: row r fed ``new_tokens[i]`` and attends ``context[i]``."""
-        idx = np.asarray(rows, dtype=np.int64)
         self.calls[model] += 1
+        if len(rows) <= _FEW:
+            calls, wshare, kv = (self._row[model, f] for f in ("calls", "wshare", "kv"))
+            for r, n, c in zip(rows, new_tokens, context, strict=True):
+                calls[r] += 1
+                wshare[r] += 1.0 / len(rows)
+                kv[r] += c + n
+            return
+        idx = np.asarray(rows, dtype=np.int64)
         self._row[model, "calls"][idx] += 1
         self._row[model, "wshare"][idx] += 1.0 / len(idx)
         self._row[model, "kv"][idx] += np.asarray(context, dtype=np.int64) + np.asarray(
@@ -195,6 +205,10 @@ class CostMeter:
         self.llm_catchup[idx] += np.asarray(catchup_tokens, dtype=np.int64)
 
     def emitted(self, rows: Sequence[int], from_llm: Sequence[bool]) -> None:
+        if len(rows) <= _FEW:
+            for r, from_l in zip(rows, from_llm, strict=True):
+                self._row["llm" if from_l else "slm", "tokens"][r] += 1
+            return
         idx = np.asarray(rows, dtype=np.int64)
         llm = np.asarray(from_llm, dtype=bool)
         self._row["llm", "tokens"][idx[llm]] += 1
@@ -211,7 +225,8 @@ class CostMeter:
     def step(self, waiting: Sequence[int]) -> None:
         """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
         self.steps += 1
-        self.wait[np.asarray(waiting, dtype=np.int64)] += 1
+        if waiting:
+            self.wait[np.asarray(waiting, dtype=np.int64)] += 1
 
     def _bytes(self, model: str) -> np.ndarray:
         cost = self.costs[model]

@@ -38,13 +38,15 @@ def decoder_forward(
     cache: Cache | None,
     *,
     last_index: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    n_pos: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a causal LM and return ``(logits, hidden)``; hidden is the last layer's output after the final norm.
     Families :mod:`citer.decoding.lean` covers run its lean forward (same weights, same arithmetic), others HF's.
 
     input_ids (B, T) -> logits (B, T, V), hidden (B, T, H); with ``last_index`` (B,) only that position of each row:
     logits (B, V), hidden (B, H) (the head then runs on B vectors, not B*T). A pair (batch_idx (n,), pos_idx (n,))
-    picks n arbitrary positions: logits (n, V), hidden (n, H).
+    picks n arbitrary positions: logits (n, V), hidden (n, H). ``n_pos``: a bound on the positions known on the host
+    (the lean forward otherwise takes it from the mask's key count, or reads the positions back).
     """
     lean = lean_decoder(model)
     if lean is not None and (
@@ -53,6 +55,8 @@ def decoder_forward(
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
             n_pos = input_ids.shape[1]
+        elif n_pos is not None:
+            pass
         elif attention_mask is not None:
             n_pos = attention_mask.shape[-1]  # positions index key columns, so they stay below the key count
         else:

@@ -163,8 +163,8 @@ class RaggedKVCache(Cache):
 
 def _mask_for(model: nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     # allowed: (b, 1, Q, K) bool, True = attend. sdpa takes it as is; eager wants an additive float mask.
-    impl = model.config._attn_implementation
-    if impl == "sdpa" or lean_decoder(model) is not None:
+    # The lean check first: a config attribute read costs more than the lookup (a step reads it once).
+    if lean_decoder(model) is not None or model.config._attn_implementation == "sdpa":
         return allowed
     dtype = model.get_input_embeddings().weight.dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
@@ -254,13 +254,20 @@ def _step_append(
     # A held row (empty chunk) re-queries its last cached position and writes to the trash column.
     pos = [n if c else n - 1 for n, c in zip(lens, chunks, strict=True)]
     cols = [n if c else cache.capacity for n, c in zip(lens, chunks, strict=True)]
-    ids = torch.tensor([[c[0] if c else 0] for c in chunks], dtype=torch.long, device=dev)  # (b, 1)
-    pos_cols = torch.tensor([pos, cols], dtype=torch.long, device=dev)[:, :, None]  # (2, b, 1)
-    cache._cols = pos_cols[1]
-    allowed = torch.arange(cache._kv_len, device=dev) <= pos_cols[0][:, :, None]  # (b, 1, K)
-    mask = _mask_for(model, allowed[:, None])  # (b, 1, 1, K)
+    # (3, b, 1): ids, positions, columns
+    step = torch.tensor([[c[0] if c else 0 for c in chunks], pos, cols], dtype=torch.long, device=dev)[:, :, None]
+    cache._cols = step[2]
+    if pos.count(cache._kv_len - 1) == len(pos) and lean_decoder(model) is not None:
+        # Every row sits at the last column (batch 1, or rows of one length): each attends all K columns, so the
+        # lean forward's attention needs no mask.
+        mask = None
+    else:
+        allowed = torch.arange(cache._kv_len, device=dev) <= step[1][:, :, None]  # (b, 1, K)
+        mask = _mask_for(model, allowed[:, None])  # (b, 1, 1, K)
     try:
-        logits, hidden = decoder_forward(model, ids, mask, pos_cols[0], cache, last_index=pos_cols[0][:, 0])
+        logits, hidden = decoder_forward(
+            model, step[0], mask, step[1], cache, last_index=step[1][:, 0], n_pos=cache._kv_len
+        )
     finally:
         cache._slots, cache._cols, cache._rows = None, None, None
     for s, c in zip(sl, chunks, strict=True):

@@ -145,6 +145,33 @@ def test_packed_catch_up_attends_per_row_and_equals_hf(pair, monkeypatch):
         torch.testing.assert_close(logits[r, : len(g)], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_step_where_every_row_is_at_the_last_column_attends_without_a_mask(pair, monkeypatch):
+    """Decode steps of rows of one length (batch 1 always) attend every cached column, so they run without a mask;
+    rows of different lengths keep theirs. Either way the logits equal HF's full forward."""
+    import citer.decoding.lean as lean_mod
+
+    _, _, llm = pair
+    masks: list[object] = []
+    sdpa = lean_mod.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    for seqs in ([[5, 9, 2, 7], [4, 4, 8, 1]], [[5, 9, 2, 7]], [[5, 9, 2, 7], [4, 8]]):
+        cache = RaggedKVCache(llm, len(seqs), 16)
+        with torch.inference_mode():
+            ragged_append(llm, cache, seqs)
+            masks.clear()
+            monkeypatch.setattr(lean_mod.F, "scaled_dot_product_attention", spy)
+            logits, _ = ragged_append(llm, cache, [[11]] * len(seqs))  # (b, V)
+            monkeypatch.undo()
+        equal = len({len(s) for s in seqs}) == 1
+        assert masks and all((m is None) == equal for m in masks)
+        for r, s in enumerate(seqs):
+            torch.testing.assert_close(logits[r], hf_logits(llm, s + [11])[-1], atol=1e-5, rtol=1e-5)
+
+
 def test_greedy_tokens_equal_hf_generate(pair):
     fam, slm, llm = pair
     eng = RoutedEngine(slm, llm, AlwaysLLM(), vocab_size=V)
