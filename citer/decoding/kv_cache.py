@@ -255,7 +255,9 @@ def _step_append(
     pos = [n if c else n - 1 for n, c in zip(lens, chunks, strict=True)]
     cols = [n if c else cache.capacity for n, c in zip(lens, chunks, strict=True)]
     # (3, b, 1): ids, positions, columns
-    step = torch.tensor([[c[0] if c else 0 for c in chunks], pos, cols], dtype=torch.long, device=dev)[:, :, None]
+    step = torch.tensor([[c[0] if c else 0 for c in chunks], pos, cols], dtype=torch.long, device=dev)[
+        :, :, None
+    ]
     cache._cols = step[2]
     if pos.count(cache._kv_len - 1) == len(pos) and lean_decoder(model) is not None:
         # Every row sits at the last column (batch 1, or rows of one length): each attends all K columns, so the

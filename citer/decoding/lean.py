@@ -151,7 +151,10 @@ class LeanDecoder:
             emb = torch.cat((freqs, freqs), dim=-1)
             sin = (emb.sin() * self.rope_scale).to(dtype)
             half = sin.shape[-1] // 2
-            tab = ((emb.cos() * self.rope_scale).to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+            tab = (
+                (emb.cos() * self.rope_scale).to(dtype),
+                torch.cat((-sin[:, :half], sin[:, half:]), dim=-1),
+            )
             self._rope_tab[dtype] = tab
         return tab[0][pos][:, :, None], tab[1][pos][:, :, None]
 

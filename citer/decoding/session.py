@@ -164,7 +164,9 @@ class DecodeSession:
         if ready:
             assert self.hidden is not None and self.logits is not None
             # (k,) each: the rows' keys for the noise and their step indices
-            rid, steps = torch.tensor([[self.rows[s].row_id for s in ready], [self.rows[s].n_out for s in ready]])
+            rid, steps = torch.tensor(
+                [[self.rows[s].row_id for s in ready], [self.rows[s].n_out for s in ready]]
+            )
             idx = torch.tensor(ready, dtype=torch.long, device=self.hidden.device)
             hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
