@@ -126,7 +126,7 @@ class BatchStats:
 
 _ROW_FIELDS = ("calls", "wshare", "kv", "kv_idle", "tokens")
 # Calls over at most this many rows update the counters entry by entry: numpy's fancy indexing costs more than the
-# loop at a handful of rows (a batch-1 step's bookkeeping); rows in one call are distinct, so both add the same.
+# loop at a handful of rows (a batch-1 step's bookkeeping); both add every entry, a repeated row included.
 _FEW = 4
 
 
@@ -211,8 +211,9 @@ class CostMeter:
             return
         idx = np.asarray(rows, dtype=np.int64)
         llm = np.asarray(from_llm, dtype=bool)
-        self._row["llm", "tokens"][idx[llm]] += 1
-        self._row["slm", "tokens"][idx[~llm]] += 1
+        # add.at: a row may repeat (a draft's tokens arrive together), and fancy += would count it once.
+        np.add.at(self._row["llm", "tokens"], idx[llm], 1)
+        np.add.at(self._row["slm", "tokens"], idx[~llm], 1)
 
     def rolled_back(self, rows: Sequence[int], n_tokens: Sequence[int]) -> None:
         """Rows whose last ``n_tokens`` emitted SLM tokens were taken back: they leave the token counts; the calls

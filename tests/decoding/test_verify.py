@@ -196,3 +196,11 @@ def test_a_draft_leads_the_row_and_a_check_may_take_it_back(pair):
         assert res.tokens[0] == llm_only and res.replaced[0][0][0] == 0  # the draft itself was taken back
     with pytest.raises(EngineInputError, match="draft"):
         plain.generate_batch([PROMPTS[0]], 2, drafts=[[1, 2]])
+
+
+@pytest.mark.parametrize("n_draft", [1, 3, 6])
+def test_every_draft_token_is_counted_once(pair, n_draft):
+    """A draft's tokens reach the meter together (one row repeated); each counts, at any length."""
+    res = engine(pair, AlwaysSLM()).generate_batch([PROMPTS[0]], 9, drafts=[[1] * n_draft])
+    st = res.rows[0]
+    assert len(res.tokens[0]) == st.new_tokens == st.slm_tokens == 9 and st.llm_tokens == 0
