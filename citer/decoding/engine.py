@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
+from citer.decoding.choice import router_scores
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.lean import forward_path, lean_decoder
 from citer.decoding.pairing import (
@@ -37,7 +38,7 @@ from citer.decoding.pairing import (
     shared_vocab_size,
 )
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
-from citer.decoding.static_step import StaticSteps
+from citer.decoding.static_step import Decision, StaticSteps
 from citer.decoding.verify import Verification, VerificationError
 
 # static_steps: None = the ragged eager call; "eager" = fixed-shape calls run eagerly; "aot_eager" = traced whole
@@ -138,6 +139,7 @@ class RoutedEngine:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps
         self._static: dict[str, StaticSteps | None] = {}
+        self._decisions: dict[tuple[float, float, int], Decision] = {}
         try:
             self.verify = Verification(verify_rho, verify_window, verify_final)
         except VerificationError as exc:
@@ -155,6 +157,16 @@ class RoutedEngine:
             opts = STATIC_STEPS[self.static_steps]
             self._static[which] = None if lean is None else StaticSteps(lean, opts)
         return self._static[which]
+
+    def decision(self, sampling: tuple[float, float, int]) -> Decision:
+        """What the SLM's fixed-shape steps decide with, for rows sampling with ``sampling``: one object per setting,
+        so a traced step keeps one graph per bucket (a new τ or router set on the engine makes a new one)."""
+        got = self._decisions.get(sampling)
+        if got is None or got.tau != self.tau or got.router is not self.router:
+            got = self._decisions[sampling] = Decision(
+                self.router, wants_row_ids(self.router), float(self.tau), self.vocab_size, sampling
+            )
+        return got
 
     @property
     def forward_paths(self) -> dict[str, str]:
@@ -197,15 +209,7 @@ class RoutedEngine:
 
     def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """Router scores (b,) for hidden (b, H); ``row_ids``/``steps`` (b,) on the CPU key a random router."""
-        if self._router_ctx:
-            dev = hidden.device
-            scores = self.router(hidden.float(), row_ids=row_ids.to(dev), steps=steps.to(dev))
-        else:
-            scores = self.router(hidden.float())
-        scores = scores.reshape(-1)
-        if scores.shape[0] != hidden.shape[0]:
-            raise ValueError(f"router returned {tuple(scores.shape)} scores for {hidden.shape[0]} rows")
-        return scores
+        return router_scores(self.router, self._router_ctx, hidden, row_ids, steps)
 
     def session(
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0

@@ -40,6 +40,8 @@ class Engine(Protocol):
 
     def static_for(self, which: str) -> Any: ...
 
+    def decision(self, sampling: tuple[float, float, int]) -> Any: ...
+
 
 class EngineInputError(ValueError):
     """Bad arguments to the engine; raised before any generation."""

@@ -42,7 +42,12 @@ def counter_uniform(
     """
     dev = row_ids.device
     h = _mix32_int((seed & _M32) ^ ((stream * 0x9E3779B9) & _M32))  # the (seed, stream) key: one Python int
-    if width is None and row_ids.device.type == "cpu" and row_ids.numel() <= _INT_ROWS:
+    if (
+        width is None
+        and row_ids.device.type == "cpu"
+        and row_ids.numel() <= _INT_ROWS
+        and not torch.compiler.is_compiling()  # a traced step keeps to tensor ops: no read back
+    ):
         # A few rows on the CPU (the router's coin at small batch): Python ints beat ~20 tensor ops, same bits.
         hs = [
             _mix32_int(_mix32_int(h ^ (r & _M32)) ^ (s & _M32))

@@ -71,6 +71,9 @@ class DecodeSession:
         self._llm_wrote: set[int] = set()
         self._checked: set[int] = set()
         self._replaced: dict[int, list[int]] = {}
+        # With fixed-shape SLM steps: the next step's proposals and hard flags (b,) per slot, decided in the step's
+        # graph, and the keys of the rows they hold for (the rows that step fed); None when there are none.
+        self._decided: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
 
     # -- the caller's side ------------------------------------------------------------------------------------------
     def add(
@@ -168,13 +171,21 @@ class DecodeSession:
                 [[self.rows[s].row_id for s in ready], [self.rows[s].n_out for s in ready]]
             )
             idx = torch.tensor(ready, dtype=torch.long, device=self.hidden.device)
-            hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
-            scores = e.score(hidden, rid, steps)  # (k,)
             rows = [self.rows[s] for s in ready]
-            chosen = choose_token_tensor(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)  # (k,)
+            dec = self._decided
+            if dec is not None and all(r.key in dec[2] for r in rows):
+                # Decided inside the last SLM step's graph (fixed-shape steps): proposals and flags of every slot.
+                chosen, hard = (x.index_select(0, idx) if len(ready) < b else x for x in dec[:2])
+            else:
+                hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
+                scores = e.score(hidden, rid, steps)  # (k,)
+                chosen = choose_token_tensor(
+                    logits, [r.sampling for r in rows], rid, steps, e.vocab_size
+                )  # (k,)
+                hard = scores < e.tau
             # One device -> host read per step: the proposals and the router's flags together.
-            proposal, to_llm = torch.stack((chosen, (scores < e.tau).to(chosen))).tolist()
+            proposal, to_llm = torch.stack((chosen, hard.to(chosen))).tolist()
             lps = token_logprobs(logits, proposal, [r.logprobs for r in rows], e.vocab_size)
             for i, (s, r) in enumerate(zip(ready, rows, strict=True)):
                 if to_llm[i]:
@@ -326,7 +337,21 @@ class DecodeSession:
             return
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
-        logits, hidden = ragged_append(self.e.slm, self.slm_cache, chunks)  # (b, V), (b, H)
+        # The SLM's fixed-shape steps decide in their graph where they run and every row samples alike.
+        sampling = {r.sampling for r in self.rows}
+        decision = (
+            self.e.decision(*sampling) if self.slm_cache.static is not None and len(sampling) == 1 else None
+        )
+        if decision is None:
+            self._decided = None
+            logits, hidden = ragged_append(self.e.slm, self.slm_cache, chunks)  # (b, V), (b, H)
+        else:
+            # The fixed-shape step decides the next step in its own graph: proposals and flags (b,) for the rows fed.
+            rid, steps = [r.row_id for r in self.rows], [r.n_out for r in self.rows]
+            logits, hidden, toks, hard = self.slm_cache.static.decided(
+                self.slm_cache, chunks, rid, steps, decision
+            )
+            self._decided = (toks, hard, fed)
         fed = [s for s, c in enumerate(chunks) if c]
         idle = [s for s, c in enumerate(chunks) if not c]
         self.meter.forward(
@@ -359,6 +384,7 @@ class DecodeSession:
     def _retire(self, slots: list[int]) -> None:
         if not slots:
             return
+        self._decided = None  # slots move: the decisions no longer line up
         # Both caches hold the same slots, so they move the same rows.
         moved = [c.remove_slots(slots) for c in (self.slm_cache, self.llm_cache) if c is not None][0]
         assert self.logits is not None and self.hidden is not None

@@ -15,11 +15,13 @@ Shapes: B = rows bucket, Q = tokens bucket, K = capacity + 1, H = hidden, V = vo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from citer.decoding.choice import Sampling, step_decisions
 from citer.decoding.lean import LeanDecoder
 
 
@@ -68,6 +70,44 @@ def static_append(
     return lean.logits(hidden), hidden
 
 
+def static_decide(
+    lean: LeanDecoder,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    cols: torch.Tensor,
+    slots: torch.Tensor,
+    last: torch.Tensor,
+    rid: torch.Tensor,
+    steps: torch.Tensor,
+    decision: Decision,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An SLM decode step with its decision in the same graph: :func:`static_append`, then the router's score, the
+    token choice and the hard flag (:func:`~citer.decoding.choice.step_decisions`) for every row. rid/steps (B,) key
+    each row's draws at the step that reads this decision. Returns logits (B, V), hidden (B, H), tokens (B,) long
+    and hard (B,) bool."""
+    logits, hidden = static_append(lean, keys, values, ids, pos, cols, slots, last)
+    d = decision
+    tokens, hard = step_decisions(
+        logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling
+    )
+    return logits, hidden, tokens, hard
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a step's decision reads besides the model: the router (``takes_rows``: it keys draws on row ids), τ,
+    the shared vocabulary and the rows' one sampling setting (temperature, top_p, seed). A traced step guards on
+    these, so one object per (engine, sampling) keeps one graph per bucket."""
+
+    router: Callable[..., torch.Tensor]
+    takes_rows: bool
+    tau: float
+    vocab_size: int
+    sampling: Sampling
+
+
 class StaticSteps:
     """Bucketed fixed-shape calls of one model over one :class:`~citer.decoding.kv_cache.RaggedKVCache`.
 
@@ -78,14 +118,22 @@ class StaticSteps:
 
     def __init__(self, lean: LeanDecoder, compile: dict[str, Any] | None = None) -> None:
         self.lean = lean
-        self.fn = static_append
+        self.fn: Callable[..., Any] = static_append
+        self.decide_fn: Callable[..., Any] = static_decide
         if compile is not None:
             import torch._dynamo
 
             # One graph per bucket: raise dynamo's per-function limit above the buckets a session can use.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(static_append, fullgraph=True, dynamic=False, **compile)
+            self.decide_fn = torch.compile(static_decide, fullgraph=True, dynamic=False, **compile)
         self._marked: set[int] = set()
+        # CUDA graphs (reduce-overhead) hand back outputs in the graph's own memory, which its next replay overwrites;
+        # the session keeps a step's logits and decisions past that, so they are copied out (b x V, small).
+        self._copy_out = bool(compile and compile.get("mode") == "reduce-overhead" and lean.embed.is_cuda)
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone() if self._copy_out else x
 
     def __call__(
         self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
@@ -93,6 +141,45 @@ class StaticSteps:
         """Feed ``chunks[i]`` to slot ``slots[i]``; logits (b, V) and hidden (b, H) at each row's last fed token
         (an empty chunk holds its row, as in :func:`~citer.decoding.kv_cache.ragged_append`); ``every``: (b, Q, .)
         at every position, Q = the longest chunk."""
+        b = len(chunks)
+        keys, values, t, extra = self._inputs(cache, chunks, slots)
+        logits, hidden = self.fn(self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], every)
+        for s, c in zip(slots, chunks, strict=True):
+            cache.lengths[s] += len(c)
+        if every:
+            g = max(len(c) for c in chunks)
+            return self._out(logits[:b, :g]), self._out(hidden[:b, :g])
+        return self._out(logits[:b]), self._out(hidden[:b])
+
+    def decided(
+        self,
+        cache: Any,
+        chunks: Sequence[Sequence[int]],
+        rid: Sequence[int],
+        steps: Sequence[int],
+        decision: Decision,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step over the slot prefix (``chunks[i]``: slot i's one token, or empty to hold it) with the next
+        step's decision in the same graph: logits (b, V), hidden (b, H), tokens (b,) and hard flags (b,);
+        ``rid``/``steps`` (b,) key each row's draws."""
+        b = len(chunks)
+        slots = range(b)
+        keys, values, t, extra = self._inputs(cache, chunks, slots)
+        big_b = t.shape[1]
+        draw = torch.tensor(
+            [[*rid, *[0] * (big_b - b)], [*steps, *[0] * (big_b - b)]], dtype=torch.long, device=cache.device
+        )  # (2, B)
+        out = self.decide_fn(
+            self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], draw[0], draw[1], decision
+        )
+        for s, c in zip(slots, chunks, strict=True):
+            cache.lengths[s] += len(c)
+        return tuple(self._out(x[:b]) for x in out)  # type: ignore[return-value]
+
+    def _inputs(
+        self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The pool's per-layer keys and values, ids/pos/cols (3, B, Q) and slots/last (2, B) of one bucketed call."""
         b = len(chunks)
         big_b, q = bucket(b), bucket(max(len(c) for c in chunks))
         keys, values = self._pool(cache)
@@ -115,13 +202,7 @@ class StaticSteps:
         dev = cache.device
         t = torch.tensor([ids, pos, cols], dtype=torch.long, device=dev)  # (3, B, Q)
         extra = torch.tensor([slot_row, last], dtype=torch.long, device=dev)  # (2, B)
-        logits, hidden = self.fn(self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], every)
-        for s, c in zip(slots, chunks, strict=True):
-            cache.lengths[s] += len(c)
-        if every:
-            g = max(len(c) for c in chunks)
-            return logits[:b, :g], hidden[:b, :g]
-        return logits[:b], hidden[:b]
+        return keys, values, t, extra
 
     def _pool(self, cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         like = self.lean.embed

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_qwen2
 
 from citer.decoding.baselines import RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
 from citer.decoding.static_step import bucket
+from citer.routing.mlp import MLPRouter
 
 V = 97
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40], [41, 42, 43]]
@@ -39,16 +41,82 @@ def test_fixed_shape_steps_give_the_ragged_calls_tokens(pair, max_rows, temperat
     assert any(any(r) for r in got.from_llm)
 
 
+def _mlp_router(hidden: int):
+    torch.manual_seed(3)
+    router = MLPRouter(hidden, 0.0)
+    for m in router.net:
+        if isinstance(m, torch.nn.BatchNorm1d):  # running stats that spread the scores around 0.5
+            m.running_mean.normal_(0, 0.1)
+            m.running_var.uniform_(0.5, 2.0)
+    return router.eval()
+
+
+@pytest.mark.parametrize("router", ["random", "mlp"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, router, temperature):
+    """With fixed-shape steps, the router's score, the token choice and the hard flag run inside the SLM step's
+    call (``static_decide``), so a step after the first calls neither ``score`` nor the eager choice; the tokens and
+    the routing are the ragged eager engine's. A step after a row was admitted decides eagerly for that step."""
+    from citer.decoding import session as session_mod
+
+    slm, llm = pair
+
+    def make():
+        return RandomRouter(0.3, seed=0) if router == "random" else _mlp_router(32)
+
+    ref = RoutedEngine(slm, llm, make(), tau=0.5).generate_batch(PROMPTS, 16, temperature=temperature, seed=5)
+    assert any(any(r) for r in ref.from_llm) and not all(all(r) for r in ref.from_llm)
+    eager_calls: list[int] = []
+    choose = session_mod.choose_token_tensor
+
+    def spy(*a, **kw):
+        eager_calls.append(1)
+        return choose(*a, **kw)
+
+    monkeypatch.setattr(session_mod, "choose_token_tensor", spy)
+    eng = RoutedEngine(slm, llm, make(), tau=0.5, static_steps="eager")
+    got = eng.generate_batch(PROMPTS, 16, temperature=temperature, seed=5)
+    assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
+    assert len(eager_calls) == 1  # the first step only: its rows came from the prefill, not a decode step
+    # Rows admitted over time (max_rows): each admission's step decides eagerly, the rest in the graph.
+    monkeypatch.undo()
+    ref = RoutedEngine(slm, llm, make(), tau=0.5).generate_batch(
+        PROMPTS, 16, temperature=temperature, seed=5, max_rows=2
+    )
+    monkeypatch.setattr(session_mod, "choose_token_tensor", spy)
+    eager_calls.clear()
+    got = eng.generate_batch(PROMPTS, 16, temperature=temperature, seed=5, max_rows=2)
+    assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
+    assert len(eager_calls) == 3  # 5 rows of equal budgets, 2 at a time: admitted at steps 1, 17 and 33
+
+
+def test_rows_that_sample_differently_decide_eagerly_with_the_same_tokens(pair):
+    slm, llm = pair
+    engines = [RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), static_steps=s) for s in (None, "eager")]
+    out = []
+    for eng in engines:
+        sess = eng.session()
+        keys = [sess.add(p, 10, row_id=i, temperature=0.7 * (i % 2), seed=i) for i, p in enumerate(PROMPTS)]
+        toks: dict[int, list[int]] = {k: [] for k in keys}
+        while sess.busy:
+            for em in sess.step():
+                toks[em.key].append(em.token)
+        assert sess._decided is None  # mixed sampling: no in-graph decision
+        out.append([toks[k] for k in keys])
+    assert out[0] == out[1]
+
+
 def test_unknown_static_steps_mode_is_refused(pair):
     with pytest.raises(EngineInputError, match="static_steps"):
         RoutedEngine(*pair, RandomRouter(0.3), static_steps="graphs")
 
 
 @pytest.mark.slow
-def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch):
+@pytest.mark.parametrize("router", ["random", "mlp"])
+def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch, router):
     """The CPU proxy for CUDA-graph capture: ``fullgraph=True`` fails on any graph break or host read (``.item()``,
     ``.tolist()``, a data-dependent shape), and a second session with other tokens in the same buckets adds no
-    graph."""
+    graph. The SLM step's graph holds the step's decision too: the router's score and the token choice."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -58,19 +126,24 @@ def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch
     torch._dynamo.reset()
     counters.clear()
     host_reads: list[str] = []
+    traced: list[set[str]] = []
 
     def checking_backend(gm, example_inputs):
         # A host read or a data-dependent shape inside the traced step would stall a CUDA graph.
-        for node in gm.graph.nodes:
-            name = str(getattr(node.target, "__name__", node.target))
-            if name in ("item", "tolist", "nonzero", "unique", "_local_scalar_dense"):
-                host_reads.append(name)
+        names = {str(getattr(node.target, "__name__", node.target)) for node in gm.graph.nodes}
+        host_reads.extend(names & {"item", "tolist", "nonzero", "unique", "_local_scalar_dense"})
+        traced.append(names)
         return gm.forward
 
     monkeypatch.setitem(engine_mod.STATIC_STEPS, "checked", {"backend": checking_backend})
 
+    mlp = _mlp_router(32)  # one router: a graph is traced for the router it scores with
+
+    def make(seed):
+        return RandomRouter(0.3, seed=seed) if router == "random" else mlp
+
     def run(prompts, seed):
-        eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=seed), static_steps="checked")
+        eng = RoutedEngine(slm, llm, make(seed), static_steps="checked")
         sess = eng.session(max_rows=4)
         sess.reserve(48)  # one pool size: K is part of a bucket
         keys = [sess.add(p, 12) for p in prompts]
@@ -80,15 +153,19 @@ def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch
                 out[em.key].append(em.token)
         return [out[k] for k in keys]
 
-    ref = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0)).generate_batch(PROMPTS[:4], 12)
+    ref = RoutedEngine(slm, llm, make(0)).generate_batch(PROMPTS[:4], 12)
     assert run(PROMPTS[:4], 0) == ref.tokens
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     # Every step already moved positions and lengths inside its buckets; other tokens of the same lengths replay the
-    # same buckets.
-    run([[t + 1 for t in p] for p in PROMPTS[:4]], 0)
+    # same buckets (the random coin routes them alike; the MLP routes by content, so it gets the same tokens again,
+    # through a new engine and session: a step's decision adds no graph per engine).
+    run([[t + 1 for t in p] for p in PROMPTS[:4]] if router == "random" else PROMPTS[:4], 0)
     assert counters["stats"]["unique_graphs"] == graphs  # same buckets: no new graph
     assert not counters["graph_break"] and host_reads == []
+    # A decode step's graph ends in the choice (argmax) and the router (its sigmoid, or the random coin's hash).
+    mark = "sigmoid" if router == "mlp" else "xor"
+    assert any({"argmax", mark, "lt"} <= names for names in traced)
 
 
 def test_a_session_steps_both_models_through_the_engines_fixed_shape_steps(pair, monkeypatch):
