@@ -77,9 +77,12 @@ def validate_flow(
         for path, fmt in targets
     ]
     out = Path(report_path) if report_path else proj.path(proj.params.paths.reports_dir) / "validation.json"
+    # The project records its files relative to its root (a copied project stays self-contained).
+    for r in reports:
+        r["path"] = proj.portable_ref(r["path"])
     write_json(out, {"files": [{k: v for k, v in r.items() if k != "summary"} for r in reports]})
     with stage_run(proj, "validate") as run:
-        run.params({"files": [f"{p}:{fmt}" for p, fmt in targets]})
+        run.params({"files": [f"{proj.portable_ref(p)}:{fmt}" for p, fmt in targets]})
         if budget is not None:
             run.params({"context_limit": budget.limit, "context_source": budget.source})
         run.metrics(

@@ -27,11 +27,13 @@ def test_validate_stage_exit_0_and_tracked(prefect_server, project, good_file):
     assert res.exit_code == 0, res.output
     report = json.loads((project / "reports" / "validation.json").read_text())
     assert report["files"][0]["ok"] and report["files"][0]["n_rows"] == 1
+    assert report["files"][0]["path"] == "good.jsonl"  # relative to the project root, as every record
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{project}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["citer"])
     assert list(runs["tags.citer.stage"]) == ["validate"]
+    assert str(project) not in runs["params.files"].iloc[0]
     assert runs["metrics.n_rows"].iloc[0] == 3
 
 
