@@ -71,23 +71,13 @@ def static_append(
 
 
 def static_decide(
-    lean: LeanDecoder,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    cols: torch.Tensor,
-    slots: torch.Tensor,
-    last: torch.Tensor,
-    rid: torch.Tensor,
-    steps: torch.Tensor,
-    decision: Decision,
+    decision: Decision, rid: torch.Tensor, steps: torch.Tensor, *call: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An SLM decode step with its decision in the same graph: :func:`static_append`, then the router's score, the
-    token choice and the hard flag (:func:`~citer.decoding.choice.step_decisions`) for every row. rid/steps (B,) key
-    each row's draws at the step that reads this decision. Returns logits (B, V), hidden (B, H), tokens (B,) long
-    and hard (B,) bool."""
-    logits, hidden = static_append(lean, keys, values, ids, pos, cols, slots, last)
+    """An SLM decode step with its decision in the same graph: :func:`static_append` over ``call`` (its arguments),
+    then the router's score, the token choice and the hard flag (:func:`~citer.decoding.choice.step_decisions`)
+    for every row. rid/steps (B,) key each row's draws at the step that reads this decision. Returns logits (B, V),
+    hidden (B, H), tokens (B,) long and hard (B,) bool."""
+    logits, hidden = static_append(*call)
     d = decision
     tokens, hard = step_decisions(
         logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling
@@ -143,7 +133,7 @@ class StaticSteps:
         at every position, Q = the longest chunk."""
         b = len(chunks)
         keys, values, t, extra = self._inputs(cache, chunks, slots)
-        logits, hidden = self.fn(self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], every)
+        logits, hidden = self.fn(self.lean, keys, values, *t, *extra, every)
         for s, c in zip(slots, chunks, strict=True):
             cache.lengths[s] += len(c)
         if every:
@@ -169,9 +159,7 @@ class StaticSteps:
         draw = torch.tensor(
             [[*rid, *[0] * (big_b - b)], [*steps, *[0] * (big_b - b)]], dtype=torch.long, device=cache.device
         )  # (2, B)
-        out = self.decide_fn(
-            self.lean, keys, values, t[0], t[1], t[2], extra[0], extra[1], draw[0], draw[1], decision
-        )
+        out = self.decide_fn(decision, draw[0], draw[1], self.lean, keys, values, *t, *extra)
         for s, c in zip(slots, chunks, strict=True):
             cache.lengths[s] += len(c)
         return tuple(self._out(x[:b]) for x in out)  # type: ignore[return-value]
