@@ -95,7 +95,7 @@ def test_validate_stage_logs_to_tracking_server(mlflow_server, prefect_server, p
     assert run.info.status == "FINISHED"
     assert run.data.metrics["n_rows"] == 3 and run.data.metrics["n_errors"] == 0
     assert run.data.metrics["n_files"] == 1
-    assert str(data) in run.data.params["files"]
+    assert run.data.params["files"] == "['math.jsonl:math']"  # the project records files relative to its root
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["validation.json"]
     # The run lives in the server's own store: it went over HTTP, not into a local file.
     with sqlite3.connect(store / "mlflow.db") as db:
