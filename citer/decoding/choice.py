@@ -58,6 +58,24 @@ def step_decisions(
     return select_tokens(cut_logits(logits, vocab_size), t, p, seed, rid, steps), scores < tau
 
 
+_PINNED: dict[tuple[torch.device, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+
+
+def read_to_host(t: torch.Tensor) -> list:
+    """The step's one device -> host read, as nested Python lists: on CUDA through a page-locked buffer kept per
+    (device, shape, dtype) (an async copy and one wait on the stream, not a copy through pageable memory); elsewhere
+    ``tolist``."""
+    if not t.is_cuda:
+        return t.tolist()
+    key = (t.device, tuple(t.shape), t.dtype)
+    buf = _PINNED.get(key)
+    if buf is None:
+        buf = _PINNED[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    buf.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return buf.tolist()
+
+
 def choose_tokens(
     logits: torch.Tensor,
     sampling: Sequence[Sampling],

@@ -29,7 +29,13 @@ from collections.abc import Sequence
 
 import torch
 
-from citer.decoding.choice import TopLogprobs, choose_token_tensor, choose_tokens, token_logprobs
+from citer.decoding.choice import (
+    TopLogprobs,
+    choose_token_tensor,
+    choose_tokens,
+    read_to_host,
+    token_logprobs,
+)
 from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
 from citer.decoding.pairing import cut_logits
@@ -71,8 +77,7 @@ class DecodeSession:
         self._llm_wrote: set[int] = set()
         self._checked: set[int] = set()
         self._replaced: dict[int, list[int]] = {}
-        # With fixed-shape SLM steps: the next step's proposals and hard flags (b,) per slot, decided in the step's
-        # graph, and the keys of the rows they hold for (the rows that step fed); None when there are none.
+        # Fixed-shape SLM steps: the next step's proposals and hard flags (b,), and the keys of the rows fed.
         self._decided: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
 
     # -- the caller's side ------------------------------------------------------------------------------------------
@@ -185,7 +190,7 @@ class DecodeSession:
                 )  # (k,)
                 hard = scores < e.tau
             # One device -> host read per step: the proposals and the router's flags together.
-            proposal, to_llm = torch.stack((chosen, hard.to(chosen))).tolist()
+            proposal, to_llm = read_to_host(torch.stack((chosen, hard.to(chosen))))
             lps = token_logprobs(logits, proposal, [r.logprobs for r in rows], e.vocab_size)
             for i, (s, r) in enumerate(zip(ready, rows, strict=True)):
                 if to_llm[i]:
@@ -337,20 +342,15 @@ class DecodeSession:
             return
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
-        # The SLM's fixed-shape steps decide in their graph where they run and every row samples alike.
-        sampling = {r.sampling for r in self.rows}
-        decision = (
-            self.e.decision(*sampling) if self.slm_cache.static is not None and len(sampling) == 1 else None
-        )
-        if decision is None:
-            self._decided = None
+        # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike.
+        sampling, static = {r.sampling for r in self.rows}, self.slm_cache.static
+        self._decided = None
+        if static is None or len(sampling) > 1:
             logits, hidden = ragged_append(self.e.slm, self.slm_cache, chunks)  # (b, V), (b, H)
         else:
-            # The fixed-shape step decides the next step in its own graph: proposals and flags (b,) for the rows fed.
             rid, steps = [r.row_id for r in self.rows], [r.n_out for r in self.rows]
-            logits, hidden, toks, hard = self.slm_cache.static.decided(
-                self.slm_cache, chunks, rid, steps, decision
-            )
+            d = self.e.decision(*sampling)
+            logits, hidden, toks, hard = static.decided(self.slm_cache, chunks, rid, steps, d)
             self._decided = (toks, hard, fed)
         fed = [s for s, c in enumerate(chunks) if c]
         idle = [s for s, c in enumerate(chunks) if not c]

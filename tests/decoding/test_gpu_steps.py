@@ -84,3 +84,15 @@ def test_pool_growth_recaptures_and_keeps_tokens():
             out[em.key].append(em.token)
     want = ref.generate_batch(first, 16).tokens + ref.generate_batch(late, 200).tokens
     assert [out[k] for k in keys] == want
+
+
+def test_the_steps_one_read_goes_through_a_pinned_buffer():
+    """On CUDA the step's read copies into a page-locked buffer kept per shape, and returns what ``tolist`` would."""
+    from citer.decoding.choice import _PINNED, read_to_host
+
+    t = torch.tensor([[3, 1, 4], [1, 0, 1]], device="cuda")
+    assert read_to_host(t) == t.tolist()
+    buf = _PINNED[(t.device, (2, 3), torch.long)]
+    assert buf.is_pinned()
+    read_to_host(t + 1)
+    assert _PINNED[(t.device, (2, 3), torch.long)] is buf and buf.tolist() == (t + 1).tolist()
