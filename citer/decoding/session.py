@@ -342,16 +342,16 @@ class DecodeSession:
             return
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
-        # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike.
-        sampling, static = {r.sampling for r in self.rows}, self.slm_cache.static
-        self._decided = None
-        if static is None or len(sampling) > 1:
-            logits, hidden = ragged_append(self.e.slm, self.slm_cache, chunks)  # (b, V), (b, H)
-        else:
-            rid, steps = [r.row_id for r in self.rows], [r.n_out for r in self.rows]
-            d = self.e.decision(*sampling)
-            logits, hidden, toks, hard = static.decided(self.slm_cache, chunks, rid, steps, d)
-            self._decided = (toks, hard, fed)
+        # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike
+        # and the router can be traced (else None).
+        sampling, static, out = {r.sampling for r in self.rows}, self.slm_cache.static, None
+        if static is not None and len(sampling) == 1:
+            ids = [r.row_id for r in self.rows], [r.n_out for r in self.rows]
+            out = static.decided(self.slm_cache, chunks, *ids, self.e.decision(*sampling))
+        self._decided = None if out is None else (out[2], out[3], fed)
+        if out is None:
+            out = ragged_append(self.e.slm, self.slm_cache, chunks)
+        logits, hidden = out[:2]  # (b, V), (b, H)
         fed = [s for s, c in enumerate(chunks) if c]
         idle = [s for s, c in enumerate(chunks) if not c]
         self.meter.forward(

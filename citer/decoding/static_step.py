@@ -15,11 +15,14 @@ Shapes: B = rows bucket, Q = tokens bucket, K = capacity + 1, H = hidden, V = vo
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo
 
 from citer.decoding.choice import Sampling, step_decisions
 from citer.decoding.lean import LeanDecoder
@@ -118,6 +121,7 @@ class StaticSteps:
             self.fn = torch.compile(static_append, fullgraph=True, dynamic=False, **compile)
             self.decide_fn = torch.compile(static_decide, fullgraph=True, dynamic=False, **compile)
         self._marked: set[int] = set()
+        self._untraceable: weakref.WeakSet[Any] = weakref.WeakSet()  # routers whose trace failed
         # CUDA graphs (reduce-overhead) hand back outputs in the graph's own memory, which its next replay overwrites;
         # the session keeps a step's logits and decisions past that, so they are copied out (b x V, small).
         self._copy_out = bool(compile and compile.get("mode") == "reduce-overhead" and lean.embed.is_cuda)
@@ -148,10 +152,13 @@ class StaticSteps:
         rid: Sequence[int],
         steps: Sequence[int],
         decision: Decision,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A decode step over the slot prefix (``chunks[i]``: slot i's one token, or empty to hold it) with the next
         step's decision in the same graph: logits (b, V), hidden (b, H), tokens (b,) and hard flags (b,);
-        ``rid``/``steps`` (b,) key each row's draws."""
+        ``rid``/``steps`` (b,) key each row's draws. None, having run nothing, when the router cannot be traced
+        (a host read, an unsupported op): the caller then decides eagerly, and so does every later call."""
+        if decision.router in self._untraceable:
+            return None
         b = len(chunks)
         slots = range(b)
         keys, values, t, extra = self._inputs(cache, chunks, slots)
@@ -159,7 +166,14 @@ class StaticSteps:
         draw = torch.tensor(
             [[*rid, *[0] * (big_b - b)], [*steps, *[0] * (big_b - b)]], dtype=torch.long, device=cache.device
         )  # (2, B)
-        out = self.decide_fn(decision, draw[0], draw[1], self.lean, keys, values, *t, *extra)
+        try:
+            out = self.decide_fn(decision, draw[0], draw[1], self.lean, keys, values, *t, *extra)
+        except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing or compiling: nothing has run
+            self._untraceable.add(decision.router)
+            warnings.warn(
+                f"the router cannot run inside the step's graph ({err}); deciding eagerly", stacklevel=2
+            )
+            return None
         for s, c in zip(slots, chunks, strict=True):
             cache.lengths[s] += len(c)
         return tuple(self._out(x[:b]) for x in out)  # type: ignore[return-value]

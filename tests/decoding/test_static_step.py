@@ -106,6 +106,25 @@ def test_rows_that_sample_differently_decide_eagerly_with_the_same_tokens(pair):
     assert out[0] == out[1]
 
 
+def test_a_router_the_graph_cannot_hold_decides_eagerly_with_the_same_tokens(pair):
+    """A router that reads values back to the host cannot run inside a traced step: the first traced call fails
+    before running anything, warns, and the session decides eagerly from then on, with the same tokens."""
+
+    class HostRouter:
+        def __call__(self, hidden):
+            # a Python-level decision: one host read per row
+            return torch.tensor([0.2 if float(h.sum()) > 0 else 0.8 for h in hidden])
+
+    slm, llm = pair
+    ref = RoutedEngine(slm, llm, HostRouter(), tau=0.5).generate_batch(PROMPTS, 12)
+    assert any(any(r) for r in ref.from_llm)
+    eng = RoutedEngine(slm, llm, HostRouter(), tau=0.5, static_steps="aot_eager")
+    with pytest.warns(UserWarning, match="cannot run inside the step's graph"):
+        got = eng.generate_batch(PROMPTS, 12)
+    assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
+    assert eng.static_for("slm")._untraceable  # remembered: later steps do not trace it again
+
+
 def test_unknown_static_steps_mode_is_refused(pair):
     with pytest.raises(EngineInputError, match="static_steps"):
         RoutedEngine(*pair, RandomRouter(0.3), static_steps="graphs")
