@@ -82,7 +82,7 @@ def validate_flow(
         r["path"] = proj.portable_ref(r["path"])
     write_json(out, {"files": [{k: v for k, v in r.items() if k != "summary"} for r in reports]})
     with stage_run(proj, "validate") as run:
-        run.params({"files": [f"{proj.portable_ref(p)}:{fmt}" for p, fmt in targets]})
+        run.params({"files": [f"{r['path']}:{fmt}" for r, (_, fmt) in zip(reports, targets, strict=True)]})
         if budget is not None:
             run.params({"context_limit": budget.limit, "context_source": budget.source})
         run.metrics(

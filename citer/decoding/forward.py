@@ -55,11 +55,9 @@ def decoder_forward(
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
             n_pos = input_ids.shape[1]
-        elif n_pos is not None:
-            pass
-        elif attention_mask is not None:
+        elif n_pos is None and attention_mask is not None:
             n_pos = attention_mask.shape[-1]  # positions index key columns, so they stay below the key count
-        else:
+        elif n_pos is None:
             n_pos = int(position_ids.max()) + 1
         hidden = lean.hidden(input_ids, position_ids, attention_mask, cache, n_pos)  # (B, T, H)
         head = lean.logits

@@ -171,10 +171,6 @@ class DecodeSession:
         self._lp, self._llm_wrote, self._checked, self._replaced = {}, set(), set(), {}
         if ready:
             assert self.hidden is not None and self.logits is not None
-            # (k,) each: the rows' keys for the noise and their step indices
-            rid, steps = torch.tensor(
-                [[self.rows[s].row_id for s in ready], [self.rows[s].n_out for s in ready]]
-            )
             idx = torch.tensor(ready, dtype=torch.long, device=self.hidden.device)
             logits = self.logits.index_select(0, idx) if len(ready) < b else self.logits  # (k, V)
             rows = [self.rows[s] for s in ready]
@@ -183,6 +179,8 @@ class DecodeSession:
                 # Decided inside the last SLM step's graph (fixed-shape steps): proposals and flags of every slot.
                 chosen, hard = (x.index_select(0, idx) if len(ready) < b else x for x in dec[:2])
             else:
+                # (k,) each: the rows' keys for the noise and their step indices
+                rid, steps = torch.tensor([[r.row_id for r in rows], [r.n_out for r in rows]])
                 hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
                 scores = e.score(hidden, rid, steps)  # (k,)
                 chosen = choose_token_tensor(

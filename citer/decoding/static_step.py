@@ -114,8 +114,6 @@ class StaticSteps:
         self.fn: Callable[..., Any] = static_append
         self.decide_fn: Callable[..., Any] = static_decide
         if compile is not None:
-            import torch._dynamo
-
             # One graph per bucket: raise dynamo's per-function limit above the buckets a session can use.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(static_append, fullgraph=True, dynamic=False, **compile)
