@@ -125,9 +125,19 @@ class BatchStats:
 
 
 _ROW_FIELDS = ("calls", "wshare", "kv", "kv_idle", "tokens")
-# Calls over at most this many rows update the counters entry by entry: numpy's fancy indexing costs more than the
-# loop at a handful of rows (a batch-1 step's bookkeeping); both add every entry, a repeated row included.
-_FEW = 4
+_FEW = 4  # up to this many rows, counters are updated entry by entry
+
+
+def _add(a: np.ndarray, rows: Sequence[int], values: Sequence[float] | np.ndarray | float) -> None:
+    """``a[rows] += values`` counting every entry: a row may repeat (a draft's tokens arrive together), where
+    numpy's fancy ``+=`` would count it once. A handful of rows go entry by entry: numpy's per-call cost would be most
+    of a batch-1 step's bookkeeping."""
+    many = not np.isscalar(values)
+    if len(rows) <= _FEW:
+        for r, v in zip(rows, values if many else [values] * len(rows), strict=True):  # type: ignore[arg-type]
+            a[r] += v
+    else:
+        np.add.at(a, np.asarray(rows, dtype=np.int64), np.asarray(values) if many else values)
 
 
 class CostMeter:
@@ -179,55 +189,34 @@ class CostMeter:
     ) -> None:
         """One forward call of ``model`` over ``rows``: row r fed ``new_tokens[i]`` and attends ``context[i]``."""
         self.calls[model] += 1
-        if len(rows) <= _FEW:
-            calls, wshare, kv = (self._row[model, f] for f in ("calls", "wshare", "kv"))
-            for r, n, c in zip(rows, new_tokens, context, strict=True):
-                calls[r] += 1
-                wshare[r] += 1.0 / len(rows)
-                kv[r] += c + n
-            return
-        idx = np.asarray(rows, dtype=np.int64)
-        self._row[model, "calls"][idx] += 1
-        self._row[model, "wshare"][idx] += 1.0 / len(idx)
-        self._row[model, "kv"][idx] += np.asarray(context, dtype=np.int64) + np.asarray(
-            new_tokens, dtype=np.int64
-        )
+        _add(self._row[model, "calls"], rows, 1)
+        _add(self._row[model, "wshare"], rows, 1.0 / len(rows))
+        _add(self._row[model, "kv"], rows, [c + n for c, n in zip(context, new_tokens, strict=True)])
 
     def held(self, model: ModelKey, rows: Sequence[int], context: Sequence[int]) -> None:
         """Rows that rode along in the last call of ``model`` without advancing (their KV was read)."""
-        self._row[model, "kv_idle"][np.asarray(rows, dtype=np.int64)] += np.asarray(context, dtype=np.int64)
+        _add(self._row[model, "kv_idle"], rows, context)
 
     def llm_fed(
         self, rows: Sequence[int], prompt_tokens: Sequence[int], catchup_tokens: Sequence[int]
     ) -> None:
-        idx = np.asarray(rows, dtype=np.int64)
-        self.llm_prompt[idx] += np.asarray(prompt_tokens, dtype=np.int64)
-        self.llm_catchup[idx] += np.asarray(catchup_tokens, dtype=np.int64)
+        _add(self.llm_prompt, rows, prompt_tokens)
+        _add(self.llm_catchup, rows, catchup_tokens)
 
     def emitted(self, rows: Sequence[int], from_llm: Sequence[bool]) -> None:
-        if len(rows) <= _FEW:
-            for r, from_l in zip(rows, from_llm, strict=True):
-                self._row["llm" if from_l else "slm", "tokens"][r] += 1
-            return
-        idx = np.asarray(rows, dtype=np.int64)
-        llm = np.asarray(from_llm, dtype=bool)
-        # add.at: a row may repeat (a draft's tokens arrive together), and fancy += would count it once.
-        np.add.at(self._row["llm", "tokens"], idx[llm], 1)
-        np.add.at(self._row["slm", "tokens"], idx[~llm], 1)
+        _add(self._row["llm", "tokens"], [r for r, f in zip(rows, from_llm, strict=True) if f], 1)
+        _add(self._row["slm", "tokens"], [r for r, f in zip(rows, from_llm, strict=True) if not f], 1)
 
     def rolled_back(self, rows: Sequence[int], n_tokens: Sequence[int]) -> None:
         """Rows whose last ``n_tokens`` emitted SLM tokens were taken back: they leave the token counts; the calls
         that wrote them (SLM steps, router reads, the LLM's KV writes past the cut) stay charged."""
-        idx = np.asarray(rows, dtype=np.int64)
-        n = np.asarray(n_tokens, dtype=np.int64)
-        self._row["slm", "tokens"][idx] -= n
-        self.rolled[idx] += n
+        _add(self._row["slm", "tokens"], rows, [-n for n in n_tokens])
+        _add(self.rolled, rows, n_tokens)
 
     def step(self, waiting: Sequence[int]) -> None:
         """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
         self.steps += 1
-        if waiting:
-            self.wait[np.asarray(waiting, dtype=np.int64)] += 1
+        _add(self.wait, waiting, 1)
 
     def _bytes(self, model: str) -> np.ndarray:
         cost = self.costs[model]
