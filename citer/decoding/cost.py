@@ -132,12 +132,15 @@ def _add(a: np.ndarray, rows: Sequence[int], values: Sequence[float] | np.ndarra
     """``a[rows] += values`` counting every entry: a row may repeat (a draft's tokens arrive together), where
     numpy's fancy ``+=`` would count it once. A handful of rows go entry by entry: numpy's per-call cost would be most
     of a batch-1 step's bookkeeping."""
-    many = not np.isscalar(values)
-    if len(rows) <= _FEW:
-        for r, v in zip(rows, values if many else [values] * len(rows), strict=True):  # type: ignore[arg-type]
-            a[r] += v
+    one = isinstance(values, int | float)
+    if len(rows) > _FEW:
+        np.add.at(a, np.asarray(rows, dtype=np.int64), values if one else np.asarray(values))
+    elif one:
+        for r in rows:
+            a[r] += values
     else:
-        np.add.at(a, np.asarray(rows, dtype=np.int64), np.asarray(values) if many else values)
+        for r, v in zip(rows, values, strict=True):  # type: ignore[arg-type]
+            a[r] += v
 
 
 class CostMeter:
@@ -216,7 +219,8 @@ class CostMeter:
     def step(self, waiting: Sequence[int]) -> None:
         """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
         self.steps += 1
-        _add(self.wait, waiting, 1)
+        if waiting:
+            _add(self.wait, waiting, 1)
 
     def _bytes(self, model: str) -> np.ndarray:
         cost = self.costs[model]
