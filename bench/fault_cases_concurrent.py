@@ -151,6 +151,9 @@ def fault_routes(ctx: Ctx) -> list[dict[str, Any]]:
     second route into the same output starts 0.5 s after the first holds the lock (it waits, then skips every row)."""
     t0 = time.monotonic()
     proj = ctx.copy("routes")
+    # Batches of 2, so the output grows in chunks of 8 rows (CHUNK_BATCHES x 2) and the kill below lands after the
+    # first with four to go: at 8 (chunks of 32 and 8) a fast machine wrote the last chunk between two polls.
+    proj.set_param("inference.batch_size", 2)
     marker = proj.root / "PYFUNC_CODE_RAN"
     code = sorted(p for p in champion_artifacts(proj).rglob("*.py"))
     line = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('the stored pyfunc code ran')\n"

@@ -49,16 +49,21 @@ class TreeWatch:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.seen: dict[int, tuple[str, str]] = {}
+        self.seen: dict[int, tuple[str, str]] = {}  # pid -> (start time, its latest command line)
+        self._cmds: set[str] = set()  # every command line read, so an exec'd child still matches what it was
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def snapshot(self) -> None:
-        # Zombies too: a child that already died still counts as one the command started.
+        # Zombies too: a child that already died still counts as one the command started. A child first seen between
+        # fork and exec shows its parent's command line, or none while exec swaps it: read it again each time.
         for pid, start in descendants(self.pid, zombies=True).items():
-            if pid not in self.seen:
-                self.seen[pid] = (start, cmdline(pid))
+            cmd = cmdline(pid)
+            known = self.seen.get(pid)
+            if known is None or (known[0] == start and cmd not in ("", "?")):
+                self.seen[pid] = (start, cmd)
+            self._cmds.add(cmd)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -71,7 +76,7 @@ class TreeWatch:
         self._thread.join()
 
     def matching(self, text: str) -> bool:
-        return any(text in cmd for _, cmd in self.seen.values())
+        return any(text in cmd for cmd in tuple(self._cmds))
 
 
 @dataclass
