@@ -177,6 +177,7 @@ BAD = [
     ("sweep.llm_fractions", [0.2, 1.5]),
     ("sweep.n_examples", -1),
     ("sweep.batch_size", 0),
+    ("sweep.decode_batch_size", 0),
     ("sweep.max_new_tokens", 0),
     ("sweep.seed", -1),
     ("sweep.speculative_examples", -1),

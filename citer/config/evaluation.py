@@ -88,7 +88,10 @@ class SweepParams(_Block):
 
     llm_fractions: list[float] = [0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5]
     n_examples: int = Field(0, ge=0)  # per split; 0 = all
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1)  # teacher-forced passes (router scores, oracle flags, query features)
+    # Rows decoded at once in a decoding pass (None: batch_size). A row's tokens and its batch-1 bytes do not depend
+    # on its batch, so this moves only wall time and the batch-shared columns (``bytes_moved_batch*``).
+    decode_batch_size: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(96, ge=1)
     gpu: Literal["H100", "H200"] = "H100"
     seed: Seed = 0
@@ -111,6 +114,11 @@ class SweepParams(_Block):
                 f"must be a non-empty list of values in (0, 1); outside: {bad or '(empty list)'}"
             )
         return v
+
+    @property
+    def decoding_batch(self) -> int:
+        """Rows per decoding batch: ``decode_batch_size``, else ``batch_size``."""
+        return self.decode_batch_size or self.batch_size
 
 
 class RegistryParams(_Block):

@@ -128,7 +128,7 @@ class PassBench:
             split.prompts,
             split.rows,
             self.fmt,
-            self.params.batch_size,
+            self.params.decoding_batch,
             self.params.max_new_tokens,
             solo_llm=spec.kind == "llm",
             desc=f"sweep {spec.name}",
@@ -153,7 +153,7 @@ class PassBench:
             **dict(spec.engine),
         )
         sp, totals = speculative_result(
-            outputs, self.tokenizer, split.rows[:m], self.fmt, p.gpu, min(p.batch_size, n)
+            outputs, self.tokenizer, split.rows[:m], self.fmt, p.gpu, min(p.decoding_batch, n)
         )
         return PassOutcome(sp, time.perf_counter() - t0, totals, m)
 

@@ -309,3 +309,48 @@ def test_the_verified_decoder_has_claims_of_its_own(swept):
         or "CITER (citer_verify)" in (c["oracle_ratio"]["statement"])
     )
     assert all("CITER (citer_verify)" in s["statement"] for s in c["savings"].values())
+
+
+def test_the_decoding_batch_moves_only_the_batch_shared_columns(tiny_pair):
+    """``decode_batch_size`` is a speed knob: every row, interval and per-question figure is the same at any decoding
+    batch; only the batch-shared bytes (and wall time) follow it."""
+    import torch
+
+    from citer.evaluation.sweep import run_sweep
+    from citer.routing.mlp import MLPRouter
+
+    slm, llm, tok = tiny_pair
+    torch.manual_seed(0)
+    router = MLPRouter(slm.config.hidden_size).eval()
+    runs = {}
+    for decode in (1, 5):
+        params = SweepParams(
+            llm_fractions=[0.3],
+            batch_size=3,
+            decode_batch_size=decode,
+            max_new_tokens=5,
+            speculative_examples=3,
+        )
+        runs[decode] = run_sweep(slm, llm, tok, _rows(4, 50), _rows(5), "math", {"citer": router}, params)
+
+    def fixed(rows):
+        out = []
+        for r in rows:
+            d = r.to_details()
+            d.pop("sec_per_token")
+            d["extra"] = {
+                k: v
+                for k, v in d["extra"].items()
+                if not k.startswith("bytes_moved_batch") and not k.endswith("seconds")
+            }
+            out.append(d)
+        return out
+
+    def shared(rows):
+        return [r.extra.get("bytes_moved_batch") for r in rows]
+
+    for split in ("dev", "test"):
+        one, five = getattr(runs[1], split), getattr(runs[5], split)
+        assert fixed(one) == fixed(five), split
+        moved = [(a, b) for a, b in zip(shared(one), shared(five), strict=True) if a is not None and a != b]
+        assert moved, f"{split}: no batch-shared figure followed the decoding batch"
