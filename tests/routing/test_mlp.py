@@ -137,6 +137,27 @@ def test_training_is_deterministic():
     assert r3.to_dict() != r1.to_dict()
 
 
+def test_multi_tensor_adamw_trains_the_router_of_the_per_tensor_loop(monkeypatch):
+    """Training uses AdamW's multi-tensor (foreach) path for speed; it must give bitwise the router that the
+    per-tensor loop gives, or every reported number would move with the switch."""
+    ls = separable(n_examples=20, per_ex=10, seed=4)
+    p = RouterParams(epochs=3, batch_size=64, weight_decay=0.05)
+    used = []
+    adamw = torch.optim.AdamW
+
+    def spy(*args, **kwargs):
+        used.append(kwargs.get("foreach"))
+        return adamw(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    fast, _ = train_router(ls, p)
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: adamw(*a, **(k | {"foreach": False})))
+    loop, _ = train_router(ls, p)
+    assert used == [True]
+    for (k, a), (_, b) in zip(fast.state_dict().items(), loop.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+
+
 def test_bad_inputs_rejected_before_training():
     x = torch.randn(10, 4)
     with pytest.raises(RouterError, match="SLM-preferred for all 10 tokens"):
