@@ -218,11 +218,8 @@ def train_router(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params.seed)
         model = MLPRouter(ls.hidden_size, params.dropout, input_dim=x_all.shape[1])
-        # foreach: the same arithmetic in the same order as the per-tensor loop (bitwise the same router), in a few
-        # multi-tensor ops per step instead of ~10 per parameter; PyTorch picks it by default on CUDA only.
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=params.lr, weight_decay=params.weight_decay, foreach=True
-        )
+        # foreach (multi-tensor ops; PyTorch's default on CUDA only): bitwise the per-tensor loop's router, faster
+        opt = torch.optim.AdamW(model.parameters(), params.lr, weight_decay=params.weight_decay, foreach=True)
         gen = torch.Generator().manual_seed(params.seed)
         best = (math.inf, 0, copy.deepcopy(model.state_dict()), {})
         curves: list[dict[str, float]] = []
