@@ -5,8 +5,11 @@ was when the issue was filed (``--base``, default 644bb89, the last commit befor
 taken from git (``git archive <base> citer``) into a temporary directory and timed in its own process, alternating
 with this checkout's engine over ``--rounds`` rounds (best round kept), on the same pair, prompts and random router
 (p = 0.1, ``tau`` 0.5), one torch thread. The pair is the pipeline's trained pair from ``models/`` (run ``citer
-pipeline`` first); ``--random`` uses random weights of the bootstrap architectures instead. Writes
-``reports/bench_engine_v0.json`` (atomically): one row per (engine, batch) and the ratio today / base per batch.
+pipeline`` first); ``--random`` uses random weights of the bootstrap architectures instead. ``today_compiled`` is
+this checkout with the compiled lean forward (:mod:`citer.decoding.compiled`; ``--no-compiled`` skips it): its
+compile runs in warm-up generations outside the timing and is reported as ``warmup_s``. Writes
+``reports/bench_engine_v0.json`` (atomically): one row per (engine, batch) and the ratio of each of this checkout's
+engines over the base per batch (``b{B}_today_over_base_tokens_per_s``, ``b{B}_compiled_over_base_tokens_per_s``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from citer.decoding.engine import RoutedEngine
 from transformers import AutoModelForCausalLM
 
 models, batches, new_tokens, repeats = sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4]), int(sys.argv[5])
+compiled = sys.argv[7] == "1"
 torch.set_num_threads(1)
 with torch.inference_mode():
     if models == "random":
@@ -42,22 +46,34 @@ with torch.inference_mode():
         llm = AutoModelForCausalLM.from_pretrained(models + "/llm", dtype=torch.float32).eval()
         from transformers import AutoTokenizer
         vocab = len(AutoTokenizer.from_pretrained(models + "/slm"))
+    if compiled:
+        from citer.decoding.lean import set_forward_path
+        for m in (slm, llm):
+            set_forward_path(m, "compiled")
     out = {}
     for b in batches:
         prompts = prompts_for(vocab, b, seed=b)
         eng = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5)
+        t = time.perf_counter()
         eng.generate_batch(prompts, 2)  # warm-up
+        if compiled:  # every graph kind at its first and a second size (citer.decoding.compiled), outside the timing
+            for _ in range(2):
+                eng.generate_batch(prompts, new_tokens)
+        warmup = time.perf_counter() - t
         best, res = float("inf"), None
         for _ in range(repeats):
             t = time.perf_counter()
             res = eng.generate_batch(prompts, new_tokens)
             best = min(best, time.perf_counter() - t)
-        out[b] = {"sec_per_token": best / res.batch.new_tokens, "llm_fraction": res.batch.llm_fraction}
+        out[b] = {"sec_per_token": best / res.batch.new_tokens, "llm_fraction": res.batch.llm_fraction,
+                  "warmup_s": warmup}
 print(json.dumps(out))
 """
 
 
-def time_engine(src: Path, models: str, batches: list[int], new_tokens: int, repeats: int) -> dict[int, dict]:
+def time_engine(
+    src: Path, models: str, batches: list[int], new_tokens: int, repeats: int, compiled: bool = False
+) -> dict[int, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = [
         sys.executable,
@@ -69,6 +85,7 @@ def time_engine(src: Path, models: str, batches: list[int], new_tokens: int, rep
         str(new_tokens),
         str(repeats),
         str(ROOT),
+        "1" if compiled else "0",
     ]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=src, check=False)
     if proc.returncode != 0:
@@ -87,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per round, best kept")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two engines")
     ap.add_argument("--random", action="store_true", help="random weights instead of models/")
+    ap.add_argument(
+        "--compiled",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time this checkout with the compiled lean forward (citer.decoding.compiled)",
+    )
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_engine_v0.json"))
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -102,26 +125,31 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         for r in range(args.rounds):
             # Alternate which engine goes first, so drifting load biases neither.
-            order = (
-                [("base", Path(tmp)), ("today", ROOT)]
-                if r % 2 == 0
-                else [("today", ROOT), ("base", Path(tmp))]
-            )
-            for name, src in order:
-                for b, v in time_engine(src, models, batches, args.new_tokens, args.repeats).items():
+            order = [("base", Path(tmp), False), ("today", ROOT, False)]
+            if args.compiled:
+                order.append(("today_compiled", ROOT, True))
+            if r % 2:
+                order.reverse()
+            for name, src, comp in order:
+                for b, v in time_engine(src, models, batches, args.new_tokens, args.repeats, comp).items():
                     if (name, b) not in best or v["sec_per_token"] < best[name, b]["sec_per_token"]:
                         best[name, b] = v
+    engines = ["base", "today"] + (["today_compiled"] if args.compiled else [])
     rows = [
         {"engine": name, "commit": base if name == "base" else "working tree", "batch": b, "p": 0.1,
          "pair": "random bootstrap architectures" if args.random else "trained pair models/slm + models/llm",
          **best[name, b]}
-        for name in ("base", "today") for b in batches
+        for name in engines for b in batches
     ]  # fmt: skip
-    ratios = {f"b{b}_today_over_base_tokens_per_s": best["base", b]["sec_per_token"] / best["today", b]["sec_per_token"]
-              for b in batches}  # fmt: skip
+    ratios = {f"b{b}_{name.replace('today_', '')}_over_base_tokens_per_s":
+              best["base", b]["sec_per_token"] / best[name, b]["sec_per_token"]
+              for name in engines[1:] for b in batches}  # fmt: skip
     for b in batches:
-        print(f"batch {b:>3}: base {1000 * best['base', b]['sec_per_token']:.4f} ms/token, today "
-              f"{1000 * best['today', b]['sec_per_token']:.4f} ms/token: {ratios[f'b{b}_today_over_base_tokens_per_s']:.2f}x")  # fmt: skip
+        line = f"batch {b:>3}: base {1000 * best['base', b]['sec_per_token']:.4f} ms/token"
+        for name in engines[1:]:
+            r = ratios[f"b{b}_{name.replace('today_', '')}_over_base_tokens_per_s"]
+            line += f", {name} {1000 * best[name, b]['sec_per_token']:.4f} ({r:.2f}x)"
+        print(line)
     write_json(args.out, {"base": base, "rows": rows, "ratios": ratios})
     stamp_bench(args.out, "engine_v0", args, time.perf_counter() - started)
     print(f"wrote {args.out}")

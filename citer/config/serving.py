@@ -22,6 +22,9 @@ class EngineParams(_Block):
 
     llm_min_rows: int = Field(1, ge=1, le=4096)
     llm_max_wait_steps: int = Field(0, ge=0, le=4096)
+    # The models' lean forward under torch.compile (Inductor): faster steps once compiled (seconds per graph kind,
+    # paid at the first requests), rounding of fused float arithmetic; for a long-running server or a big route.
+    compile_forward: bool = False
 
 
 class InferenceParams(_Block):

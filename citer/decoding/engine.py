@@ -30,7 +30,7 @@ from torch import nn
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.choice import router_scores
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
-from citer.decoding.lean import forward_path, lean_decoder
+from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
@@ -76,7 +76,9 @@ class RoutedEngine:
     the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
     models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
     ``llm_min_rows`` (>= 1) and ``llm_max_wait_steps`` (>= 0): shared LLM calls (module docstring); 1 and 0 call the
-    LLM at the step a row is routed to it. ``verify_rho``/``verify_window``/``verify_final``: verified routing
+    LLM at the step a row is routed to it. ``compile_forward``: both models' lean forwards run under ``torch.compile``
+    (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a
+    near tie may pick the other token). ``verify_rho``/``verify_window``/``verify_final``: verified routing
     (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER.
     """
 
@@ -93,6 +95,7 @@ class RoutedEngine:
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
         static_steps: str | None = None,
+        compile_forward: bool = False,
         verify_rho: float = math.inf,
         verify_window: int = 0,
         verify_final: bool = False,
@@ -138,6 +141,12 @@ class RoutedEngine:
         if static_steps not in STATIC_STEPS:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps
+        if not isinstance(compile_forward, bool):
+            raise EngineInputError(f"compile_forward must be true or false, got {compile_forward!r}")
+        if compile_forward:  # a property of the models' forward (forward_paths says which path each took)
+            for m in (slm, llm):
+                if m is not None:
+                    set_forward_path(m, "compiled")
         self._static: dict[str, StaticSteps | None] = {}
         self._decisions: dict[tuple[float, float, int], Decision] = {}
         try:

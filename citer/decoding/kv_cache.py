@@ -31,6 +31,8 @@ class RaggedKVCache(Cache):
     gathers).
     """
 
+    compiles = True  # a compiled lean forward may trace `update` (citer.decoding.compiled)
+
     def __init__(self, model: nn.Module, n_rows: int, capacity: int) -> None:
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
@@ -184,7 +186,8 @@ def ragged_append(
 
     An empty chunk holds its row: the row rides along (so a call over the active prefix keeps its cheap views) but
     writes nothing and its returned logits/hidden are meaningless. ``packed``: None chooses -- pack when padding would at least double the tokens computed (catch-up calls with
-    mixed gaps) and the packed mask stays small, pad otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
+    mixed gaps; under a compiled forward, whenever chunks differ in length) and the packed mask stays small, pad
+    otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
     hidden (b, H) at each row's last fed token.
     """
     dev = cache.device
@@ -203,7 +206,14 @@ def ragged_append(
     if packed is None:
         # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
-        packed = b > 1 and 2 * sum(gaps) <= b * q and sum(gaps) * n_keys <= 1 << 22
+        # Eager, packing pays for its scatter and gather ops only where padding would at least double the tokens;
+        # compiled (citer.decoding.compiled), those fuse away and any padding is wasted matrix work.
+        lean = lean_decoder(model)
+        if lean is not None and lean.compiled is not None:
+            pays = sum(gaps) < b * q
+        else:
+            pays = 2 * sum(gaps) <= b * q
+        packed = b > 1 and pays and sum(gaps) * n_keys <= 1 << 22
     if packed:
         return _packed_append(model, cache, chunks, sl, gaps, every)
     cache._kv_len = int(max(cache.lengths[s] + n for s, n in zip(sl, gaps, strict=True)))

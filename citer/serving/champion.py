@@ -136,6 +136,7 @@ def load_champion(
         pad_token_id=tok.pad_token_id,
         llm_min_rows=params.engine.llm_min_rows,
         llm_max_wait_steps=params.engine.llm_max_wait_steps,
+        compile_forward=params.engine.compile_forward,
         **rv.verify_kwargs,
     )
     info = {

@@ -1,0 +1,96 @@
+"""The lean forward under ``torch.compile`` (Inductor) with dynamic sizes: :func:`compile_lean`.
+
+Why: a decode step of a small model is bound by its op count, not its arithmetic. Eager, a lean layer is ~30 ops of
+3-10 us each on a CPU core. Inductor fuses the norms, RoPE, SiLU-gate, cache writes and (CPU) the one-query attention
+of decode steps into a few C++ loops, calls the library kernels for the matrix products and multi-token attention,
+and (CPU) calls it all from a C++ wrapper instead of a Python one. Compiled, a catch-up packs its rows whenever their
+chunks differ in length (``kv_cache.ragged_append``): packing's scatter and gather fuse away, padding is wasted work.
+Measured on the embedded pair: docs/results.md (``python bench/engine_v0.py``, row ``today_compiled``).
+
+How: each model gets its own compiled copy of ``LeanDecoder.eager_hidden`` (:mod:`citer.decoding.lean`) per call
+kind: no cache, decode step, padded or packed catch-up, with or without a mask, named slots or the prefix.
+``torch.compile`` keys graphs, guards and the sizes it has seen change (automatic dynamic) on the code object: one
+shared copy would make the SLM's head count a symbol once the LLM's differs, and every call would try every kind's
+guards. The first call of a kind compiles a graph for its sizes; a second size recompiles it with dynamic sizes,
+which later sizes reuse (sizes 0 and 1 keep graphs of their own). So a long run compiles a handful of graphs per
+model, seconds each, then only replays them.
+
+What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
+the other token. That is why it is opt-in (``RoutedEngine(compile_forward=True)``, ``engine.compile_forward``), for
+long runs (a server, a big ``citer route``) where the compile time is paid once. A forward that fails to compile
+warns once and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+
+# Graph kinds per model (no cache, step, padded, packed; mask or none; size 1 or not) stay well under this.
+_RECOMPILES = 64
+
+
+def _own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own, so its compiled graphs and dynamic sizes are its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledHidden:
+    """``LeanDecoder.hidden`` of one model through its own compiled graphs (module docstring). Takes the decoder
+    without importing its module: :mod:`citer.decoding.lean` builds this object, so the import runs one way."""
+
+    def __init__(self, lean: Any) -> None:
+        self.lean = lean
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILES)
+        # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
+        self._options = {} if lean.embed.is_cuda else {"cpp_wrapper": True}
+        self._fns: dict[tuple[bool, ...], Callable[..., torch.Tensor]] = {}
+        # Decode-step attention as fused products on the CPU (lean._decode_attention); on a GPU the library kernel.
+        self._fused_decode = not lean.embed.is_cuda
+
+    def _fn(self, kind: tuple[bool, ...]) -> Callable[..., torch.Tensor]:
+        """One compiled copy per call kind: a lookup then tries one kind's guards, not every kind's (a failed guard
+        set costs tens of microseconds a call on a CPU)."""
+        fn = self._fns.get(kind)
+        if fn is None:
+            tag = f"{id(self.lean):x}_{''.join('1' if k else '0' for k in kind)}"
+            body = _own_code(type(self.lean).eager_hidden, tag)
+            fn = self._fns[kind] = torch.compile(body, fullgraph=True, dynamic=None, options=self._options)
+        return fn
+
+    def __call__(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: Any, n_pos: int
+    ) -> torch.Tensor:
+        lean = self.lean
+        # Growth stays out of the graphs: they read the RoPE table and the cache's buffers, never allocate them.
+        lean.rope_table(n_pos, lean.embed.dtype, ids.device)
+        if cache is not None:
+            for i in range(len(lean.layers)):
+                cache._buffers(i, lean.embed)
+        kind = (
+            cache is None,
+            mask is None,
+            ids.shape[1] == 1,
+            getattr(cache, "varlen", None) is not None,
+            getattr(cache, "_slots", None) is None,
+        )
+        try:
+            return self._fn(kind)(lean, ids, pos, mask, cache, n_pos, self._fused_decode)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            # Raised tracing or compiling, before the graph ran; a rerun writes the same K/V to the same columns.
+            lean.compiled = None
+            warnings.warn(
+                f"the lean forward cannot be compiled here ({err}); running it eagerly", stacklevel=3
+            )
+            return lean.eager_hidden(ids, pos, mask, cache, n_pos)
+
+
+def compile_lean(lean: Any) -> None:
+    """Route ``lean``'s forward through :class:`CompiledHidden` (nothing compiles until its first call)."""
+    lean.compiled = CompiledHidden(lean)

@@ -1,0 +1,103 @@
+"""The compiled lean forward (citer.decoding.compiled) against the eager one, on tiny random models built here.
+
+Each test compiles real Inductor graphs (C++ on this CPU), a few seconds per graph kind, hence the slow mark.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_lean import PROMPTS, build
+
+from citer.decoding.baselines import RandomRouter
+from citer.decoding.engine import RoutedEngine
+from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
+
+pytestmark = pytest.mark.slow
+
+
+def _generate(slm, llm, prompts, n):
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5)
+    res = eng.generate_batch(prompts, n)
+    return res.tokens, res.from_llm, eng.forward_paths
+
+
+def test_the_compiled_forward_routes_the_eager_tokens(family="qwen3"):
+    """Decode steps, packed and padded catch-ups, rows of different lengths, a second batch size (the dynamic
+    recompile): the same tokens and the same routing as the eager lean forward, and no fallback. Qwen3 (q/k norms);
+    the logits test below runs Qwen2 (q/k/v biases)."""
+    slm, llm = build(family, seed=1, hidden=32, layers=1), build(family, seed=2, hidden=64, layers=2)
+    prompts = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 10]]
+    with torch.inference_mode():
+        want = [_generate(slm, llm, p, 12) for p in (prompts, prompts[:3])]
+        for m in (slm, llm):
+            set_forward_path(m, "compiled")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
+                got = [_generate(slm, llm, p, 12) for p in (prompts, prompts[:3])]
+            assert lean_decoder(slm).compiled is not None and lean_decoder(llm).compiled is not None
+            assert len(lean_decoder(llm).compiled._fns) >= 2  # step and catch-up graphs really ran
+        finally:
+            for m in (slm, llm):
+                set_forward_path(m, "auto")
+    for (tok_w, llm_w, paths_w), (tok_g, llm_g, paths_g) in zip(want, got, strict=True):
+        assert tok_g == tok_w
+        assert llm_g == llm_w
+        assert any(any(r) for r in llm_g)  # the LLM wrote tokens: catch-ups ran
+        assert paths_w == {"slm": "lean", "llm": "lean"}
+        assert paths_g == {"slm": "lean+compiled", "llm": "lean+compiled"}
+    assert forward_path(slm) == "lean"  # "auto" drops the compiled forward
+
+
+def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache():
+    """A prefill, a ragged decode step with a mask and a packed catch-up: logits within float32 fusion rounding."""
+    model = build("qwen2", seed=3)
+    chunks = [
+        [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]],
+        [[20], [21], [22]],
+        [[30, 31, 32], [33], [34, 35, 36, 37]],
+    ]
+    outs = {}
+    with torch.inference_mode():
+        for path in ("auto", "compiled"):
+            set_forward_path(model, path)
+            cache = RaggedKVCache(model, 3, 64)
+            outs[path] = [ragged_append(model, cache, c)[0] for c in chunks]
+    set_forward_path(model, "auto")
+    for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+        assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
+
+
+class _HostReadingCache(RaggedKVCache):
+    """A cache whose update reads a value back to the host: no full graph can hold it."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if float(key_states.sum()) != float(key_states.sum()):  # a host read (NaN check)
+            raise ValueError("NaN keys")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def test_a_forward_that_cannot_compile_warns_once_and_runs_eagerly():
+    model = build("qwen2", seed=4)
+    chunks = [[5, 6, 7], [8, 9]]
+    with torch.inference_mode():
+        want = ragged_append(model, RaggedKVCache(model, 2, 32), chunks)[0]
+        set_forward_path(model, "compiled")
+        try:
+            with pytest.warns(UserWarning, match="cannot be compiled"):
+                got = ragged_append(model, _HostReadingCache(model, 2, 32), chunks)[0]
+            assert lean_decoder(model).compiled is None  # later calls go straight to the eager forward
+            assert forward_path(model) == "lean"
+        finally:
+            set_forward_path(model, "auto")
+    assert torch.equal(got, want)
+
+
+def test_a_bad_forward_path_is_refused():
+    with pytest.raises(ValueError, match="'hf', 'auto' or 'compiled'"):
+        set_forward_path(build("qwen2", seed=5), "inductor")
