@@ -33,7 +33,7 @@ class RaggedKVCache(Cache):
 
     compiles = True  # a compiled lean forward may trace `update` (citer.decoding.compiled)
 
-    def __init__(self, model: nn.Module, n_rows: int, capacity: int) -> None:
+    def __init__(self, model: nn.Module, n_rows: int, capacity: int, round_shapes: bool = False) -> None:
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -59,6 +59,9 @@ class RaggedKVCache(Cache):
         # Fixed-shape calls (citer.decoding.static_step.StaticSteps) for chunks of at most ``static_q`` tokens.
         self.static: Any = None
         self.static_q = 16
+        # Rows rounded up to a power of two and columns to a multiple of 128, so that a compiled forward sees a few
+        # pool shapes and compiles its graphs for them (citer.decoding.compiled); from the next allocation on.
+        self.round_shapes = round_shapes
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
@@ -68,6 +71,8 @@ class RaggedKVCache(Cache):
         n = len(self.lengths)
         if n + k > self._alloc:
             alloc = max(n + k, 2 * self._alloc)
+            if self.round_shapes:
+                alloc = 1 << (alloc - 1).bit_length()
             self.keys = [self._grown(t, rows=alloc) for t in self.keys]
             self.values = [self._grown(t, rows=alloc) for t in self.values]
             self._alloc = alloc
@@ -99,6 +104,8 @@ class RaggedKVCache(Cache):
         if columns <= self.capacity:
             return
         cap = max(columns, self.capacity + self.capacity // 2)
+        if self.round_shapes:
+            cap = -(-cap // 128) * 128
         self.keys = [self._grown(t, cols=cap) for t in self.keys]
         self.values = [self._grown(t, cols=cap) for t in self.values]
         self.capacity = cap

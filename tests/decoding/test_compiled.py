@@ -19,8 +19,8 @@ from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
 pytestmark = pytest.mark.slow
 
 
-def _generate(slm, llm, prompts, n):
-    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5)
+def _generate(slm, llm, prompts, n, compile_forward=False):
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5, compile_forward=compile_forward)
     res = eng.generate_batch(prompts, n)
     return res.tokens, res.from_llm, eng.forward_paths
 
@@ -33,14 +33,14 @@ def test_the_compiled_forward_routes_the_eager_tokens(family="qwen3"):
     prompts = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 10]]
     with torch.inference_mode():
         want = [_generate(slm, llm, p, 12) for p in (prompts, prompts[:3])]
-        for m in (slm, llm):
-            set_forward_path(m, "compiled")
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
-                got = [_generate(slm, llm, p, 12) for p in (prompts, prompts[:3])]
+                got = [_generate(slm, llm, p, 12, compile_forward=True) for p in (prompts, prompts[:3])]
             assert lean_decoder(slm).compiled is not None and lean_decoder(llm).compiled is not None
             assert len(lean_decoder(llm).compiled._fns) >= 2  # step and catch-up graphs really ran
+            # the engine's caches round their pools (5 and 3 rows -> 8 and 4), compiled for as static shapes
+            assert {p[0] for p in lean_decoder(llm).compiled._pools} == {8, 4}
         finally:
             for m in (slm, llm):
                 set_forward_path(m, "auto")
@@ -101,3 +101,27 @@ def test_a_forward_that_cannot_compile_warns_once_and_runs_eagerly():
 def test_a_bad_forward_path_is_refused():
     with pytest.raises(ValueError, match="'hf', 'auto' or 'compiled'"):
         set_forward_path(build("qwen2", seed=5), "inductor")
+
+
+def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
+    """An engine with a compiled forward rounds its pools (rows to a power of two, columns to 128); the compiled
+    forward compiles static graphs for at most _STATIC_POOLS pool shapes, later ones stay symbolic."""
+    from citer.decoding.compiled import _STATIC_POOLS, CompiledHidden
+
+    model = build("qwen2", seed=6)
+    cache = RaggedKVCache(model, 0, 0, round_shapes=True)
+    cache.add_slots(3)
+    cache.ensure_capacity(100)
+    assert (cache._alloc, cache.capacity) == (4, 128)
+    plain = RaggedKVCache(model, 0, 0)
+    plain.add_slots(3)
+    plain.ensure_capacity(100)
+    assert (plain._alloc, plain.capacity) == (3, 100)
+    ch = CompiledHidden(lean_decoder(model))
+    pools = [torch.zeros(1 << i, 1, 4, 2) for i in range(_STATIC_POOLS + 1)]
+    for p in pools:
+        ch._mark_static(p)
+    assert all(hasattr(p, "_dynamo_static_indices") for p in pools[:-1])
+    assert not hasattr(pools[-1], "_dynamo_static_indices")
+    ch._mark_static(again := torch.zeros(1, 1, 4, 2))  # a shape already compiled for is marked again
+    assert hasattr(again, "_dynamo_static_indices")
