@@ -58,6 +58,12 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     assert (engine.verify.rho, engine.verify.window, engine.verify.final) == (1.5, 4, True)
     assert info["verify_rho"] == 1.5
 
+    # engine.compile_forward reaches the engine: both models' lean forwards run compiled (nothing compiles until used)
+    assert set(engine.forward_paths.values()) == {"lean"}
+    params.engine.compile_forward = True
+    assert set(load_champion(proj).engine.forward_paths.values()) == {"lean+compiled"}
+    params.engine.compile_forward = False
+
     register(16, 0.5)  # a champion whose router was trained for another SLM
     with pytest.raises(ChampionError, match="hidden_size=16"):
         load_champion(proj)
