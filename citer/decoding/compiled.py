@@ -12,10 +12,11 @@ kind: no cache, decode step, padded or packed catch-up, with or without a mask, 
 ``torch.compile`` keys graphs, guards and the sizes it has seen change (automatic dynamic) on the code object: one
 shared copy would make the SLM's head count a symbol once the LLM's differs, and every call would try every kind's
 guards. The first call of a kind compiles a graph for its sizes; a second size recompiles it with dynamic sizes,
-which later sizes reuse (sizes 0 and 1 keep graphs of their own). The KV pool's sizes stay static: the engine's
-caches round them (rows to a power of two, columns to a multiple of 128: ``RaggedKVCache.round_shapes``) and each
-pool shape gets its own graphs, which ran 10-15% faster than graphs with the pool's sizes as symbols. So a run
-compiles a handful of graphs per model and pool shape, seconds each, then only replays them.
+which later sizes reuse (sizes 0 and 1 keep graphs of their own). The KV pool's sizes stay static: the caches of a
+model whose forward runs compiled round them (rows to a power of two, columns to a multiple of 128:
+``RaggedKVCache.round_shapes``) and each pool shape gets its own graphs, which ran 10-15% faster than graphs with
+the pool's sizes as symbols. So a run compiles a handful of graphs per model and pool shape, seconds each, then only
+replays them.
 
 What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
 the other token. That is why it is opt-in (``RoutedEngine(compile_forward=True)``, ``engine.compile_forward``), for

@@ -143,7 +143,6 @@ class RoutedEngine:
         self.static_steps = static_steps
         if not isinstance(compile_forward, bool):
             raise EngineInputError(f"compile_forward must be true or false, got {compile_forward!r}")
-        self.compile_forward = compile_forward
         if compile_forward:  # a property of the models' forward (forward_paths says which path each took)
             for m in (slm, llm):
                 if m is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from citer.decoding.forward import decoder_forward
-from citer.decoding.lean import lean_decoder
+from citer.decoding.lean import lean_decoder, runs_compiled
 from citer.decoding.pairing import input_device
 
 
@@ -33,7 +33,9 @@ class RaggedKVCache(Cache):
 
     compiles = True  # a compiled lean forward may trace `update` (citer.decoding.compiled)
 
-    def __init__(self, model: nn.Module, n_rows: int, capacity: int, round_shapes: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, n_rows: int, capacity: int, round_shapes: bool | None = None
+    ) -> None:
         super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -61,7 +63,8 @@ class RaggedKVCache(Cache):
         self.static_q = 16
         # Rows rounded up to a power of two and columns to a multiple of 128, so that a compiled forward sees a few
         # pool shapes and compiles its graphs for them (citer.decoding.compiled); from the next allocation on.
-        self.round_shapes = round_shapes
+        # None: round where the model's forward runs compiled.
+        self.round_shapes = runs_compiled(model) if round_shapes is None else round_shapes
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
@@ -215,8 +218,7 @@ def ragged_append(
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
         # Eager, packing pays for its scatter and gather ops only where padding would at least double the tokens;
         # compiled (citer.decoding.compiled), those fuse away and any padding is wasted matrix work.
-        lean = lean_decoder(model)
-        if lean is not None and lean.compiled is not None:
+        if runs_compiled(model):
             pays = sum(gaps) < b * q
         else:
             pays = 2 * sum(gaps) <= b * q

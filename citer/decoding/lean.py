@@ -329,9 +329,8 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
         _DECODERS[model] = f"hf: {reason}"
         return None
     dec = LeanDecoder(model)
-    if (
-        model in _COMPILED
-    ):  # a view rebuilt after the weights moved compiles again: old graphs read old tensors
+    # A view rebuilt after the weights moved compiles again: the old graphs read the old tensors.
+    if model in _COMPILED:
         from citer.decoding.compiled import compile_lean
 
         compile_lean(dec)
@@ -360,6 +359,12 @@ def set_forward_path(model: nn.Module, path: str) -> None:
         from citer.decoding.compiled import compile_lean
 
         compile_lean(got)
+
+
+def runs_compiled(model: nn.Module) -> bool:
+    """True when ``model``'s calls go through its compiled lean forward (:mod:`citer.decoding.compiled`)."""
+    dec = lean_decoder(model)
+    return dec is not None and dec.compiled is not None
 
 
 def forward_path(model: nn.Module) -> str:

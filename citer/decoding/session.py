@@ -62,9 +62,8 @@ class DecodeSession:
         self.max_rows = max_rows
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
-        rounded = engine.compile_forward  # a compiled forward's graphs are per pool shape: few shapes
-        self.slm_cache = RaggedKVCache(engine.slm, 0, capacity, rounded)
-        self.llm_cache = RaggedKVCache(engine.llm, 0, capacity, rounded) if engine.llm is not None else None
+        self.slm_cache = RaggedKVCache(engine.slm, 0, capacity)
+        self.llm_cache = RaggedKVCache(engine.llm, 0, capacity) if engine.llm is not None else None
         self.slm_cache.static = engine.static_for("slm")
         if self.llm_cache is not None:
             self.llm_cache.static = engine.static_for("llm")

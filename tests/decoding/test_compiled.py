@@ -104,7 +104,7 @@ def test_a_bad_forward_path_is_refused():
 
 
 def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
-    """An engine with a compiled forward rounds its pools (rows to a power of two, columns to 128); the compiled
+    """A model with a compiled forward gets caches that round their pools (rows to a power of two, columns to 128); the compiled
     forward compiles static graphs for at most _STATIC_POOLS pool shapes, later ones stay symbolic."""
     from citer.decoding.compiled import _STATIC_POOLS, CompiledHidden
 
@@ -117,6 +117,11 @@ def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
     plain.add_slots(3)
     plain.ensure_capacity(100)
     assert (plain._alloc, plain.capacity) == (3, 100)
+    set_forward_path(model, "compiled")  # how bench/engine_v0.py turns it on: no engine flag involved
+    try:
+        assert RaggedKVCache(model, 0, 0).round_shapes  # a compiled model's caches round by default
+    finally:
+        set_forward_path(model, "auto")
     ch = CompiledHidden(lean_decoder(model))
     pools = [torch.zeros(1 << i, 1, 4, 2) for i in range(_STATIC_POOLS + 1)]
     for p in pools:
