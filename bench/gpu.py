@@ -16,6 +16,8 @@ exactly ``--new-tokens``. Per pair and batch size (1, 8, 32), per generated toke
 - ``routed_f{p}``: our engine, random router sending a token to the LLM with probability p = 0.05/0.1/0.3;
   ``routed_always_llm`` (batch 1): every token to the LLM (the SLM still runs every step);
 - ``shared_f{p}`` (batch > 1): the same with shared LLM calls (``llm_min_rows``, ``llm_max_wait_steps``);
+- ``overlap_f{p}`` / ``overlap_shared_f{p}`` (batch > 1, ``--overlap-fractions``): ``routed``/``shared`` with
+  ``overlap=True`` -- the SLM's call queued while the LLM's catch-up is in flight (:mod:`citer.decoding.catch_up`);
 - ``assisted_*`` (batch 1): transformers assisted generation (``generate(assistant_model=slm)``), constant draft
   length ``--draft-tokens``. Random models never agree, so besides natural acceptance (~0) a logits processor makes
   both models agree on a pseudo-random fraction ``alpha`` of positions (a hash of the prefix), giving a controlled
@@ -180,6 +182,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=3, help="timed runs per variant (median reported)")
     ap.add_argument("--min-rows", type=int, default=0, help="shared: llm_min_rows (0: max(2, batch // 4))")
     ap.add_argument("--max-wait-steps", type=int, default=4, help="shared: llm_max_wait_steps")
+    ap.add_argument(
+        "--overlap-fractions",
+        type=_floats,
+        default=[0.1],
+        help="overlap_f{p} / overlap_shared_f{p} (batch > 1): RoutedEngine(overlap=True); empty: none",
+    )
     ap.add_argument(
         "--no-assisted", dest="assisted", action="store_false", help="skip HF assisted generation"
     )

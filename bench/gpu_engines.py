@@ -59,6 +59,17 @@ def engines(run: BenchRun, models: BuiltPair, batch: int) -> dict[str, tuple[Rou
                     RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw0, **kw),
                     p,
                 )
+        # Overlapped steps (the SLM's call queued while the catch-up is in flight), the engine as it now runs only.
+        if not prefix and batch > 1 and run.has_overlap:
+            shared = [("", {})] + ([("shared_", kw)] if run.has_shared else [])
+            for p in a.overlap_fractions:
+                for name, extra in shared:
+                    out[f"overlap_{name}f{p:g}"] = (
+                        RoutedEngine(
+                            slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw0, **extra
+                        ),
+                        p,
+                    )
     return out
 
 
@@ -105,8 +116,8 @@ def measure_batch(
     }
     for name, (e, p) in engines(run, models, batch).items():
         meta = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": p,
-                "static_steps": e.static_steps}  # fmt: skip
-        if name.startswith("shared"):
+                "static_steps": e.static_steps, "overlap": getattr(e, "overlap", False)}  # fmt: skip
+        if "shared" in name:
             meta.update(llm_min_rows=e.llm_min_rows, llm_max_wait_steps=e.llm_max_wait_steps)
         variants[name] = (eng(name, e), meta)
 

@@ -37,6 +37,7 @@ class BenchRun:
         self.dtype = torch.float32 if args.tiny else torch.bfloat16
         sig = inspect.signature(RoutedEngine.__init__).parameters
         self.has_shared = all(k in sig for k in SHARED_KWARGS)
+        self.has_overlap = "overlap" in sig and bool(args.overlap_fractions)
         self.report: dict[str, Any] = {
             "bench": "bench/gpu.py",
             "created_unix": time.time(),

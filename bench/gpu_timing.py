@@ -120,7 +120,7 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
         if sl is None or ll is None:
             continue
         if (
-            r["variant"].removeprefix(pre).startswith(("routed", "shared"))
+            r["variant"].removeprefix(pre).startswith(("routed", "shared", "overlap"))
             and r.get("llm_fraction") is not None
         ):
             ideal = r["llm_fraction"] * ll["ms_per_token"] + sl["ms_per_token"]
@@ -144,6 +144,10 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
 
 # The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine now and before.
 LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "v0_engine_llm")
+
+
+# The routed f=0.1 decoders a target takes the best of: plain, shared LLM calls, overlapped, both.
+ROUTED_F01 = ("routed_f0.1", "shared_f0.1", "overlap_f0.1", "overlap_shared_f0.1")
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
@@ -186,12 +190,13 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         for b in sorted({r["batch"] for r in rows if r["pair"] == pair}):
             at = [r for r in rows if r["pair"] == pair and r["batch"] == b]
             llm_only = [r for r in at if r.get("f") == 1.0 and r["variant"] in LLM_ONLY]
-            routed = [r for r in at if r["variant"] in ("routed_f0.1", "shared_f0.1")]
+            routed = [r for r in at if r["variant"] in ROUTED_F01]
             if llm_only and routed:
                 best = max(llm_only, key=lambda r: r["tokens_per_s"])
                 top = max(routed, key=lambda r: r["tokens_per_s"])
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = top["tokens_per_s"] / best["tokens_per_s"]
                 s[f"b{b}_best_llm_only"] = best["variant"]
+                s[f"b{b}_best_routed_f0.1"] = top["variant"]
             eng = next((r for r in at if r["variant"] == "engine_llm" and "ratio_to_bw" in r), None)
             if eng is not None:
                 s[f"b{b}_engine_llm_ratio_to_bw"] = eng["ratio_to_bw"]

@@ -55,13 +55,19 @@ def test_tiny_run_covers_every_variant(tiny_report):
     assert {(1, "routed_always_llm"), (1, "assisted_alpha0"), (1, "assisted_alpha0.9")} <= got
     # This checkout's RoutedEngine takes llm_min_rows and llm_max_wait_steps: shared calls are measured at batch > 1.
     assert {(2, "shared_f0.05"), (2, "shared_f0.1"), (2, "shared_f0.3")} <= got
-    assert not any(b == 1 and v.startswith("shared") for b, v in got)
+    assert not any(b == 1 and v.startswith(("shared", "overlap")) for b, v in got)
+    # Overlapped steps (RoutedEngine(overlap=True)) at batch > 1, plain and with shared calls.
+    assert {(2, "overlap_f0.1"), (2, "overlap_shared_f0.1")} <= got
     assert rep["shared_llm_calls"] == "measured (RoutedEngine takes llm_min_rows, llm_max_wait_steps)"
     # The engine as it now runs (lean forward, fixed-shape steps) beside the engine before it (v0_), same run.
     assert {(b, f"v0_{v}") for b in (1, 2) for v in ("engine_slm", "engine_llm", "routed_f0.1")} <= got
     rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
     assert rows[1, "routed_f0.1"]["forward"] == {"slm": "lean", "llm": "lean"}
     assert rows[1, "routed_f0.1"]["static_steps"] == "eager"
+    assert rows[2, "overlap_f0.1"]["overlap"] is True and rows[2, "routed_f0.1"]["overlap"] is False
+    assert (
+        rows[2, "overlap_f0.1"]["method"] == "overlap" and rows[2, "overlap_shared_f0.1"]["llm_min_rows"] == 2
+    )
     assert rows[1, "v0_routed_f0.1"]["forward"]["llm"] == "hf: pinned by set_forward_path"
     assert rows[1, "v0_routed_f0.1"]["static_steps"] is None
     for b in (1, 2):
@@ -73,7 +79,7 @@ def test_tiny_run_ratios_are_finite(tiny_report):
     for r in rep["rows"]:
         for k in ("ms_per_token", "tokens_per_s", "bw_limit_ms_per_token", "ratio_to_bw"):
             assert math.isfinite(r[k]) and r[k] > 0, (r["variant"], k)
-        if r["variant"].startswith(("routed", "shared")):
+        if r["variant"].startswith(("routed", "shared", "overlap")):
             assert math.isfinite(r["ratio_to_ideal"]) and r["ratio_to_ideal"] > 0
             assert 0.0 <= r["llm_fraction"] <= 1.0
             assert r["llm_calls_per_token"] <= r["llm_fraction"] + 1e-12
@@ -125,7 +131,7 @@ def test_recompute_rederives_the_same_numbers(gpu_bench, tiny_report, tmp_path, 
         ms = hand.get(name, hand["other"]) * (2 if v0 and name in hand else 1) / b["batch"]
         assert b["ms_per_token"] == pytest.approx(ms, rel=1e-9), where
         assert b["ratio_to_bw"] == pytest.approx(ms / a["bw_limit_ms_per_token"], rel=1e-9), where
-        if b["variant"].removeprefix("v0_").startswith(("routed", "shared")):
+        if b["variant"].removeprefix("v0_").startswith(("routed", "shared", "overlap")):
             # ideal = f * LLM-alone + SLM-alone = (f * 8/3 + 2/3) / batch against this row's 4/3 / batch (halved
             # for min): 2 / (4 f + 1) for either stat.
             # A v0_ row: the same 4/3 against alone-rows twice as slow: 1 / (4 f + 1).

@@ -25,6 +25,9 @@ class EngineParams(_Block):
     # The models' lean forward under torch.compile (Inductor): faster steps once compiled (seconds per graph kind,
     # paid at the first requests), rounding of fused float arithmetic; for a long-running server or a big route.
     compile_forward: bool = False
+    # Queue the SLM's step while the LLM's catch-up is in flight (on CUDA, a stream of its own); the LLM's tokens
+    # reach the SLM a step later. Same tokens; pays where the device overlaps the calls (a GPU), not on a CPU.
+    overlap: bool = False
 
 
 class InferenceParams(_Block):

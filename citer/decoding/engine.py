@@ -10,6 +10,7 @@ is a loop over it.
 At batch > 1 some row needs the LLM at almost every step, so the LLM's weights would be read almost every step.
 ``llm_min_rows``/``llm_max_wait_steps`` let a routed row wait (without advancing) until that many rows want the LLM or
 it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
+``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.catch_up`).
 
 Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call.
 Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
@@ -79,7 +80,10 @@ class RoutedEngine:
     LLM at the step a row is routed to it. ``compile_forward``: both models' lean forwards run under ``torch.compile``
     (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a
     near tie may pick the other token). ``verify_rho``/``verify_window``/``verify_final``: verified routing
-    (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER.
+    (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
+    SLM's call while its LLM catch-up is in flight (on CUDA, on a stream of its own) and feeds the LLM's tokens to the
+    SLM a step later (:mod:`citer.decoding.catch_up`): the same tokens, a step that costs the longer call rather than
+    both where the device overlaps them, one more step per LLM token for its row.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class RoutedEngine:
         verify_rho: float = math.inf,
         verify_window: int = 0,
         verify_final: bool = False,
+        overlap: bool = False,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
@@ -147,6 +152,9 @@ class RoutedEngine:
             for m in (slm, llm):
                 if m is not None:
                     set_forward_path(m, "compiled")
+        if not isinstance(overlap, bool):
+            raise EngineInputError(f"overlap must be true or false, got {overlap!r}")
+        self.overlap = overlap
         self._static: dict[str, StaticSteps | None] = {}
         self._decisions: dict[tuple[float, float, int], Decision] = {}
         try:

@@ -30,6 +30,7 @@ class Engine(Protocol):
     cost_llm: ModelCost | None
     llm_min_rows: int
     llm_max_wait_steps: int
+    overlap: bool
     verify: Verification
 
     def check_prompts(
@@ -85,6 +86,7 @@ class Row:
     pending: list[Emitted] = field(default_factory=list)
     check: int | None = None  # a check call's SLM proposal for this step (verified in the call)
     check_lp: TopLogprobs | None = None
+    unfed: bool = False  # its last token (the LLM's, in an overlapped step) reaches the SLM at the next step
 
     @property
     def n_out(self) -> int:  # tokens emitted so far: the row's own step, which keys its random draws

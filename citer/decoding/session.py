@@ -13,6 +13,9 @@ RaggedKVCache`), the SLM's latest logits and hidden state per slot, and a cost m
 4. emits one token for every row that advanced, retires rows at EOS or their token budget (their slots are reused),
    and feeds the new tokens to the SLM in one call; held rows ride along in it without writing.
 
+With ``engine.overlap`` a step that calls the LLM while other rows advance queues the SLM's call before reading the
+LLM's tokens, and those reach the SLM at the next step (:mod:`citer.decoding.catch_up`).
+
 A row's random draws (router noise, sampling) are keyed by its ``row_id`` and its own token index, never by the step
 or by its neighbours, so a row's tokens do not depend on what else is in the batch.
 
@@ -29,23 +32,21 @@ from collections.abc import Sequence
 
 import torch
 
+from citer.decoding.catch_up import CatchUpCalls, SideStream
 from citer.decoding.choice import (
     TopLogprobs,
     choose_token_tensor,
-    choose_tokens,
     read_to_host,
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
-from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
-from citer.decoding.verify import first_cuts
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
 
 
-class DecodeSession:
+class DecodeSession(CatchUpCalls):
     """Rows of one engine decoded together; see the module docstring. Not thread-safe: one caller steps it."""
 
     def __init__(
@@ -67,6 +68,10 @@ class DecodeSession:
         self.slm_cache.static = engine.static_for("slm")
         if self.llm_cache is not None:
             self.llm_cache.static = engine.static_for("llm")
+        self.side = SideStream.for_engine(
+            engine
+        )  # where an overlapped catch-up runs (citer.decoding.catch_up)
+        self.overlapped = 0  # steps whose SLM call was queued while their LLM call was in flight
         self.rows: list[Row] = []  # slot -> row: active rows in slot order
         self.queue: deque[Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
@@ -166,7 +171,7 @@ class DecodeSession:
         if not self.rows:
             return []
         e, b = self.e, len(self.rows)
-        ready = [s for s, r in enumerate(self.rows) if r.waited < 0]
+        ready = [s for s, r in enumerate(self.rows) if r.waited < 0 and not r.unfed]
         tok: dict[int, int] = {}  # slot -> token emitted this step
         self._lp, self._llm_wrote, self._checked, self._replaced = {}, set(), set(), {}
         if ready:
@@ -200,14 +205,26 @@ class DecodeSession:
                     if lps[i] is not None:
                         self._lp[s] = lps[i]
         waiting = [s for s in range(b) if self.rows[s].waited >= 0]
-        if waiting and self._llm_due(waiting, advancing=len(tok)):
-            tok.update(self._llm_call(waiting))
-        held = [s for s in waiting if s not in tok]
+        call = waiting if waiting and self._llm_due(waiting, advancing=len(tok)) else []
+        held = [s for s in waiting if s not in call]
         for s in held:
             self.rows[s].waited += 1
         self.meter.step([self.rows[s].key for s in held])
-        emitted, fed = self._emit(tok)
-        self._feed_slm(fed)
+        if call and tok and e.overlap:  # the SLM's step runs while the catch-up is in flight
+            launched = self._llm_launch(call)
+            emitted, fed, done = self._emit(tok)
+            self._feed_slm(fed | self._unfed())
+            self.overlapped += 1
+            late, _, late_done = self._emit(self._llm_finish(launched))
+            for s in call:  # fed at the next step, beside everyone else
+                self.rows[s].unfed = s not in late_done
+            self._retire(done + late_done)
+            return emitted + late
+        if call:
+            tok.update(self._llm_call(call))
+        emitted, fed, done = self._emit(tok)
+        self._retire(done)
+        self._feed_slm(fed | self._unfed())
         return emitted
 
     def _llm_due(self, waiting: list[int], advancing: int) -> bool:
@@ -218,99 +235,14 @@ class DecodeSession:
             return True
         return max(self.rows[s].waited for s in waiting) >= e.llm_max_wait_steps
 
-    def _llm_call(self, slots: list[int]) -> dict[int, int]:
-        """One LLM call over the waiting rows ``slots``; returns slot -> the token each emits this step."""
-        e = self.e
-        if self.llm_cache is None:
-            raise ValueError("router sent a token to the LLM but the engine has llm=None")
-        rows = [self.rows[s] for s in slots]
-        chunks = [r.seq[r.llm_seen :] for r in rows]
-        every = e.verify.on  # verification reads the LLM's distribution at every caught-up position
-        # (k, V); every: (k, Q, V)
-        logits, _ = ragged_append(e.llm, self.llm_cache, chunks, slots=slots, every=every)
-        keys = [r.key for r in rows]
-        self.meter.forward("llm", keys, [len(c) for c in chunks], [len(r.seq) for r in rows])
-        self.meter.llm_fed(
-            keys,
-            [max(r.prompt_len - r.llm_seen, 0) for r in rows],
-            [len(r.seq) - max(r.llm_seen, r.prompt_len) for r in rows],
-        )
-        self._checked.update(slots)
-        if every:
-            return self._verified(slots, rows, logits)
-        for r in rows:
-            r.llm_seen = len(r.seq)
-        rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
-        steps = torch.tensor([r.n_out for r in rows], dtype=torch.long)
-        toks = choose_tokens(logits, [r.sampling for r in rows], rid, steps, e.vocab_size)
-        self._llm_wrote.update(slots)
-        for s, lp in zip(
-            slots, token_logprobs(logits, toks, [r.logprobs for r in rows], e.vocab_size), strict=True
-        ):
-            if lp is not None:
-                self._lp[s] = lp
-        return dict(zip(slots, toks, strict=True))
+    def _unfed(self) -> set[int]:
+        """Keys of the rows whose last token (the LLM's, in an overlapped step) the SLM has not read yet."""
+        return {r.key for r in self.rows if r.unfed}
 
-    def _verified(self, slots: list[int], rows: list[Row], logits: torch.Tensor) -> dict[int, int]:
-        """Check each row's unverified tokens (and a check row's proposal) against the LLM's logits (k, Q, V) at every
-        caught-up position; cut a row at its first rejected token. A forced row's last position is always the
-        LLM's."""
-        e = self.e
-        # per candidate: its row, chunk position, token (-1: the LLM writes it) and step index
-        owner: list[int] = []
-        col: list[int] = []
-        proposed: list[int] = []
-        step_of: list[int] = []
-        for i, r in enumerate(rows):
-            for t in range(r.verified, len(r.seq) + 1):  # the token at seq index t, predicted at t - 1
-                owner.append(i)
-                col.append(t - 1 - r.llm_seen)
-                step_of.append(t - r.prompt_len)
-                proposed.append(r.seq[t] if t < len(r.seq) else -1 if r.check is None else r.check)
-        dev = logits.device
-        flat = logits[torch.tensor(owner, device=dev), torch.tensor(col, device=dev)]  # (N, V)
-        rid = torch.tensor([rows[i].row_id for i in owner], dtype=torch.long)
-        choice = choose_tokens(
-            flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), e.vocab_size
-        )
-        logp = torch.log_softmax(cut_logits(flat, e.vocab_size).float(), dim=-1)  # (N, V)
-        cuts = first_cuts(logp, proposed, choice, owner, e.verify.rho, len(rows))
-        out: dict[int, int] = {}
-        for i, (s, r) in enumerate(zip(slots, rows, strict=True)):
-            n = cuts[i]
-            r.llm_seen = len(r.seq)
-            if n < 0:  # every token passed, the check's proposal included: the SLM's token stands
-                assert r.check is not None
-                out[s] = r.check
-                if r.check_lp is not None:
-                    self._lp[s] = r.check_lp
-            else:
-                out[s] = choice[n]
-                self._llm_wrote.add(s)
-                lp = token_logprobs(flat[n : n + 1], [choice[n]], [r.logprobs], e.vocab_size)[0]
-                if lp is not None:
-                    self._lp[s] = lp
-                t = step_of[n] + r.prompt_len
-                if t < len(r.seq):
-                    self._rewind(s, r, t)
-            r.check, r.check_lp = None, None
-        return out
-
-    def _rewind(self, s: int, r: Row, t: int) -> None:
-        """Take back the row's provisional tokens from seq index ``t`` on; both caches forget them."""
-        assert t >= r.verified
-        self._replaced[s] = r.seq[t:]
-        self.meter.rolled_back([r.key], [len(r.seq) - t])
-        del r.pending[t - r.verified :]  # before seq: ``verified`` is derived from both
-        del r.seq[t:]
-        self.slm_cache.lengths[s] = t
-        assert self.llm_cache is not None
-        self.llm_cache.lengths[s] = t
-        r.llm_seen = t
-
-    def _emit(self, tok: dict[int, int]) -> tuple[list[Emitted], set[int]]:
-        """Append each row's token; retire finished rows. Returns the final tokens (a provisional SLM token is held
-        back until a call checks it or its row finishes) and the keys of the rows to feed."""
+    def _emit(self, tok: dict[int, int]) -> tuple[list[Emitted], set[int], list[int]]:
+        """Append each row's token. Returns the final tokens (a provisional SLM token is held back until a call checks
+        it or its row finishes), the keys of the rows to feed and the slots of the rows that finished (the caller
+        retires them once this step's calls are queued)."""
         out, done = [], []
         slots = sorted(tok)
         from_llm = [s in self._llm_wrote for s in slots]
@@ -332,12 +264,14 @@ class DecodeSession:
             if fin:
                 done.append(s)
         fed = {self.rows[s].key for s in slots if s not in done}
-        self._retire(done)
-        return out, fed
+        return out, fed, done
 
     def _feed_slm(self, fed: set[int]) -> None:
         if not self.rows or not fed:
             return
+        for r in self.rows:
+            if r.key in fed:
+                r.unfed = False
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
         # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike
@@ -382,17 +316,19 @@ class DecodeSession:
     def _retire(self, slots: list[int]) -> None:
         if not slots:
             return
-        self._decided = None  # slots move: the decisions no longer line up
         # Both caches hold the same slots, so they move the same rows.
         moved = [c.remove_slots(slots) for c in (self.slm_cache, self.llm_cache) if c is not None][0]
         assert self.logits is not None and self.hidden is not None
+        n = len(self.rows) - len(slots)
+        dec = self._decided
+        per_slot = [self.logits, self.hidden, *(dec[:2] if dec is not None else ())]  # (b, ...) each
         if moved:
-            src = torch.tensor(list(moved), dtype=torch.long, device=self.logits.device)
-            dst = torch.tensor(list(moved.values()), dtype=torch.long, device=self.logits.device)
-            self.logits[dst] = self.logits[src]
-            self.hidden[dst.to(self.hidden.device)] = self.hidden[src.to(self.hidden.device)]
+            src, dst = list(moved), list(moved.values())
+            for t in per_slot:
+                t[torch.tensor(dst, device=t.device)] = t[torch.tensor(src, device=t.device)]
             for a, b in moved.items():
                 self.rows[b] = self.rows[a]
-        n = len(self.rows) - len(slots)
         del self.rows[n:]
-        self.logits, self.hidden = self.logits[:n], self.hidden[:n]
+        self.logits, self.hidden, *kept = (t[:n] for t in per_slot)
+        if dec is not None:  # the decisions move with their slots
+            self._decided = (kept[0], kept[1], dec[2])

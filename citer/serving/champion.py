@@ -137,6 +137,7 @@ def load_champion(
         llm_min_rows=params.engine.llm_min_rows,
         llm_max_wait_steps=params.engine.llm_max_wait_steps,
         compile_forward=params.engine.compile_forward,
+        overlap=params.engine.overlap,
         **rv.verify_kwargs,
     )
     info = {

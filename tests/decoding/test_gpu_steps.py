@@ -96,3 +96,26 @@ def test_the_steps_one_read_goes_through_a_pinned_buffer():
     assert buf.is_pinned()
     read_to_host(t + 1)
     assert _PINNED[(t.device, (2, 3), torch.long)] is buf and buf.tolist() == (t + 1).tolist()
+
+
+@pytest.mark.parametrize("static_steps", [None, "eager", "reduce-overhead"])
+def test_overlapped_steps_on_cuda_keep_every_token(static_steps):
+    """``overlap=True`` on CUDA: the catch-up on a stream of its own (ragged and eager fixed-shape calls) or, under
+    CUDA-graph trees, on the current stream before the SLM's step; either way the tokens of sequential steps."""
+    from citer.decoding.catch_up import SideStream
+
+    slm, llm = _model(64, 2, 1, torch.float32), _model(128, 3, 2, torch.float32)
+    prompts = _prompts(8, 11)
+    kw = dict(static_steps=static_steps, llm_min_rows=2, llm_max_wait_steps=2)
+    ref = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), **kw)
+    eng = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), overlap=True, **kw)
+    side = SideStream.for_engine(eng)
+    assert (side.stream is None) == (static_steps == "reduce-overhead")
+    sess = eng.session()
+    keys = [sess.add(p, 64, row_id=i) for i, p in enumerate(prompts)]
+    out = {k: [] for k in keys}
+    while sess.busy:
+        for em in sess.step():
+            out[em.key].append(em.token)
+    assert sess.overlapped > 0
+    assert [out[k] for k in keys] == ref.generate_batch(prompts, 64).tokens

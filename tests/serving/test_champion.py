@@ -63,6 +63,11 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     params.engine.compile_forward = True
     assert set(load_champion(proj).engine.forward_paths.values()) == {"lean+compiled"}
     params.engine.compile_forward = False
+    # engine.overlap too
+    assert not engine.overlap
+    params.engine.overlap = True
+    assert load_champion(proj).engine.overlap
+    params.engine.overlap = False
 
     register(16, 0.5)  # a champion whose router was trained for another SLM
     with pytest.raises(ChampionError, match="hidden_size=16"):
