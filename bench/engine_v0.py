@@ -10,6 +10,9 @@ this checkout with the compiled lean forward (:mod:`citer.decoding.compiled`; ``
 compile runs in warm-up generations outside the timing and is reported as ``warmup_s``. Writes
 ``reports/bench_engine_v0.json`` (atomically): one row per (engine, batch) and the ratio of each of this checkout's
 engines over the base per batch (``b{B}_today_over_base_tokens_per_s``, ``b{B}_compiled_over_base_tokens_per_s``).
+``today_overlap`` is this checkout with overlapped steps (``RoutedEngine(overlap=True)``; ``--no-overlap`` skips it),
+whose ratio to ``today`` (``b{B}_overlap_over_today_tokens_per_s``) says what overlapping costs on a device that
+runs one call at a time.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from citer.decoding.engine import RoutedEngine
 from transformers import AutoModelForCausalLM
 
 models, batches, new_tokens, repeats = sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4]), int(sys.argv[5])
-compiled = sys.argv[7] == "1"
+mode = sys.argv[7]  # plain | compiled | overlap
+compiled = mode == "compiled"
 torch.set_num_threads(1)
 with torch.inference_mode():
     if models == "random":
@@ -53,7 +57,8 @@ with torch.inference_mode():
     out = {}
     for b in batches:
         prompts = prompts_for(vocab, b, seed=b)
-        eng = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5)
+        extra = {"overlap": True} if mode == "overlap" else {}  # an older engine has no such argument
+        eng = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5, **extra)
         t = time.perf_counter()
         eng.generate_batch(prompts, 2)  # warm-up
         if compiled:  # every graph kind at its first and a second size (citer.decoding.compiled), outside the timing
@@ -72,7 +77,7 @@ print(json.dumps(out))
 
 
 def time_engine(
-    src: Path, models: str, batches: list[int], new_tokens: int, repeats: int, compiled: bool = False
+    src: Path, models: str, batches: list[int], new_tokens: int, repeats: int, mode: str = "plain"
 ) -> dict[int, dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     args = [
@@ -85,7 +90,7 @@ def time_engine(
         str(new_tokens),
         str(repeats),
         str(ROOT),
-        "1" if compiled else "0",
+        mode,
     ]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=src, check=False)
     if proc.returncode != 0:
@@ -110,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also time this checkout with the compiled lean forward (citer.decoding.compiled)",
     )
+    ap.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time this checkout with overlapped steps (RoutedEngine(overlap=True), citer.decoding.catch_up)",
+    )
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_engine_v0.json"))
     args = ap.parse_args(argv)
     started = time.perf_counter()
@@ -125,16 +136,19 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         for r in range(args.rounds):
             # Alternate which engine goes first, so drifting load biases neither.
-            order = [("base", Path(tmp), False), ("today", ROOT, False)]
+            order = [("base", Path(tmp), "plain"), ("today", ROOT, "plain")]
             if args.compiled:
-                order.append(("today_compiled", ROOT, True))
+                order.append(("today_compiled", ROOT, "compiled"))
+            if args.overlap:
+                order.append(("today_overlap", ROOT, "overlap"))
             if r % 2:
                 order.reverse()
-            for name, src, comp in order:
-                for b, v in time_engine(src, models, batches, args.new_tokens, args.repeats, comp).items():
+            for name, src, mode in order:
+                for b, v in time_engine(src, models, batches, args.new_tokens, args.repeats, mode).items():
                     if (name, b) not in best or v["sec_per_token"] < best[name, b]["sec_per_token"]:
                         best[name, b] = v
     engines = ["base", "today"] + (["today_compiled"] if args.compiled else [])
+    engines += ["today_overlap"] if args.overlap else []
     rows = [
         {"engine": name, "commit": base if name == "base" else "working tree", "batch": b, "p": 0.1,
          "pair": "random bootstrap architectures" if args.random else "trained pair models/slm + models/llm",
@@ -144,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {f"b{b}_{name.replace('today_', '')}_over_base_tokens_per_s":
               best["base", b]["sec_per_token"] / best[name, b]["sec_per_token"]
               for name in engines[1:] for b in batches}  # fmt: skip
+    if args.overlap:  # what overlapping costs or gains over the same engine's sequential steps, here
+        ratios |= {f"b{b}_overlap_over_today_tokens_per_s":
+                   best["today", b]["sec_per_token"] / best["today_overlap", b]["sec_per_token"]
+                   for b in batches}  # fmt: skip
     for b in batches:
         line = f"batch {b:>3}: base {1000 * best['base', b]['sec_per_token']:.4f} ms/token"
         for name in engines[1:]:

@@ -173,6 +173,7 @@ def engine_base_block(reports: Path) -> Block:
     r = _load(reports, "bench_engine_v0.json")
     by = {(x["engine"], x["batch"]): x for x in r["rows"]}
     compiled = any(e == "today_compiled" for e, _ in by)
+    overlap = any(e == "today_overlap" for e, _ in by)
     rows = []
     for b in sorted({b for _, b in by}):
         row = [str(b), f"{1000 * by['base', b]['sec_per_token']:.4f}", f"{1000 * by['today', b]['sec_per_token']:.4f}",
@@ -180,10 +181,15 @@ def engine_base_block(reports: Path) -> Block:
         if compiled:
             row += [f"{1000 * by['today_compiled', b]['sec_per_token']:.4f}",
                     f"{r['ratios'][f'b{b}_compiled_over_base_tokens_per_s']:.2f}×"]  # fmt: skip
+        if overlap:
+            row += [f"{1000 * by['today_overlap', b]['sec_per_token']:.4f}",
+                    f"{r['ratios'][f'b{b}_overlap_over_today_tokens_per_s']:.2f}×"]  # fmt: skip
         rows.append(row)
     head = ["batch", f"ms/token, engine at {r['base']}", "ms/token, today", "today / then (tokens/s)"]
     if compiled:
         head += ["ms/token, today compiled", "compiled / then (tokens/s)"]
+    if overlap:
+        head += ["ms/token, today overlapped", "overlapped / today (tokens/s)"]
     pair = r["rows"][0]["pair"]
     return table(head, rows) + f"\n\nFrom `reports/bench_engine_v0.json` ({pair}, alternating processes).", [
         "bench_engine_v0.json"

@@ -257,8 +257,8 @@ def test_bench_quick_writes_report(tmp_path):
 
 
 def test_bench_against_an_earlier_engine_writes_both_rows_and_ratios(tmp_path):
-    """bench/engine_v0.py times a git commit's engine and this checkout's, eager and compiled, in alternating
-    processes."""
+    """bench/engine_v0.py times a git commit's engine and this checkout's, eager, compiled and overlapped, in
+    alternating processes."""
     import json
     import subprocess
     import sys
@@ -281,11 +281,11 @@ def test_bench_against_an_earlier_engine_writes_both_rows_and_ratios(tmp_path):
     subprocess.run([sys.executable, str(script), *args, "--out", str(out)], check=True, timeout=600)
     rep = json.loads(out.read_text())
     assert {(r["engine"], r["batch"]) for r in rep["rows"]} == {
-        (e, b) for e in ("base", "today", "today_compiled") for b in (1, 2)
+        (e, b) for e in ("base", "today", "today_compiled", "today_overlap") for b in (1, 2)
     }
     assert all(r["sec_per_token"] > 0 for r in rep["rows"])
     assert set(rep["ratios"]) == {
-        f"b{b}_{e}_over_base_tokens_per_s" for b in (1, 2) for e in ("today", "compiled")
-    }
+        f"b{b}_{e}_over_base_tokens_per_s" for b in (1, 2) for e in ("today", "compiled", "overlap")
+    } | {f"b{b}_overlap_over_today_tokens_per_s" for b in (1, 2)}
     # the compiled engine's compile ran in its warm-up, outside the timing, and is reported
     assert all(r["warmup_s"] > 0 for r in rep["rows"] if r["engine"] == "today_compiled")
