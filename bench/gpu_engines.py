@@ -179,6 +179,7 @@ def measure_batch(
                 row["llm_calls_per_step"] = st.llm_calls / (steps or n_new)
             row["llm_fraction"] = f
             row["wait_row_steps"] = getattr(st, "wait_row_steps", None)
+            row["overlapped_steps"] = getattr(st, "overlapped_steps", None)
             row["llm_catchup_tokens"] = st.llm_catchup_tokens
             bytes_tok = st.bytes_moved / st.new_tokens
             pre = "v0_" if name.startswith("v0_") else ""

@@ -65,6 +65,11 @@ def test_tiny_run_covers_every_variant(tiny_report):
     assert rows[1, "routed_f0.1"]["forward"] == {"slm": "lean", "llm": "lean"}
     assert rows[1, "routed_f0.1"]["static_steps"] == "eager"
     assert rows[2, "overlap_f0.1"]["overlap"] is True and rows[2, "routed_f0.1"]["overlap"] is False
+    # the meter's count of overlapped steps reaches the rows (3 tokens at p = 0.1 may overlap none)
+    assert (
+        isinstance(rows[2, "overlap_f0.1"]["overlapped_steps"], int)
+        and rows[2, "routed_f0.1"]["overlapped_steps"] == 0
+    )
     assert (
         rows[2, "overlap_f0.1"]["method"] == "overlap" and rows[2, "overlap_shared_f0.1"]["llm_min_rows"] == 2
     )

@@ -119,6 +119,9 @@ class BatchStats:
     wait_row_steps: int = 0  # row-steps spent waiting for a shared LLM call (the latency shared calls add)
     wait_steps_per_llm_token: float = 0.0
     rolled_back_tokens: int = 0
+    overlapped_steps: int = (
+        0  # steps whose SLM call was queued while their LLM call was in flight (engine.overlap)
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +157,7 @@ class CostMeter:
         self.n = 0
         self.calls = {"slm": 0, "llm": 0}
         self.steps = 0
+        self.overlapped = 0
         # Per model and field, one entry per row: calls, weight share (in units of W), kv token-columns moved
         # (kv_idle: while held), tokens emitted.
         self._row: dict[tuple[str, str], np.ndarray] = {}
@@ -216,9 +220,11 @@ class CostMeter:
         _add(self._row["slm", "tokens"], rows, [-n for n in n_tokens])
         _add(self.rolled, rows, n_tokens)
 
-    def step(self, waiting: Sequence[int]) -> None:
-        """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call."""
+    def step(self, waiting: Sequence[int], overlapped: bool = False) -> None:
+        """One scheduler step ended; ``waiting`` rows were held back by a shared LLM call; ``overlapped``: its SLM
+        call was queued while its LLM call was in flight."""
         self.steps += 1
+        self.overlapped += overlapped
         if waiting:
             _add(self.wait, waiting, 1)
 
@@ -300,5 +306,6 @@ class CostMeter:
             wait_row_steps=waited,
             wait_steps_per_llm_token=waited / max(llm_t, 1),
             rolled_back_tokens=int(self.rolled[:n].sum()),
+            overlapped_steps=self.overlapped,
         )
         return rows, batch

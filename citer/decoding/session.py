@@ -71,7 +71,6 @@ class DecodeSession(CatchUpCalls):
         self.side = SideStream.for_engine(
             engine
         )  # where an overlapped catch-up runs (citer.decoding.catch_up)
-        self.overlapped = 0  # steps whose SLM call was queued while their LLM call was in flight
         self.rows: list[Row] = []  # slot -> row: active rows in slot order
         self.queue: deque[Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
@@ -209,12 +208,12 @@ class DecodeSession(CatchUpCalls):
         held = [s for s in waiting if s not in call]
         for s in held:
             self.rows[s].waited += 1
-        self.meter.step([self.rows[s].key for s in held])
-        if call and tok and e.overlap:  # the SLM's step runs while the catch-up is in flight
+        overlap = bool(call and tok and e.overlap)  # the SLM's step runs while the catch-up is in flight
+        self.meter.step([self.rows[s].key for s in held], overlap)
+        if overlap:
             launched = self._llm_launch(call)
             emitted, fed, done = self._emit(tok)
             self._feed_slm(fed | self._unfed())
-            self.overlapped += 1
             late, _, late_done = self._emit(self._llm_finish(launched))
             for s in call:  # fed at the next step, beside everyone else
                 self.rows[s].unfed = s not in late_done

@@ -117,5 +117,5 @@ def test_overlapped_steps_on_cuda_keep_every_token(static_steps):
     while sess.busy:
         for em in sess.step():
             out[em.key].append(em.token)
-    assert sess.overlapped > 0
+    assert sess.meter.overlapped > 0
     assert [out[k] for k in keys] == ref.generate_batch(prompts, 64).tokens

@@ -77,7 +77,7 @@ def test_overlapped_steps_emit_every_rows_tokens_of_sequential_steps(pair, case)
     floats = [[x for row in got for e in row for x in _floats(e)] for got in (ovl, seq)]
     assert len(floats[0]) == len(floats[1]) and floats[0] == pytest.approx(floats[1], abs=1e-5, nan_ok=True)
     assert any(e[1] for row in seq for e in row)  # the LLM wrote tokens here
-    assert seq_sess.overlapped == 0 and ovl_sess.overlapped > 0
+    assert seq_sess.meter.overlapped == 0 and ovl_sess.meter.overlapped > 0
     assert ovl_steps > seq_steps  # each overlapped LLM token reaches its row's SLM a step later
 
 
@@ -102,7 +102,7 @@ def test_an_overlapped_step_queues_the_slm_call_before_it_reads_the_llms_tokens(
         sess.step()
     steps = "".join(order).split("|")
     overlapped = [s for s in steps if s.startswith("launchfeed")]
-    assert len(overlapped) == sess.overlapped > 0
+    assert len(overlapped) == sess.meter.overlapped > 0
     assert all(s == "launchfeedfinish" for s in overlapped)
     # Elsewhere (no other row advancing: nothing to overlap) the call is sequential: launch, finish, then feed.
     assert all(s in ("", "feed", "launchfinishfeed", "launchfinish", "launchfeedfinish") for s in steps), (
@@ -117,7 +117,7 @@ def test_a_lone_row_has_nothing_to_overlap_and_keeps_its_steps(pair):
     seq = RoutedEngine(slm, llm, RandomRouter(0.4, seed=2), **kw).generate_batch(one, 12)
     ovl = RoutedEngine(slm, llm, RandomRouter(0.4, seed=2), overlap=True, **kw).generate_batch(one, 12)
     assert ovl.tokens == seq.tokens and ovl.from_llm == seq.from_llm and any(seq.from_llm[0])
-    assert ovl.batch.decode_steps == seq.batch.decode_steps
+    assert ovl.batch.decode_steps == seq.batch.decode_steps and ovl.batch.overlapped_steps == 0
 
 
 def test_overlap_must_be_a_bool(pair):
