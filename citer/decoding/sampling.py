@@ -6,6 +6,7 @@ Every random decision of decoding (the random router's coin, temperature samplin
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -22,6 +23,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
     return x ^ (x >> 16)
+
+
+_M32_NP = np.uint64(_M32)
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    # The same hash on uint64 arrays holding 32-bit values (numpy's unsigned multiply wraps; the mask keeps the low
+    # 32 bits, which are those of the int64 tensor version).
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & _M32_NP
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & _M32_NP
+    return x ^ (x >> np.uint64(16))
 
 
 def _mix32_int(x: int) -> int:
@@ -54,6 +68,12 @@ def counter_uniform(
             for r, s in zip(row_ids.tolist(), steps.tolist(), strict=True)
         ]
         return (torch.tensor(hs, dtype=torch.float64) + 0.5) / 4294967296.0
+    if width is None and row_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        # More rows on the CPU: the same hash in numpy's uint64 (wrapping multiplies keep the same low 32 bits),
+        # a few microseconds an op where a tensor op costs several.
+        hn = _mix32_np(np.uint64(h) ^ (row_ids.numpy().astype(np.uint64) & _M32_NP))
+        hn = _mix32_np(hn ^ (steps.numpy().astype(np.uint64) & _M32_NP))
+        return torch.from_numpy((hn.astype(np.float64) + 0.5) / 4294967296.0)
     h = _mix32(h ^ (row_ids.to(torch.int64) & _M32))
     h = _mix32(h ^ (steps.to(torch.int64) & _M32))
     if width is not None:

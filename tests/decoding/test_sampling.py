@@ -54,12 +54,18 @@ def test_select_tokens_greedy_top_p_and_batch_invariance():
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 40])
-def test_counter_uniform_python_int_path_equals_tensor_path(n, monkeypatch):
+def test_counter_uniform_python_int_and_numpy_paths_equal_the_tensor_path(n, monkeypatch):
     import citer.decoding.sampling as sampling
 
     g = torch.Generator().manual_seed(n)
     rows = torch.randint(0, 1 << 40, (n,), generator=g)
     steps = torch.randint(0, 1 << 20, (n,), generator=g)
-    small = sampling.counter_uniform(11, sampling.STREAM_ROUTER, rows, steps)
-    monkeypatch.setattr(sampling, "_INT_ROWS", -1)  # force the tensor hash
-    assert torch.equal(small, sampling.counter_uniform(11, sampling.STREAM_ROUTER, rows, steps))
+    rows[0] = -3  # a negative id hashes by its low 32 bits on every path
+    cpu = sampling.counter_uniform(
+        11, sampling.STREAM_ROUTER, rows, steps
+    )  # Python ints, or numpy past 16 rows
+    monkeypatch.setattr(
+        sampling.torch.compiler, "is_compiling", lambda: True
+    )  # a traced step: tensor ops only
+    tensor = sampling.counter_uniform(11, sampling.STREAM_ROUTER, rows, steps)
+    assert cpu.dtype == tensor.dtype == torch.float64 and torch.equal(cpu, tensor)
