@@ -84,6 +84,21 @@ def test_concurrent_requests_get_the_answers_they_get_alone(engine, tiny_pair, c
         assert moved == pytest.approx([1.0] * len(moved))
 
 
+def test_an_overlapping_engine_serves_the_answers_of_sequential_steps(engine, tiny_pair):
+    """``engine.overlap``: concurrent requests through a server whose engine overlaps its two models get the texts
+    and token counts the sequential engine gives them, and the overlap really happened."""
+    slm, llm, tok = tiny_pair
+    ovl = RoutedEngine(slm, llm, engine.router, tau=engine.tau, eos_token_id=tok.eos_token_id, overlap=True)
+    bodies = [_body(p, temperature=0.8 if i % 3 == 0 else 0.0, seed=i) for i, p in enumerate(PROMPTS)]
+    seq = _stalled_then_released(_app(engine, tok), bodies)
+    app = _app(ovl, tok)
+    got = _stalled_then_released(app, bodies)
+    for a, t in zip(seq, got, strict=True):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+        assert t["citer"]["tokens_by_model"] == a["citer"]["tokens_by_model"]
+    assert app.state.citer._sess.meter.overlapped > 0  # steps ran the SLM while their catch-up was in flight
+
+
 def test_a_request_joins_a_running_batch(engine, tiny_pair):
     """A short request sent while a long one decodes finishes first: it did not wait for the long one."""
     _, _, tok = tiny_pair
