@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from bench.gpu_engines import shared_min_rows
 from bench.gpu_pairs import BuiltPair
 from bench.gpu_run import BenchRun
@@ -22,21 +24,28 @@ def profile_engine(run: BenchRun, models: BuiltPair) -> None:
     a = run.args
     n = a.profile_tokens
     big = max(a.batches)
+    # The engine as the timed rows run it: its fixed-shape steps (--static-steps; CUDA graphs by default).
+    kw0: dict[str, Any] = {"vocab_size": vocab, "static_steps": a.static_steps}
+    route = {"tau": 0.5, **kw0}
     cases: list[tuple[str, int, RoutedEngine]] = [
-        ("engine_slm", 1, RoutedEngine(slm, None, AlwaysSLM(), vocab_size=vocab)),
-        ("engine_llm", 1, RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab)),
-        ("routed_f0.1", 1, RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5, vocab_size=vocab)),
-        ("engine_slm", big, RoutedEngine(slm, None, AlwaysSLM(), vocab_size=vocab)),
-        (
-            "routed_f0.1",
-            big,
-            RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5, vocab_size=vocab),
-        ),
+        ("engine_slm", 1, RoutedEngine(slm, None, AlwaysSLM(), **kw0)),
+        ("engine_llm", 1, RoutedEngine(llm, None, AlwaysSLM(), **kw0)),
+        ("routed_f0.1", 1, RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), **route)),
+        ("engine_slm", big, RoutedEngine(slm, None, AlwaysSLM(), **kw0)),
+        ("routed_f0.1", big, RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), **route)),
     ]
+    shared = {"llm_min_rows": shared_min_rows(a, big), "llm_max_wait_steps": a.max_wait_steps}
     if run.has_shared:
-        kw = {"llm_min_rows": shared_min_rows(a, big), "llm_max_wait_steps": a.max_wait_steps}
-        e = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), tau=0.5, vocab_size=vocab, **kw)
-        cases.append(("shared_f0.1", big, e))
+        cases.append(
+            ("shared_f0.1", big, RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), **route, **shared))
+        )
+    if run.has_overlap and big > 1:  # is the GPU idle between the two models' graphs? (docs/gpu.md)
+        cases.append(
+            ("overlap_f0.1", big, RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), overlap=True, **route))
+        )
+        if run.has_shared:
+            e = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), overlap=True, **route, **shared)
+            cases.append(("overlap_shared_f0.1", big, e))
     out = {}
     for name, batch, e in cases:
         key = f"{name}_b{batch}"
@@ -48,7 +57,8 @@ def profile_engine(run: BenchRun, models: BuiltPair) -> None:
             e.generate_batch(prompts, 4)
             wall, res = run.timed(lambda e=e, p=prompts: e.generate_batch(p, n))
             steps = getattr(res.batch, "decode_steps", 0) or n
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=acts) as prof:
                 pwall, _ = run.timed(lambda e=e, p=prompts: e.generate_batch(p, n))
             ev = prof.key_averages()
             dev_us = sum(_self_device_us(x) for x in ev if x.device_type == DeviceType.CUDA)
@@ -62,6 +72,8 @@ def profile_engine(run: BenchRun, models: BuiltPair) -> None:
                 "batch": batch,
                 "new_tokens": n,
                 "decode_steps": steps,
+                "static_steps": e.static_steps,
+                "overlapped_steps": getattr(res.batch, "overlapped_steps", None),
                 "wall_s": wall,
                 "wall_ms_per_step": 1e3 * wall / steps,
                 "wall_s_profiled": pwall,

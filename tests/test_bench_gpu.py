@@ -30,7 +30,7 @@ def gpu_bench():
 def tiny_report(gpu_bench, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu") / "bench_gpu.json"
     argv = ["--tiny", "--batches", "1,2", "--new-tokens", "3", "--prompt-len", "4", "--reps", "1",
-            "--assisted-tokens", "3", "--out", str(out)]  # fmt: skip
+            "--assisted-tokens", "3", "--profile", "--profile-tokens", "3", "--out", str(out)]  # fmt: skip
     assert gpu_bench.main(argv) == 0
     return out, json.loads(out.read_text())
 
@@ -77,6 +77,24 @@ def test_tiny_run_covers_every_variant(tiny_report):
     assert rows[1, "v0_routed_f0.1"]["static_steps"] is None
     for b in (1, 2):
         assert rep["targets"]["tiny"][f"b{b}_routed_f0.1_over_best_llm_only"] > 0
+
+
+def test_tiny_run_profiles_the_engine_as_its_rows_run_it(tiny_report):
+    """--profile (CPU activities only here): the engine with the run's fixed-shape steps, overlapped steps included."""
+    _, rep = tiny_report
+    prof = rep["pairs"]["tiny"]["profile"]
+    assert {
+        "engine_slm_b1",
+        "routed_f0.1_b2",
+        "shared_f0.1_b2",
+        "overlap_f0.1_b2",
+        "overlap_shared_f0.1_b2",
+    } <= set(prof)
+    assert all(p["static_steps"] == "eager" and p["wall_ms_per_step"] > 0 for p in prof.values())
+    assert (
+        prof["overlap_f0.1_b2"]["overlapped_steps"] is not None
+        and prof["routed_f0.1_b2"]["overlapped_steps"] == 0
+    )
 
 
 def test_tiny_run_ratios_are_finite(tiny_report):
