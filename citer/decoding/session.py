@@ -68,9 +68,8 @@ class DecodeSession(CatchUpCalls):
         self.slm_cache.static = engine.static_for("slm")
         if self.llm_cache is not None:
             self.llm_cache.static = engine.static_for("llm")
-        self.side = SideStream.for_engine(
-            engine
-        )  # where an overlapped catch-up runs (citer.decoding.catch_up)
+        # Where an overlapped catch-up runs (citer.decoding.catch_up).
+        self.side = SideStream.for_engine(engine)
         self.rows: list[Row] = []  # slot -> row: active rows in slot order
         self.queue: deque[Row] = deque()  # admitted by a later step
         self.logits: torch.Tensor | None = None  # (b, V) the SLM's next-token logits per slot
