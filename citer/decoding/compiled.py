@@ -18,6 +18,11 @@ model whose forward runs compiled round them (rows to a power of two, columns to
 the pool's sizes as symbols. So a run compiles a handful of graphs per model and pool shape, seconds each, then only
 replays them.
 
+A decode step of the SLM can also take the next step's decision into its graph (:meth:`CompiledHidden.decided`):
+the head, the router's score, the token choice and the hard flag, as the fixed-shape steps do (``static_decide``),
+so the session reads one result instead of running a dozen eager ops after the forward. A router the graph cannot
+hold is tried once, warned about, and decided eagerly from then on.
+
 What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
 the other token. That is why it is opt-in (``RoutedEngine(compile_forward=True)``, ``engine.compile_forward``), for
 long runs (a server, a big ``citer route``) where the compile time is paid once. A forward that fails to compile
@@ -28,11 +33,14 @@ from __future__ import annotations
 
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch._dynamo
+
+from citer.decoding.choice import step_decisions
 
 # Graphs per call kind: a static and a dynamic one per pool shape (and size 1 apart), well under this.
 _RECOMPILES = 64
@@ -55,6 +63,8 @@ class CompiledHidden:
         # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
         self._options = {} if lean.embed.is_cuda else {"cpp_wrapper": True}
         self._fns: dict[tuple[bool, ...], Callable[..., torch.Tensor]] = {}
+        self._decide_fns: dict[bool, Callable[..., Any]] = {}  # decided steps, by "has a mask"
+        self._untraceable: weakref.WeakSet[Any] = weakref.WeakSet()  # routers whose trace failed
         self._pools: set[tuple[int, ...]] = set()  # pool shapes compiled for (_mark_static)
         # Decode-step attention as fused products on the CPU (lean._decode_attention); on a GPU the library kernel.
         self._fused_decode = not lean.embed.is_cuda
@@ -78,9 +88,7 @@ class CompiledHidden:
             fn = self._fns[kind] = torch.compile(body, fullgraph=True, dynamic=None, options=self._options)
         return fn
 
-    def __call__(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: Any, n_pos: int
-    ) -> torch.Tensor:
+    def _prepare(self, ids: torch.Tensor, n_pos: int, cache: Any) -> None:
         lean = self.lean
         # Growth stays out of the graphs: they read the RoPE table and the cache's buffers, never allocate them.
         lean.rope_table(n_pos, lean.embed.dtype, ids.device)
@@ -90,6 +98,46 @@ class CompiledHidden:
                 for t in cache._buffers(i, lean.embed):
                     if rounded and not hasattr(t, "_dynamo_static_indices"):
                         self._mark_static(t)
+
+    def decided(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Any,
+        n_pos: int,
+        rid: torch.Tensor,
+        steps: torch.Tensor,
+        decision: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A decode step (ids, pos (B, 1)) over ``cache`` with the next step's decision in the same graph: logits
+        (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each row's draws and
+        ``decision`` is a :class:`~citer.decoding.static_step.Decision`. None, having run nothing, when the router
+        cannot be traced; the caller then decides eagerly, and so does every later call with that router."""
+        if decision.router in self._untraceable:
+            return None
+        self._prepare(ids, n_pos, cache)
+        fn = self._decide_fns.get(mask is None)
+        if fn is None:
+            tag = f"{id(self.lean):x}_{'0' if mask is None else '1'}"
+            body = _own_code(_decide_body, tag)
+            fn = self._decide_fns[mask is None] = torch.compile(
+                body, fullgraph=True, dynamic=None, options=self._options
+            )
+        try:
+            return fn(self.lean, ids, pos, mask, cache, n_pos, self._fused_decode, rid, steps, decision)
+        except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing or compiling: nothing has run
+            self._untraceable.add(decision.router)
+            warnings.warn(
+                f"the step's decision cannot run inside its graph ({err}); deciding eagerly", stacklevel=3
+            )
+            return None
+
+    def __call__(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: Any, n_pos: int
+    ) -> torch.Tensor:
+        lean = self.lean
+        self._prepare(ids, n_pos, cache)
         kind = (
             cache is None,
             mask is None,
@@ -106,6 +154,27 @@ class CompiledHidden:
                 f"the lean forward cannot be compiled here ({err}); running it eagerly", stacklevel=3
             )
             return lean.eager_hidden(ids, pos, mask, cache, n_pos)
+
+
+def _decide_body(
+    lean: Any,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: Any,
+    n_pos: int,
+    fused_decode: bool,
+    rid: torch.Tensor,
+    steps: torch.Tensor,
+    d: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The traced body of :meth:`CompiledHidden.decided`: forward, head, decision."""
+    hidden = lean.eager_hidden(ids, pos, mask, cache, n_pos, fused_decode)[:, 0]  # (B, H)
+    logits = lean.logits(hidden)  # (B, V)
+    tokens, hard = step_decisions(
+        logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling
+    )
+    return logits, hidden, tokens, hard
 
 
 def compile_lean(lean: Any) -> None:

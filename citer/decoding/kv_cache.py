@@ -191,14 +191,18 @@ def ragged_append(
     slots: Sequence[int] | None = None,
     packed: bool | None = None,
     every: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    decide: tuple[Sequence[int], Sequence[int], Any] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Feed ``chunks[i]`` to slot ``slots[i]`` (default: slot i) in one forward call.
 
     An empty chunk holds its row: the row rides along (so a call over the active prefix keeps its cheap views) but
     writes nothing and its returned logits/hidden are meaningless. ``packed``: None chooses -- pack when padding would at least double the tokens computed (catch-up calls with
     mixed gaps; under a compiled forward, whenever chunks differ in length) and the packed mask stays small, pad
     otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
-    hidden (b, H) at each row's last fed token.
+    hidden (b, H) at each row's last fed token. ``decide`` = (row ids, step indices, a
+    :class:`~citer.decoding.static_step.Decision`): a decode step of a model whose forward runs compiled also returns
+    the next step's tokens (b,) and hard flags (b,) from the same graph (:meth:`citer.decoding.compiled.
+    CompiledHidden.decided`); otherwise, or when the router cannot be traced, only the two.
     """
     dev = cache.device
     b = len(chunks)
@@ -229,8 +233,8 @@ def ragged_append(
     cache._slots = None if sl == list(range(b)) else torch.tensor(sl, dtype=torch.long, device=dev)
     cache._rows = torch.arange(b, device=dev)[:, None] if cache._slots is None else None
     if q == 1:
-        logits, hidden = _step_append(model, cache, chunks, sl)
-        return (logits[:, None], hidden[:, None]) if every else (logits, hidden)
+        out = _step_append(model, cache, chunks, sl, None if every else decide)
+        return (out[0][:, None], out[1][:, None]) if every else out
     ids = torch.tensor(
         [list(c) + [c[-1] if c else 0] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
     )  # (b, Q)
@@ -264,10 +268,15 @@ def _row_queries(
 
 
 def _step_append(
-    model: nn.Module, cache: RaggedKVCache, chunks: Sequence[Sequence[int]], sl: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model: nn.Module,
+    cache: RaggedKVCache,
+    chunks: Sequence[Sequence[int]],
+    sl: list[int],
+    decide: tuple[Sequence[int], Sequence[int], Any] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """The decode step: every chunk one token or empty. The same columns, positions and mask as the padded call,
-    built from Python ints in a few tensor ops (a step of a small model is bound by the op count, not the math)."""
+    built from Python ints in a few tensor ops (a step of a small model is bound by the op count, not the math).
+    ``decide``: see :func:`ragged_append`."""
     dev = cache.device
     lens = [cache.lengths[s] for s in sl]
     # A held row (empty chunk) re-queries its last cached position and writes to the trash column.
@@ -285,15 +294,22 @@ def _step_append(
     else:
         allowed = torch.arange(cache._kv_len, device=dev) <= step[1][:, :, None]  # (b, 1, K)
         mask = _mask_for(model, allowed[:, None])  # (b, 1, 1, K)
+    lean = lean_decoder(model) if decide is not None else None
+    out = None
     try:
-        logits, hidden = decoder_forward(
-            model, step[0], mask, step[1], cache, last_index=step[1][:, 0], n_pos=cache._kv_len
-        )
+        compiled = lean is not None and lean.compiled is not None and getattr(cache, "compiles", False)
+        if compiled and cache._slots is None and not torch.compiler.is_compiling():
+            rid, steps = torch.tensor([list(decide[0]), list(decide[1])], dtype=torch.long, device=dev)
+            out = lean.compiled.decided(step[0], step[1], mask, cache, cache._kv_len, rid, steps, decide[2])
+        if out is None:
+            out = decoder_forward(
+                model, step[0], mask, step[1], cache, last_index=step[1][:, 0], n_pos=cache._kv_len
+            )
     finally:
         cache._slots, cache._cols, cache._rows = None, None, None
     for s, c in zip(sl, chunks, strict=True):
         cache.lengths[s] += len(c)
-    return logits, hidden
+    return out
 
 
 def _packed_append(

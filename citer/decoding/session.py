@@ -41,6 +41,7 @@ from citer.decoding.choice import (
 )
 from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.lean import runs_compiled
 from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
@@ -274,13 +275,15 @@ class DecodeSession(CatchUpCalls):
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
         # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike
         # and the router can be traced (else None).
-        sampling, static, out = {r.sampling for r in self.rows}, self.slm_cache.static, None
-        if static is not None and len(sampling) == 1:
-            ids = [r.row_id for r in self.rows], [r.n_out for r in self.rows]
-            out = static.decided(self.slm_cache, chunks, *ids, self.e.decision(*sampling))
-        self._decided = None if out is None else (out[2], out[3], fed)
+        # So do decode steps of a compiled forward (citer.decoding.compiled).
+        sampling, static, out, decide = {r.sampling for r in self.rows}, self.slm_cache.static, None, None
+        if len(sampling) == 1 and (static is not None or runs_compiled(self.e.slm)):
+            decide = ([r.row_id for r in self.rows], [r.n_out for r in self.rows], self.e.decision(*sampling))
+        if static is not None and decide is not None:
+            out = static.decided(self.slm_cache, chunks, *decide)
         if out is None:
-            out = ragged_append(self.e.slm, self.slm_cache, chunks)
+            out = ragged_append(self.e.slm, self.slm_cache, chunks, decide=decide)
+        self._decided = (out[2], out[3], fed) if len(out) == 4 else None
         logits, hidden = out[:2]  # (b, V), (b, H)
         fed = [s for s, c in enumerate(chunks) if c]
         idle = [s for s, c in enumerate(chunks) if not c]

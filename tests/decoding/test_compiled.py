@@ -39,6 +39,7 @@ def test_the_compiled_forward_routes_the_eager_tokens(family="qwen3"):
                 got = [_generate(slm, llm, p, 12, compile_forward=True) for p in (prompts, prompts[:3])]
             assert lean_decoder(slm).compiled is not None and lean_decoder(llm).compiled is not None
             assert len(lean_decoder(llm).compiled._fns) >= 2  # step and catch-up graphs really ran
+            assert lean_decoder(slm).compiled._decide_fns  # the SLM's steps decided inside their graph
             # the engine's caches round their pools (5 and 3 rows -> 8 and 4), compiled for as static shapes
             assert {p[0] for p in lean_decoder(llm).compiled._pools} == {8, 4}
         finally:
@@ -136,3 +137,46 @@ def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
     assert not hasattr(pools[-1], "_dynamo_static_indices")
     ch._mark_static(again := torch.zeros(1, 1, 4, 2))  # a shape already compiled for is marked again
     assert hasattr(again, "_dynamo_static_indices")
+
+
+class _ReadingRouter(torch.nn.Module):
+    """A router that reads a value back to the host: no graph can hold it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if float(hidden.abs().sum()) < 0:  # never true: only the read matters
+            raise ValueError("negative norm")
+        return self.inner(hidden)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_compiled_step_decides_in_its_graph_as_the_eager_engine_does(temperature):
+    """An MLP router (greedy and sampled rows): the decided compiled steps route the eager engine's tokens. A router
+    that reads the host is tried once, warned about and decided eagerly, with the same tokens."""
+    from conftest import spread_router
+
+    slm, llm = build("qwen2", seed=7, hidden=32, layers=1), build("qwen2", seed=8, hidden=64, layers=2)
+    prompts = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 10]]
+    with torch.inference_mode():
+        for router in (spread_router(32), _ReadingRouter(spread_router(32))):
+            want = RoutedEngine(slm, llm, router, tau=0.5).generate_batch(
+                prompts, 10, temperature=temperature
+            )
+            eng = RoutedEngine(slm, llm, router, tau=0.5, compile_forward=True)
+            try:
+                reads = isinstance(router, _ReadingRouter)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = eng.generate_batch(prompts, 10, temperature=temperature)
+                decided = lean_decoder(slm).compiled
+                assert (router in decided._untraceable) == reads
+                assert any("decision cannot run inside its graph" in str(w.message) for w in caught) == reads
+                assert not any("lean forward cannot" in str(w.message) for w in caught)
+            finally:
+                for m in (slm, llm):
+                    set_forward_path(m, "auto")
+            assert got.tokens == want.tokens and got.from_llm == want.from_llm
+            assert any(any(r) for r in got.from_llm) and not all(all(r) for r in got.from_llm)
