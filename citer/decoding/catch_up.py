@@ -32,9 +32,9 @@ from citer.decoding.verify import first_cuts
 
 class SideStream:
     """Where an overlapped catch-up runs: a CUDA stream of its own, or (``stream`` None: CPU, or overlap off) the
-    current stream, in program order. Entering waits for the work queued on the current stream (admission and
-    retirement copy KV rows the catch-up reads); :meth:`join` makes the current stream wait for the catch-up before
-    anything reads what it wrote."""
+    current stream, in program order. :meth:`run` first waits for the work queued on the current stream (admission
+    and retirement copy KV rows the forward reads), unless ``wait`` is off; :meth:`join` makes the current stream wait
+    for the catch-up before anything reads what it wrote."""
 
     def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
         self.stream = stream
@@ -54,11 +54,12 @@ class SideStream:
         return cls(torch.cuda.Stream(dev))
 
     @contextmanager
-    def run(self) -> Iterator[None]:
+    def run(self, wait: bool = True) -> Iterator[None]:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        if wait:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             yield
 
@@ -118,7 +119,9 @@ class CatchUpCalls:
         e, slots = self.e, call.slots
         rows = [self.rows[s] for s in slots]
         self._checked.update(slots)
-        with self.side.run():
+        # Only the launched forward's logits are read here: not waiting for the current stream keeps the SLM step
+        # queued there since the launch out of this read's way.
+        with self.side.run(wait=False):
             if e.verify.on:
                 out = self._verified(slots, rows, call.logits)
             else:
