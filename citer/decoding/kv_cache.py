@@ -295,12 +295,13 @@ def _step_append(
         allowed = torch.arange(cache._kv_len, device=dev) <= step[1][:, :, None]  # (b, 1, K)
         mask = _mask_for(model, allowed[:, None])  # (b, 1, 1, K)
     lean = lean_decoder(model) if decide is not None else None
+    compiled = lean.compiled_for(cache) if lean is not None and cache._slots is None else None
     out = None
     try:
-        compiled = lean is not None and lean.compiled is not None and getattr(cache, "compiles", False)
-        if compiled and cache._slots is None and not torch.compiler.is_compiling():
+        if compiled is not None:
+            assert decide is not None
             rid, steps = torch.tensor([list(decide[0]), list(decide[1])], dtype=torch.long, device=dev)
-            out = lean.compiled.decided(step[0], step[1], mask, cache, cache._kv_len, rid, steps, decide[2])
+            out = compiled.decided(step[0], step[1], mask, cache, cache._kv_len, rid, steps, decide[2])
         if out is None:
             out = decoder_forward(
                 model, step[0], mask, step[1], cache, last_index=step[1][:, 0], n_pos=cache._kv_len

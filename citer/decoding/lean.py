@@ -18,6 +18,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,13 +197,20 @@ class LeanDecoder:
         Returns the last layer's output after the final norm, (B, T, H). With :attr:`compiled` set
         (:mod:`citer.decoding.compiled`), calls without a cache or over a cache that says ``compiles`` run its
         graphs; the rest, and calls inside another compiled function, run eagerly."""
+        compiled = self.compiled_for(cache)
+        if compiled is not None:
+            return compiled(ids, pos, mask, cache, n_pos)
+        return self.eager_hidden(ids, pos, mask, cache, n_pos)
+
+    def compiled_for(self, cache: object | None) -> Any:
+        """:attr:`compiled` where a call over ``cache`` may run it (see :meth:`hidden`), else None."""
         if (
             self.compiled is not None
             and getattr(cache, "compiles", cache is None)
             and not torch.compiler.is_compiling()
         ):
-            return self.compiled(ids, pos, mask, cache, n_pos)
-        return self.eager_hidden(ids, pos, mask, cache, n_pos)
+            return self.compiled
+        return None
 
     def eager_hidden(
         self,
