@@ -119,9 +119,8 @@ class BatchStats:
     wait_row_steps: int = 0  # row-steps spent waiting for a shared LLM call (the latency shared calls add)
     wait_steps_per_llm_token: float = 0.0
     rolled_back_tokens: int = 0
-    overlapped_steps: int = (
-        0  # steps whose SLM call was queued while their LLM call was in flight (engine.overlap)
-    )
+    # steps whose SLM call was queued while their LLM call was in flight (engine.overlap)
+    overlapped_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
