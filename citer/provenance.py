@@ -6,7 +6,7 @@ wall time. Stage flows stamp every report file they wrote when they finish (:fun
 ``flows.common.locked``); benches stamp their own report with their arguments in place of params. The docs quote only
 files that carry an entry (``tests/test_docs_numbers.py``).
 
-Light on purpose: no MLflow or Prefect, and torch only to name the machine, so ``bench/gpu.py`` can use it too.
+Light on purpose: no MLflow or Prefect, and torch only to name the machine, so ``bench/speed.py`` can use it too.
 """
 
 from __future__ import annotations

@@ -41,15 +41,13 @@ class SideStream:
 
     @classmethod
     def for_engine(cls, engine: Any) -> SideStream:
-        """A stream of its own where the engine overlaps and its LLM is on CUDA -- unless the LLM's fixed-shape steps
-        replay CUDA-graph trees (``static_steps="reduce-overhead"``): their graphs share one memory pool and assume one
-        replay at a time, so there the catch-up stays on the current stream, launched before the SLM's step without a
-        host read between them."""
+        """A stream of its own where the engine overlaps and its LLM is on CUDA. Captured steps replay there too:
+        each model's graphs have a memory pool of their own (:mod:`citer.decoding.static_step`)."""
         llm = engine.llm
         if not getattr(engine, "overlap", False) or llm is None:
             return cls()
         dev = next(llm.parameters()).device
-        if dev.type != "cuda" or getattr(engine, "static_steps", None) == "reduce-overhead":
+        if dev.type != "cuda":
             return cls()
         return cls(torch.cuda.Stream(dev))
 

@@ -112,7 +112,7 @@ class CompiledHidden:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A decode step (ids, pos (B, 1)) over ``cache`` with the next step's decision in the same graph: logits
         (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each row's draws and
-        ``decision`` is a :class:`~citer.decoding.static_step.Decision`. None, having run nothing, when the router
+        ``decision`` is a :class:`~citer.decoding.step_compile.Decision`. None, having run nothing, when the router
         cannot be traced; the caller then decides eagerly, and so does every later call with that router."""
         if decision.router in self._untraceable:
             return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from torch import nn
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.choice import router_scores
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
+from citer.decoding.kv_cache import RaggedKVCache
 from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
 from citer.decoding.pairing import (
     PairingError,
@@ -39,18 +41,20 @@ from citer.decoding.pairing import (
     shared_vocab_size,
 )
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
-from citer.decoding.static_step import Decision, StaticSteps
+from citer.decoding.static_step import StaticSteps
+from citer.decoding.step_compile import Decision, StepMode
 from citer.decoding.verify import Verification, VerificationError
 
-# static_steps: None = the ragged eager call; "eager" = fixed-shape calls run eagerly; "aot_eager" = traced whole
-# (fullgraph) without code generation, the CPU check of capturability; "default" = torch.compile (Inductor);
-# "reduce-overhead" = torch.compile with CUDA graphs on a GPU.
-STATIC_STEPS: dict[str | None, dict | None] = {
+# static_steps (citer.decoding.static_step): None = the ragged eager call; "eager" = fixed-shape calls, bucketed, run
+# eagerly; "default" = compiled (Inductor), exact shapes, no captures (the CPU's fastest); "graphs" = compiled per
+# layer, bucketed, one capture per bucket (CUDA graphs on a GPU; on a CPU the same buffers replayed by calls);
+# "aot_eager" = "graphs" traced without code generation, the CPU check of the captured path.
+STATIC_STEPS: dict[str | None, StepMode | None] = {
     None: None,
-    "eager": None,
-    "aot_eager": {"backend": "aot_eager"},
-    "default": {},
-    "reduce-overhead": {"mode": "reduce-overhead"},
+    "eager": StepMode(buckets=True),
+    "default": StepMode("inductor"),
+    "graphs": StepMode("inductor", buckets=True, graphs=True, regional=True),
+    "aot_eager": StepMode("aot_eager", buckets=True, graphs=True, regional=True),
 }
 
 
@@ -156,6 +160,8 @@ class RoutedEngine:
             raise EngineInputError(f"overlap must be true or false, got {overlap!r}")
         self.overlap = overlap
         self._static: dict[str, StaticSteps | None] = {}
+        self._caches: tuple[RaggedKVCache, RaggedKVCache | None] | None = None
+        self._lease: weakref.ref[object] | None = None  # the session the pools are lent to
         self._decisions: dict[tuple[float, float, int], Decision] = {}
         try:
             self.verify = Verification(verify_rho, verify_window, verify_final)
@@ -171,9 +177,43 @@ class RoutedEngine:
             return None
         if which not in self._static:
             lean = lean_decoder(self.slm if which == "slm" else self.llm)
-            opts = STATIC_STEPS[self.static_steps]
-            self._static[which] = None if lean is None else StaticSteps(lean, opts)
+            mode = STATIC_STEPS[self.static_steps]
+            self._static[which] = None if lean is None or mode is None else StaticSteps(lean, mode)
         return self._static[which]
+
+    def caches_for(self, session: object) -> tuple[RaggedKVCache, RaggedKVCache | None]:
+        """The engine's two KV pools, lent to ``session`` while no other live session holds them (emptied, their
+        buffers and addresses kept, so captured steps replay across ``generate_batch`` calls); a second session at
+        the same time gets pools of its own."""
+        holder = self._lease() if self._lease is not None else None
+        if holder is not None and holder is not session and not getattr(holder, "closed", False):
+            return self._new_caches()
+        if self._caches is None:
+            self._caches = self._new_caches()
+        for c in self._caches:
+            if c is not None:
+                c.reset()
+        self._lease = weakref.ref(session)
+        return self._caches
+
+    def _new_caches(self) -> tuple[RaggedKVCache, RaggedKVCache | None]:
+        # Fixed-shape steps want few pool shapes: rows rounded to powers of two, columns to multiples of 128.
+        rounded = True if self.static_steps is not None else None
+        slm = RaggedKVCache(self.slm, 0, 0, round_shapes=rounded)
+        llm = RaggedKVCache(self.llm, 0, 0, round_shapes=rounded) if self.llm is not None else None
+        slm.static = self.static_for("slm")
+        if llm is not None:
+            llm.static = self.static_for("llm")
+        return slm, llm
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Size the engine's pools for ``rows`` rows of up to ``columns`` tokens now, before anything is timed or
+        served: a pool that grows later moves (captured steps re-capture) and, if its columns grow, recompiles."""
+        if self._caches is None:
+            self._caches = self._new_caches()
+        for c, m in zip(self._caches, (self.slm, self.llm), strict=True):
+            if c is not None and m is not None:
+                c.reserve(rows, columns, next(m.parameters()))
 
     def decision(self, sampling: tuple[float, float, int]) -> Decision:
         """What the SLM's fixed-shape steps decide with, for rows sampling with ``sampling``: one object per setting,
@@ -279,6 +319,7 @@ class RoutedEngine:
                     out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
                 out_tok[em.key].append(em.token)
                 out_llm[em.key].append(em.from_llm)
+        sess.closed = True  # the engine's pools are free for the next call
         rows, batch = sess.meter.finish(time.perf_counter() - t0)
         return GenerationResult(
             tokens=[out_tok[k] for k in keys],

@@ -69,6 +69,21 @@ class RaggedKVCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths, default=0)
 
+    def reset(self) -> None:
+        """Forget every row, keeping the buffers (and their addresses) for the next session."""
+        self.lengths = []
+
+    def reserve(self, rows: int, columns: int, like: torch.Tensor) -> None:
+        """Allocate (now, in ``like``'s dtype and device) room for ``rows`` slots of ``columns`` tokens."""
+        self.ensure_capacity(columns)
+        if rows > self._alloc:
+            alloc = 1 << (rows - 1).bit_length() if self.round_shapes else rows
+            self.keys = [self._grown(t, rows=alloc) for t in self.keys]
+            self.values = [self._grown(t, rows=alloc) for t in self.values]
+            self._alloc = alloc
+        for i in range(len(self.keys)):
+            self._buffers(i, like)
+
     def add_slots(self, k: int) -> list[int]:
         """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""
         n = len(self.lengths)
@@ -200,7 +215,7 @@ def ragged_append(
     mixed gaps; under a compiled forward, whenever chunks differ in length) and the packed mask stays small, pad
     otherwise (decode steps, where every chunk is one token). Returns logits (b, V) and
     hidden (b, H) at each row's last fed token. ``decide`` = (row ids, step indices, a
-    :class:`~citer.decoding.static_step.Decision`): a decode step of a model whose forward runs compiled also returns
+    :class:`~citer.decoding.step_compile.Decision`): a decode step of a model whose forward runs compiled also returns
     the next step's tokens (b,) and hard flags (b,) from the same graph (:meth:`citer.decoding.compiled.
     CompiledHidden.decided`); otherwise, or when the router cannot be traced, only the two.
     """

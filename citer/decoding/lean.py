@@ -17,64 +17,17 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from citer.decoding.layers import HeadShape, LayerWeights, attn_in, attn_out_mlp, fused_attention, rms_norm
+
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 # RoPE types whose inverse frequencies do not depend on the sequence length (dynamic/longrope re-scale per call).
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass
-class _Layer:
-    ln1: torch.Tensor  # (H,)
-    ln2: torch.Tensor  # (H,)
-    wqkv: torch.Tensor  # ((nh + 2 kv) D, H)
-    bqkv: torch.Tensor | None
-    q_norm: torch.Tensor | None  # (D,) Qwen3's per-head norms
-    k_norm: torch.Tensor | None
-    wo: torch.Tensor  # (H, nh D)
-    bo: torch.Tensor | None
-    wgu: torch.Tensor  # (2 I, H)
-    bgu: torch.Tensor | None
-    wd: torch.Tensor  # (H, I)
-    bd: torch.Tensor | None
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:  # one fused op; in float32 the same arithmetic as HF's RMSNorm
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    # As HF's RMSNorm: statistics in float32, the weight applied in the input dtype.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` in four ops, not seven: rotate_half(x) = cat(-x2, x1) and
-    cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2), the sign moved onto the table (an exact negation)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """One query per row, q (B, nh, 1, D), k/v (B, kv, K, D), mask (B, 1, 1, K) -> (B, nh, 1, D), as products and
-    sums Inductor fuses into a few loops. The CPU library kernel costs ~40 us a call at 32 rows of a small model,
-    mostly per-row setup; fused, a compiled SLM step over 32 rows took ~160 us instead of ~220."""
-    b, nh, _, d = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, nh // kv, 1, d)  # query heads grouped by the key head they read
-    s = (qg * k[:, :, None]).sum(-1) * scale  # (B, kv, g, K)
-    if mask is not None:
-        m = mask.reshape(b, 1, 1, -1)
-        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
-    p = s.softmax(-1)
-    return (p[..., None] * v[:, :, None]).sum(-2).reshape(b, nh, 1, d)
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,6 +75,8 @@ class LeanDecoder:
         self.head_dim = int(attn0.head_dim)
         self.scale = float(attn0.scaling)
         self.eps = float(cfg.rms_norm_eps)
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", None) or 4096)
+        self.shape = HeadShape(self.n_heads, self.n_kv, self.head_dim, self.eps, self.scale)
         self.embed = dec.embed_tokens.weight  # (V, H)
         self.norm = dec.norm.weight
         self.head = model.get_output_embeddings().weight  # (V, H), tied or not
@@ -129,14 +84,14 @@ class LeanDecoder:
         self.inv_freq = rot.inv_freq.detach().float()  # (D/2,)
         self.rope_scale = float(rot.attention_scaling)
         self._rope_tab: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.layers: list[_Layer] = []
+        self.layers: list[LayerWeights] = []
         for layer in dec.layers:
             a, m = layer.self_attn, layer.mlp
             wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
             wgu, bgu = _fuse([m.gate_proj, m.up_proj])
             qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
             self.layers.append(
-                _Layer(
+                LayerWeights(
                     ln1=layer.input_layernorm.weight,
                     ln2=layer.post_attention_layernorm.weight,
                     wqkv=wqkv,
@@ -152,6 +107,16 @@ class LeanDecoder:
                 )
             )
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor a forward reads (embedding, head, final norm, every layer's weights, biases and norms,
+        the RoPE tables built so far): what a captured step must find at the same address at every replay."""
+        out = [self.embed, self.head, self.norm]
+        for L in self.layers:
+            out += [t for t in vars(L).values() if isinstance(t, torch.Tensor)]
+        for tab in self._rope_tab.values():
+            out += list(tab)
+        return out
+
     def stale(self, model: nn.Module) -> bool:
         """True when the model's weights were moved or replaced since this view was built (``.to``, ``.half``).
         Checked on every call, so it reads two module attributes, not HF's accessors (~1 us, not ~14)."""
@@ -161,9 +126,9 @@ class LeanDecoder:
     def rope(self, pos: torch.Tensor, n_pos: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """pos (B, T), every entry < ``n_pos`` -> cos, signed sin (B, T, 1, D): rows of a table computed as HF's
         rotary embedding computes them (elementwise, so a row equals HF's value at that position), the sine's first
-        half negated for :func:`_rotate`."""
+        half negated for :func:`~citer.decoding.layers.rotate`."""
         tab = self.rope_table(n_pos, dtype, pos.device)
-        return tab[0][pos][:, :, None], tab[1][pos][:, :, None]
+        return F.embedding(pos, tab[0])[:, :, None], F.embedding(pos, tab[1])[:, :, None]
 
     def rope_table(
         self, n_pos: int, dtype: torch.dtype, device: torch.device
@@ -222,38 +187,21 @@ class LeanDecoder:
         fused_decode: bool = False,
     ) -> torch.Tensor:
         """:meth:`hidden`'s arithmetic, op by op (the body ``torch.compile`` traces). ``fused_decode``: one-query
-        rows attend through :func:`_decode_attention`, for a compiler to fuse (the same math, other rounding)."""
-        b, t = ids.shape
+        rows attend through :func:`fused_attention`, for a compiler to fuse (the same math, other rounding)."""
+        t = ids.shape[1]
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
-        nh, nkv, d = self.n_heads, self.n_kv, self.head_dim
         varlen = getattr(cache, "varlen", None)
         for i, L in enumerate(self.layers):
-            qkv = F.linear(_rms(x, L.ln1, self.eps), L.wqkv, L.bqkv).view(b, t, nh + 2 * nkv, d)
-            if L.q_norm is not None:  # Qwen3: a norm per head before RoPE
-                qk = torch.cat(
-                    (
-                        _rms(qkv[:, :, :nh], L.q_norm, self.eps),
-                        _rms(qkv[:, :, nh : nh + nkv], L.k_norm, self.eps),
-                    ),
-                    dim=2,
-                )  # type: ignore[arg-type]
-            else:
-                qk = qkv[:, :, : nh + nkv]
-            qk = _rotate(qk, cos, sin)  # (B, T, nh + kv, D): queries and keys in one rotation
-            q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, D)
-            k = qk[:, :, nh:].transpose(1, 2)  # (B, kv, T, D)
-            v = qkv[:, :, nh + nkv :].transpose(1, 2)
+            q, k, v = attn_in(x, L, self.shape, cos, sin)  # (B, nh, T, D), (B, kv, T, D) x2
             if cache is not None:
                 k, v = cache.update(k, v, i)  # type: ignore[attr-defined]
             if fused_decode and varlen is None and t == 1:
-                o = _decode_attention(q, k, v, mask, self.scale)
+                o = fused_attention(q, k, v, mask, self.scale)
             else:
                 o = self._attend(q, k, v, mask, varlen)  # (B, nh, T, D)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, t, nh * d), L.wo, L.bo)
-            g, u = F.linear(_rms(x, L.ln2, self.eps), L.wgu, L.bgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, L.wd, L.bd)
-        return _rms(x, self.norm, self.eps)
+            x = attn_out_mlp(x, o.transpose(1, 2).reshape(x.shape[0], t, -1), L, self.eps)
+        return rms_norm(x, self.norm, self.eps)
 
     def _attend(
         self,

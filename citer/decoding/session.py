@@ -40,7 +40,7 @@ from citer.decoding.choice import (
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter, RowStats
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.kv_cache import ragged_append
 from citer.decoding.lean import runs_compiled
 from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
 
@@ -64,11 +64,12 @@ class DecodeSession(CatchUpCalls):
         self.max_rows = max_rows
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
-        self.slm_cache = RaggedKVCache(engine.slm, 0, capacity)
-        self.llm_cache = RaggedKVCache(engine.llm, 0, capacity) if engine.llm is not None else None
-        self.slm_cache.static = engine.static_for("slm")
-        if self.llm_cache is not None:
-            self.llm_cache.static = engine.static_for("llm")
+        # The engine's pools (kept across sessions, so captured steps keep their addresses), or this session's own
+        # while another session holds them.
+        self.slm_cache, self.llm_cache = engine.caches_for(self)
+        self.closed = False  # set when the caller is done: the engine may lend the pools to the next session
+        if capacity:
+            self.reserve(capacity)
         # Where an overlapped catch-up runs (citer.decoding.catch_up).
         self.side = SideStream.for_engine(engine)
         self.rows: list[Row] = []  # slot -> row: active rows in slot order

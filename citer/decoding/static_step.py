@@ -1,20 +1,25 @@
-"""Fixed-shape decode steps over a ragged cache's slot pool, for graph capture (CUDA graphs) or ``torch.compile``.
+"""Fixed-shape steps over a slot pool, captured per bucket: the session's decode steps and LLM catch-ups.
 
-:func:`static_append` is the whole forward of one call as tensor ops on fixed shapes: ``B`` rows (a bucket: 1, 2, 4,
-8, ...), ``Q`` tokens per row (a bucket too: 1 for an SLM step, more for an LLM catch-up) and every column of the
-pool (``K = capacity + 1``, the last one the trash column padded queries write to). Nothing in it reads a value back
-to the host or makes a shape from data, so ``torch.compile(fullgraph=True)`` traces it without a break and a bucket
-never recompiles; on CUDA, ``mode="reduce-overhead"`` replays it as a CUDA graph (the pool's buffers are marked static
-addresses, so K/V are written in place). Admission, retirement and growth of the pool stay eager; growing the pool
-or its columns changes ``K`` or the buffers and so is a rare, explicit re-capture.
+Decode steps (the SLM's, or one model decoding alone) and LLM catch-ups of up to ``static_q`` tokens run here when the
+engine asks for fixed-shape steps (``RoutedEngine(static_steps=...)``); their forward is compiled once per model and
+call kind (:mod:`citer.decoding.step_compile`). With ``StepMode.graphs`` rows and tokens are bucketed to powers of two
+and each bucket's call (forward and decision) is captured as a CUDA graph (``torch.cuda.CUDAGraph``, one memory pool
+per model's steps, so two models' graphs can replay at once on two streams) over fixed input buffers; a replay stages
+the step's indices (one host-to-device copy from page-locked memory), replays, and copies out what the session keeps.
+Off CUDA the same buffers and buckets are replayed by calling the step, so a CPU test runs this path whole. The pools
+are the engine's (:meth:`~citer.decoding.engine.RoutedEngine.reserve`), kept across sessions; when one moves (it
+grew) its captures are made again, and the RoPE tables are sized for the model's whole context up front so they
+never move.
 
-:class:`StaticSteps` turns a ragged call (chunks per slot) into padded bucket inputs and back. Pad rows and pad tokens
-repeat a real position and write to the trash column, so they change no real row's logits.
-Shapes: B = rows bucket, Q = tokens bucket, K = capacity + 1, H = hidden, V = vocab, kv/D = heads/head_dim.
+Pad rows and pad tokens repeat a real position and write to the trash column, so they change no real row's logits.
+A router the graph cannot hold (one that reads the host) is found by tracing its decision once
+(``torch.compile(fullgraph=True)``) before any capture; it then decides eagerly after the step, with a warning.
+Shapes: B = rows bucket, Q = tokens bucket, V = vocab, H = hidden.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,8 +29,20 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from citer.decoding.choice import Sampling, step_decisions
 from citer.decoding.lean import LeanDecoder
+from citer.decoding.step_compile import (
+    Decision,
+    StepKind,
+    StepMode,
+    compile_context,
+    compiled_pieces,
+    decide_body,
+    mark_dims,
+    mark_static,
+    own_code,
+    step_body,
+    step_stats,
+)
 
 
 def bucket(n: int) -> int:
@@ -33,100 +50,60 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class _PoolWriter:
-    """The ``update`` the lean forward calls per layer: write this call's K/V at (slot, column), return the slots'
-    whole rows of the pool (B, kv, K, D)."""
+@dataclass
+class _Capture:
+    """One bucket's call on fixed buffers: its inputs (the slice of the input buffer it reads), the call, and (CUDA)
+    the captured graph whose replay rewrites ``out``."""
 
-    def __init__(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], slots: torch.Tensor, cols: torch.Tensor
-    ):
-        self.keys, self.values, self.slots, self.cols = keys, values, slots, cols
+    inputs: torch.Tensor
+    run: Callable[[], tuple[torch.Tensor, ...]]
+    graph: Any = None
+    out: tuple[torch.Tensor, ...] = ()
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kb, vb = self.keys[layer], self.values[layer]
-        rows = self.slots[:, None]  # (B, 1)
-        kb[rows, :, self.cols] = k.transpose(1, 2)  # (B, Q, kv, D) into (slot, :, col)
-        vb[rows, :, self.cols] = v.transpose(1, 2)
-        return kb.index_select(0, self.slots), vb.index_select(0, self.slots)
-
-
-def static_append(
-    lean: LeanDecoder,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    cols: torch.Tensor,
-    slots: torch.Tensor,
-    last: torch.Tensor,
-    every: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed-shape call. ids, pos, cols (B, Q) long; slots (B,) pool rows; last (B,) the index of each row's last
-    real token. keys/values: per layer the pool (R, kv, K, D). Returns logits (B, V) and hidden (B, H) there
-    (``every``: (B, Q, V) and (B, Q, H) at every position, a graph of its own)."""
-    k_cols = keys[0].shape[2]
-    mask = torch.arange(k_cols, device=pos.device) <= pos[:, None, :, None]  # (B, 1, Q, K)
-    hidden = lean.hidden(ids, pos, mask, _PoolWriter(keys, values, slots, cols), k_cols)  # (B, Q, H)
-    if every:
-        return lean.logits(hidden), hidden
-    hidden = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # (B, H)
-    return lean.logits(hidden), hidden
-
-
-def static_decide(
-    decision: Decision, rid: torch.Tensor, steps: torch.Tensor, *call: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An SLM decode step with its decision in the same graph: :func:`static_append` over ``call`` (its arguments),
-    then the router's score, the token choice and the hard flag (:func:`~citer.decoding.choice.step_decisions`)
-    for every row. rid/steps (B,) key each row's draws at the step that reads this decision. Returns logits (B, V),
-    hidden (B, H), tokens (B,) long and hard (B,) bool."""
-    logits, hidden = static_append(*call)
-    d = decision
-    tokens, hard = step_decisions(
-        logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling
-    )
-    return logits, hidden, tokens, hard
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a step's decision reads besides the model: the router (``takes_rows``: it keys draws on row ids), τ,
-    the shared vocabulary and the rows' one sampling setting (temperature, top_p, seed). A traced step guards on
-    these, so one object per (engine, sampling) keeps one graph per bucket."""
-
-    router: Callable[..., torch.Tensor]
-    takes_rows: bool
-    tau: float
-    vocab_size: int
-    sampling: Sampling
+    def replay(self) -> tuple[torch.Tensor, ...]:
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        return self.out
 
 
 class StaticSteps:
-    """Bucketed fixed-shape calls of one model over one :class:`~citer.decoding.kv_cache.RaggedKVCache`.
+    """Bucketed (or exact) fixed-shape calls of one model over a :class:`~citer.decoding.kv_cache.RaggedKVCache`'s
+    pool, in one :class:`StepMode`; one object per engine and model, its compiled pieces the model's."""
 
-    ``compile``: None runs :func:`static_append` eagerly; otherwise ``torch.compile`` options (e.g.
-    ``{"mode": "reduce-overhead"}`` on CUDA for CUDA graphs, ``{"backend": "aot_eager"}`` to check capturability
-    on a CPU), always ``fullgraph=True`` and ``dynamic=False``: one graph per (B, Q, pool) bucket.
-    """
+    def __init__(self, lean: LeanDecoder, mode: StepMode) -> None:
+        self.lean, self.mode = lean, mode
+        self.stats = step_stats(lean)
+        self.compiled = compiled_pieces(lean, mode) if mode.backend is not None else None
+        dev = lean.embed.device
+        self.device = dev
+        self.cuda = dev.type == "cuda"
+        # RoPE tables for the model's whole context now, so no later call (this one's or the ragged path's) moves them.
+        lean.rope_table(lean.max_positions, lean.embed.dtype, dev)
+        for t in lean.static_tensors():
+            mark_static(t)
+        self._untraceable: weakref.WeakSet[Any] = weakref.WeakSet()  # routers whose decision cannot be traced
+        self._decide_fns: dict[Decision, Callable[..., Any]] = {}
+        # graphs: the fixed input buffer, the captures by (B, Q, kind, decision), and what they were captured against
+        self._in: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None
+        self._staged: Any = None  # the event after the last staging copy (CUDA)
+        self._captures: dict[tuple[Any, ...], _Capture] = {}
+        self._against: tuple[torch.Tensor, ...] = ()
+        self._mempool = torch.cuda.graph_pool_handle() if mode.graphs and self.cuda else None
 
-    def __init__(self, lean: LeanDecoder, compile: dict[str, Any] | None = None) -> None:
-        self.lean = lean
-        self.fn: Callable[..., Any] = static_append
-        self.decide_fn: Callable[..., Any] = static_decide
-        if compile is not None:
-            # One graph per bucket: raise dynamo's per-function limit above the buckets a session can use.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self.fn = torch.compile(static_append, fullgraph=True, dynamic=False, **compile)
-            self.decide_fn = torch.compile(static_decide, fullgraph=True, dynamic=False, **compile)
-        self._marked: set[int] = set()
-        self._untraceable: weakref.WeakSet[Any] = weakref.WeakSet()  # routers whose trace failed
-        # CUDA graphs (reduce-overhead) hand back outputs in the graph's own memory, which its next replay overwrites;
-        # the session keeps a step's logits and decisions past that, so they are copied out (b x V, small).
-        self._copy_out = bool(compile and compile.get("mode") == "reduce-overhead" and lean.embed.is_cuda)
+    # -- kinds -------------------------------------------------------------------------------------------------------
+    def _kind(self, step: bool, every: bool) -> StepKind:
+        """A decode step over the slot prefix, or a catch-up over named slots. Regional pieces serve both with one
+        layer graph (the step's rows gathered like a catch-up's, Q a symbol), so a model compiles one layer and one
+        head for every bucket; a whole-step graph specializes the step (a slice of the prefix, Q = 1). Compiled, the
+        attention is fused products and sums (``lean._decode_attention``); eager, two batched matrix products."""
+        fused = self.compiled is not None
+        if step and not self.mode.regional:
+            return StepKind(prefix=True, q1=True, every=False, fused=fused)
+        return StepKind(prefix=False, q1=False, every=every, fused=fused)
 
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clone() if self._copy_out else x
-
+    # -- the session's calls -----------------------------------------------------------------------------------------
     def __call__(
         self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,14 +111,14 @@ class StaticSteps:
         (an empty chunk holds its row, as in :func:`~citer.decoding.kv_cache.ragged_append`); ``every``: (b, Q, .)
         at every position, Q = the longest chunk."""
         b = len(chunks)
-        keys, values, t, extra = self._inputs(cache, chunks, slots)
-        logits, hidden = self.fn(self.lean, keys, values, *t, *extra, every)
+        q = max(len(c) for c in chunks)
+        kind = self._kind(step=False, every=every)
+        logits, hidden = self._call(cache, chunks, list(slots), kind, None, (), ())
         for s, c in zip(slots, chunks, strict=True):
             cache.lengths[s] += len(c)
         if every:
-            g = max(len(c) for c in chunks)
-            return self._out(logits[:b, :g]), self._out(hidden[:b, :g])
-        return self._out(logits[:b]), self._out(hidden[:b])
+            return self._keep(logits[:b, :q]), self._keep(hidden[:b, :q])
+        return self._keep(logits[:b]), self._keep(hidden[:b])
 
     def decided(
         self,
@@ -150,67 +127,232 @@ class StaticSteps:
         rid: Sequence[int],
         steps: Sequence[int],
         decision: Decision,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step over the slot prefix (``chunks[i]``: slot i's one token, or empty to hold it) with the next
-        step's decision in the same graph: logits (b, V), hidden (b, H), tokens (b,) and hard flags (b,);
-        ``rid``/``steps`` (b,) key each row's draws. None, having run nothing, when the router cannot be traced
-        (a host read, an unsupported op): the caller then decides eagerly, and so does every later call."""
-        if decision.router in self._untraceable:
-            return None
+        step's decision right after it: logits (b, V), hidden (b, H), tokens (b,) and hard flags (b,);
+        ``rid``/``steps`` (b,) key each row's draws. A router whose decision cannot be traced decides eagerly after
+        the step (warned once)."""
         b = len(chunks)
-        slots = range(b)
-        keys, values, t, extra = self._inputs(cache, chunks, slots)
-        big_b = t.shape[1]
-        draw = torch.tensor(
-            [[*rid, *[0] * (big_b - b)], [*steps, *[0] * (big_b - b)]], dtype=torch.long, device=cache.device
-        )  # (2, B)
-        try:
-            out = self.decide_fn(decision, draw[0], draw[1], self.lean, keys, values, *t, *extra)
-        except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing or compiling: nothing has run
-            self._untraceable.add(decision.router)
-            warnings.warn(
-                f"the router cannot run inside the step's graph ({err}); deciding eagerly", stacklevel=2
-            )
-            return None
-        for s, c in zip(slots, chunks, strict=True):
+        out = self._call(
+            cache, chunks, list(range(b)), self._kind(step=True, every=False), decision, rid, steps
+        )
+        for s, c in zip(range(b), chunks, strict=True):
             cache.lengths[s] += len(c)
-        return tuple(self._out(x[:b]) for x in out)  # type: ignore[return-value]
+        logits, hidden = self._keep(out[0][:b]), self._keep(out[1][:b])
+        if len(out) == 2:  # the router's decision cannot be traced: decided eagerly, after the step
+            dev = logits.device
+            r, st = (torch.tensor(list(x), dtype=torch.long, device=dev) for x in (rid, steps))
+            return logits, hidden, *decide_body(logits, hidden, r, st, decision)
+        return logits, hidden, self._keep(out[2][:b]), self._keep(out[3][:b])
 
-    def _inputs(
-        self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The pool's per-layer keys and values, ids/pos/cols (3, B, Q) and slots/last (2, B) of one bucketed call."""
+    def _keep(self, x: torch.Tensor) -> torch.Tensor:
+        """A copy of a captured graph's output (its next replay overwrites it); other outputs as they are."""
+        return x.clone() if self.mode.graphs and self.cuda else x
+
+    # -- inputs ------------------------------------------------------------------------------------------------------
+    def _shape(self, b: int, q: int) -> tuple[int, int]:
+        return (bucket(b), bucket(q)) if self.mode.buckets else (b, q)
+
+    def _host_inputs(
+        self,
+        cache: Any,
+        chunks: Sequence[Sequence[int]],
+        slots: list[int],
+        big_b: int,
+        big_q: int,
+        kind: StepKind,
+        rid: Sequence[int],
+        steps: Sequence[int],
+    ) -> list[int]:
+        """The call's indices as one flat list: ids, pos, cols, tok_slot (B*Q each), then slots, last, rid, steps (B
+        each). A held or pad row re-queries its last position and writes only to the trash column; a prefix call's pad
+        rows are the next slots (the pool's rows are a power of two, so they exist), a gathered call's repeat slot 0."""
         b = len(chunks)
-        big_b, q = bucket(b), bucket(max(len(c) for c in chunks))
-        keys, values = self._pool(cache)
-        ids, pos, cols = [], [], []
-        # Pad rows write only to the trash column, which no query attends, so any slot serves; slot 0 always exists.
-        slot_row = list(slots) + [slots[0]] * (big_b - b)
+        trash = cache.capacity
+        ids: list[int] = []
+        pos: list[int] = []
+        cols: list[int] = []
+        tok: list[int] = []
+        slot_row = slots + ([*range(b, big_b)] if kind.prefix else [slots[0]] * (big_b - b))
         for i in range(big_b):
             c = chunks[i] if i < b else []
             n = cache.lengths[slots[i]] if i < b else 1
-            if not c:  # held or pad row: re-query the last position, write to the trash column
-                ids.append([0] * q)
-                pos.append([max(n - 1, 0)] * q)
-                cols.append([cache.capacity] * q)
+            tok += [slot_row[i]] * big_q
+            if not c:
+                ids += [0] * big_q
+                pos += [max(n - 1, 0)] * big_q
+                cols += [trash] * big_q
                 continue
             g = len(c)
-            ids.append(list(c) + [c[-1]] * (q - g))
-            pos.append([n + min(j, g - 1) for j in range(q)])
-            cols.append([n + j if j < g else cache.capacity for j in range(q)])
+            ids += [*c, *[c[-1]] * (big_q - g)]
+            pos += [n + min(j, g - 1) for j in range(big_q)]
+            cols += [n + j if j < g else trash for j in range(big_q)]
         last = [max(len(chunks[i]), 1) - 1 if i < b else 0 for i in range(big_b)]
-        dev = cache.device
-        t = torch.tensor([ids, pos, cols], dtype=torch.long, device=dev)  # (3, B, Q)
-        extra = torch.tensor([slot_row, last], dtype=torch.long, device=dev)  # (2, B)
-        return keys, values, t, extra
+        pad = [0] * (big_b - len(rid)) if rid else [0] * big_b
+        return ids + pos + cols + tok + slot_row + last + [*rid, *pad] + [*steps, *pad]
+
+    @staticmethod
+    def _views(flat: torch.Tensor, big_b: int, big_q: int) -> list[torch.Tensor]:
+        """ids, pos, cols, tok_slot (B, Q) and slots, last, rid, steps (B,) as views of a flat buffer."""
+        n = big_b * big_q
+        out = [flat[i * n : (i + 1) * n].view(big_b, big_q) for i in range(4)]
+        base = 4 * n
+        return out + [flat[base + i * big_b : base + (i + 1) * big_b] for i in range(4)]
 
     def _pool(self, cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         like = self.lean.embed
         bufs = [cache._buffers(i, like) for i in range(len(self.lean.layers))]
         keys, values = [k for k, _ in bufs], [v for _, v in bufs]
-        if like.is_cuda:  # CUDA graphs write K/V in place only into buffers at fixed addresses
-            for t in (*keys, *values):
-                if id(t) not in self._marked:
-                    torch._dynamo.mark_static_address(t)
-                    self._marked.add(id(t))
+        for t in (*keys, *values):
+            mark_static(t)
         return keys, values
+
+    # -- running -----------------------------------------------------------------------------------------------------
+    def _call(
+        self,
+        cache: Any,
+        chunks: Sequence[Sequence[int]],
+        slots: list[int],
+        kind: StepKind,
+        decision: Decision | None,
+        rid: Sequence[int],
+        steps: Sequence[int],
+    ) -> tuple[torch.Tensor, ...]:
+        b, q = len(chunks), max(len(c) for c in chunks)
+        big_b, big_q = self._shape(b, 1 if kind.q1 else q)
+        self.stats.buckets.add((big_b, big_q))
+        keys, values = self._pool(cache)
+        flat = self._host_inputs(cache, chunks, slots, big_b, big_q, kind, rid, steps)
+        if not self.mode.graphs:
+            t = torch.tensor(flat, dtype=torch.long, device=self.device)
+            return self._run(keys, values, self._views(t, big_b, big_q), kind, decision)
+        cap = self._capture_for(cache, keys, values, big_b, big_q, kind, decision)
+        self._stage(cap.inputs, flat)
+        return cap.replay()
+
+    def _run(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        views: list[torch.Tensor],
+        kind: StepKind,
+        decision: Decision | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The forward (compiled or eager) and, for a decided step, the decision after it."""
+        ids, pos, cols, tok_slot, slots, last, rid, steps = views
+        args = (self.lean, keys, values, ids, pos, cols, tok_slot, slots, last, kind)
+        logits, hidden = step_body(*args) if self.compiled is None else self.compiled.forward(args, kind)
+        if decision is None or decision.router in self._untraceable:
+            return logits, hidden
+        try:
+            tokens, hard = self._decide(decision)(logits, hidden, rid, steps, decision)
+        except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing, before the decision ran
+            self._untraceable.add(decision.router)
+            warnings.warn(
+                f"the router cannot run inside the step's graph ({err}); deciding eagerly", stacklevel=5
+            )
+            return logits, hidden
+        return logits, hidden, tokens, hard
+
+    # -- decisions ---------------------------------------------------------------------------------------------------
+    def _decide(self, d: Decision) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The decision as it runs inside a step. Traced whole once (``fullgraph``, rows a symbol) where the step is
+        captured or traced by a checking backend, so that a router which reads the host is found before any capture:
+        Inductor modes only trace it (backend ``eager``), others use their backend. Elsewhere it runs eagerly."""
+        fn = self._decide_fns.get(d)
+        if fn is not None:
+            return fn
+        if self.mode.backend is None or (self.mode.backend == "inductor" and not self.mode.graphs):
+            fn = decide_body
+        else:
+            backend = "eager" if self.mode.backend == "inductor" else self.mode.backend
+            own = own_code(decide_body, f"{id(self):x}_{len(self._decide_fns)}")
+            traced = torch.compile(own, fullgraph=True, dynamic=None, backend=backend)
+
+            def fn(*a: Any, traced: Any = traced) -> tuple[torch.Tensor, torch.Tensor]:
+                for t in a[:4]:
+                    mark_dims(t, 0)
+                with compile_context():
+                    out = traced(*a)
+                self.stats.decision_traces = len(self._decide_fns)
+                return out
+
+        self._decide_fns[d] = fn
+        return fn
+
+    # -- captures ----------------------------------------------------------------------------------------------------
+    def _capture_for(
+        self,
+        cache: Any,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        big_b: int,
+        big_q: int,
+        kind: StepKind,
+        decision: Decision | None,
+    ) -> _Capture:
+        against = (*keys, *values)
+        if len(against) != len(self._against) or any(
+            a is not b for a, b in zip(against, self._against, strict=True)
+        ):
+            if self._captures:
+                self.stats.recaptures += 1
+            self._captures.clear()  # the pool moved: captures read the old addresses
+            self._against = against
+        key = (big_b, big_q, kind, decision)
+        cap = self._captures.get(key)
+        if cap is not None:
+            return cap
+        need = 4 * big_b * big_q + 4 * big_b
+        if self._in is None or self._in.numel() < need:
+            self._captures.clear()  # a larger input buffer: every capture reads the old one
+            self._in = torch.zeros(max(need, 1024), dtype=torch.long, device=self.device)
+            mark_static(self._in)
+            if self.cuda:
+                self._pinned = torch.zeros(self._in.numel(), dtype=torch.long).pin_memory()
+        flat = self._in[:need]
+        views = self._views(flat, big_b, big_q)
+        for v in views:
+            mark_static(v)
+        # Harmless inputs for the warm-up: every token writes to the trash column of slot 0.
+        views[2].fill_(cache.capacity)
+
+        def run() -> tuple[torch.Tensor, ...]:
+            return self._run(keys, values, views, kind, decision)
+
+        cap = _Capture(flat, run)
+        if self.cuda and self.mode.graphs:
+            cap = self._cuda_capture(cap)
+        self._captures[key] = cap
+        return cap
+
+    def _cuda_capture(self, cap: _Capture) -> _Capture:
+        """Warm the call up on a side stream (compiles happen here, never inside a capture), then capture it."""
+        t = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            cap.run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            out = cap.run()
+        cap.graph, cap.out = graph, out
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t
+        return cap
+
+    def _stage(self, dst: torch.Tensor, flat: list[int]) -> None:
+        """Copy the call's indices into the fixed input buffer: on CUDA through page-locked memory, queued on the
+        current stream (the host does not wait for the device)."""
+        n = len(flat)
+        if not self.cuda:
+            dst.copy_(torch.tensor(flat, dtype=torch.long))
+            return
+        assert self._pinned is not None
+        if self._staged is not None:
+            self._staged.synchronize()  # the last copy out of the page-locked buffer is done
+        self._pinned.numpy()[:n] = flat
+        dst.copy_(self._pinned[:n], non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_qwen2
@@ -127,19 +129,22 @@ def test_a_router_the_graph_cannot_hold_decides_eagerly_with_the_same_tokens(pai
 
 def test_unknown_static_steps_mode_is_refused(pair):
     with pytest.raises(EngineInputError, match="static_steps"):
-        RoutedEngine(*pair, RandomRouter(0.3), static_steps="graphs")
+        RoutedEngine(*pair, RandomRouter(0.3), static_steps="reduce-overhead")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("router", ["random", "mlp"])
-def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch, router):
-    """The CPU proxy for CUDA-graph capture: ``fullgraph=True`` fails on any graph break or host read (``.item()``,
-    ``.tolist()``, a data-dependent shape), and a second session with other tokens in the same buckets adds no
-    graph. The SLM step's graph holds the step's decision too: the router's score and the token choice."""
+def test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket(pair, monkeypatch, router):
+    """The CPU proxy for CUDA-graph capture (the "graphs" mode with a checking backend): ``fullgraph=True`` fails on any
+    graph break or host read (``.item()``, ``.tolist()``, a data-dependent shape); each model compiles its layer and
+    its head once, and a second engine with other batch sizes, prompt lengths and tokens (other buckets) compiles
+    nothing more. The step's decision is traced whole too: the router's score and the token choice."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from citer.decoding import engine as engine_mod
+    from citer.decoding.lean import lean_decoder
+    from citer.decoding.step_compile import step_stats
 
     slm, llm = pair
     torch._dynamo.reset()
@@ -154,35 +159,32 @@ def test_steps_trace_whole_and_never_recompile_inside_a_bucket(pair, monkeypatch
         traced.append(names)
         return gm.forward
 
-    monkeypatch.setitem(engine_mod.STATIC_STEPS, "checked", {"backend": checking_backend})
-
-    mlp = _mlp_router(32)  # one router: a graph is traced for the router it scores with
+    mode = engine_mod.STATIC_STEPS["graphs"]
+    monkeypatch.setitem(
+        engine_mod.STATIC_STEPS, "checked", dataclasses.replace(mode, backend=checking_backend)
+    )
+    mlp = _mlp_router(32)
 
     def make(seed):
         return RandomRouter(0.3, seed=seed) if router == "random" else mlp
 
-    def run(prompts, seed):
+    def run(prompts, seed, max_rows):
         eng = RoutedEngine(slm, llm, make(seed), static_steps="checked")
-        sess = eng.session(max_rows=4)
-        sess.reserve(48)  # one pool size: K is part of a bucket
-        keys = [sess.add(p, 12) for p in prompts]
-        out = {k: [] for k in keys}
-        while sess.busy:
-            for em in sess.step():
-                out[em.key].append(em.token)
-        return [out[k] for k in keys]
+        return eng.generate_batch(prompts, 12, max_rows=max_rows).tokens
 
-    ref = RoutedEngine(slm, llm, make(0)).generate_batch(PROMPTS[:4], 12)
-    assert run(PROMPTS[:4], 0) == ref.tokens
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0
-    # Every step already moved positions and lengths inside its buckets; other tokens of the same lengths replay the
-    # same buckets (the random coin routes them alike; the MLP routes by content, so it gets the same tokens again,
-    # through a new engine and session: a step's decision adds no graph per engine).
-    run([[t + 1 for t in p] for p in PROMPTS[:4]] if router == "random" else PROMPTS[:4], 0)
-    assert counters["stats"]["unique_graphs"] == graphs  # same buckets: no new graph
+    stats = [step_stats(lean_decoder(m)) for m in pair]
+    before = [s.compiles for s in stats]
+    ref = RoutedEngine(slm, llm, make(0)).generate_batch(PROMPTS[:4], 12, max_rows=4)
+    assert run(PROMPTS[:4], 0, 4) == ref.tokens
+    first = [s.compiles - b for s, b in zip(stats, before, strict=True)]
+    assert first == [2, 2]  # per model: one layer and one head, for every bucket the run used
+    assert len(stats[1].buckets) > 1
+    other = [[t + 1 for t in p] + [7] * i for i, p in enumerate(PROMPTS)]
+    ref = RoutedEngine(slm, llm, make(1)).generate_batch(other, 12, max_rows=3)
+    assert run(other, 1, 3) == ref.tokens
+    assert [s.compiles - b for s, b in zip(stats, before, strict=True)] == first  # no new forward graph
     assert not counters["graph_break"] and host_reads == []
-    # A decode step's graph ends in the choice (argmax) and the router (its sigmoid, or the random coin's hash).
+    # The decision's graph ends in the choice (argmax) and the router (its sigmoid, or the random coin's hash).
     mark = "sigmoid" if router == "mlp" else "xor"
     assert any({"argmax", mark, "lt"} <= names for names in traced)
 
@@ -205,3 +207,41 @@ def test_a_session_steps_both_models_through_the_engines_fixed_shape_steps(pair,
     steps = {"slm": eng.static_for("slm"), "llm": eng.static_for("llm")}
     assert all(s is not None for s in steps.values())
     assert {id(s) for s in used} == {id(s) for s in steps.values()}
+
+
+def test_every_tensor_a_captured_step_reads_from_outside_is_a_static_address(pair, monkeypatch):
+    """Under CUDA graphs an input that is not a static address is copied into the graph's own buffer at every replay
+    (half a model's weights per step, for fused matrices that are plain tensors). Trace the "graphs" steps with a
+    backend that records their inputs: every input whose memory existed before the step (weights, norms, RoPE
+    tables, pools, the fixed input buffer) is marked static, and the list the steps expose covers every parameter."""
+    from citer.decoding import engine as engine_mod
+    from citer.decoding.lean import lean_decoder
+
+    seen: list[torch.Tensor] = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
+        return gm.forward
+
+    mode = dataclasses.replace(engine_mod.STATIC_STEPS["graphs"], backend=recording_backend)
+    monkeypatch.setitem(engine_mod.STATIC_STEPS, "recorded", mode)
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), static_steps="recorded")
+    eng.generate_batch(PROMPTS, 8, max_rows=3)
+    assert seen
+
+    def ptr(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    outside: set[int] = set()
+    for m, which in zip(pair, ("slm", "llm"), strict=True):
+        listed = {ptr(t) for t in lean_decoder(m).static_tensors()}
+        assert {ptr(p) for p in m.parameters()} <= listed  # the exposed list misses no weight
+        outside |= listed | {ptr(eng.static_for(which)._in)}
+    for cache in eng._caches:
+        outside |= {ptr(t) for t in (*cache.keys, *cache.values)}
+    from_outside = [t for t in seen if ptr(t) in outside]
+    assert len(from_outside) > len(
+        pair[1].model.layers[0].state_dict()
+    )  # weights, pools and indices were inputs
+    unmarked = [tuple(t.shape) for t in from_outside if getattr(t, "_dynamo_static_input_type", None) is None]
+    assert unmarked == []

@@ -1,0 +1,389 @@
+"""Routed decoding against every LLM-only decoder, in wall-clock time at real shapes: ``python bench/speed.py``.
+
+One bench for both devices (random weights at real shapes; prompts are random ids and there is no EOS, so every row
+generates exactly ``--new-tokens``):
+
+- ``--device cuda``: Qwen2 pairs in bf16 (``0.5b-7b``: Qwen2-0.5B / Qwen2-7B; ``1.5b-14b``: Qwen2-1.5B /
+  Qwen2.5-14B), our engine in ``--static-steps graphs`` (compiled per layer, a CUDA graph per bucket). On a lent GPU
+  run ``bash bench/gpu_oneshot.sh OUT_DIR`` (docs/gpu.md), which runs this once per pair;
+- ``--device cpu``: the SmolLM2 pair (135M / 1.7B shapes, Llama, one tokenizer) in bf16 and float32, our engine in
+  ``--static-steps default`` (one Inductor graph per call kind) and eager (``--engine-eager``), against the machine's
+  measured read bandwidth: ``python bench/speed.py --device cpu --out reports/bench_cpu.json`` (docs/results.md).
+
+Variants, the order they run in and how they are timed: ``bench/speed_measure.py``; models, bytes, the report and the
+derived ratios and targets: ``bench/speed_report.py``. ``--plan`` prints, in seconds and without building a model,
+what the exact command will compile and capture and how long it should take, and exits 1 when that exceeds
+``--time-budget``. ``--recompute a.json,b.json`` merges runs of one device and re-derives every ratio from the raw
+reps. ``--tiny``: tiny models on the CPU with the fixed-shape steps traced (``aot_eager``), a smoke run of every code
+path (its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# A citer already on the path (PYTHONPATH: e.g. a pinned copy of one commit) wins over this checkout's.
+if importlib.util.find_spec("citer") is None:
+    sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from bench.speed_measure import measure  # noqa: E402
+from bench.speed_report import (  # noqa: E402
+    DTYPES,
+    PAIRS,
+    SPECS,
+    BenchRun,
+    build_pair,
+    derive_timings,
+    gpu_name,
+    n_params,
+    recompute,
+    spec_params,
+    sync,
+    targets,
+)
+from citer.decoding.cost import GPU_BANDWIDTH  # noqa: E402
+
+
+def run_pairs(args: argparse.Namespace) -> int:
+    """Every pair and dtype of the command within the time budget (batches in order), then the targets."""
+    run = BenchRun(args)
+    print(f"device: {run.report['device']['name']}; torch {torch.__version__}; bandwidth limit "
+          f"{run.bandwidth / 1e9:.1f} GB/s ({run.report['bandwidth']['source']}); load {run.report['host'].get('loadavg_1m')}",
+          flush=True)  # fmt: skip
+    run.save()
+    for pair in args.pairs:
+        for dtype in args.dtypes:
+            if run.left() < 30:
+                run.note(f"{pair} {dtype}: skipped, time budget spent")
+                continue
+            try:
+                t = time.perf_counter()
+                models = build_pair(pair, args.device, dtype)
+                sync(args.device)
+                info = run.report["pairs"].setdefault(pair, {"slm": PAIRS[pair][0], "llm": PAIRS[pair][1]})
+                info.update(slm_params=n_params(models.slm), llm_params=n_params(models.llm),
+                            slm_weight_bytes_per_call={**info.get("slm_weight_bytes_per_call", {}), dtype: models.costs[0].weight_bytes},
+                            llm_weight_bytes_per_call={**info.get("llm_weight_bytes_per_call", {}), dtype: models.costs[1].weight_bytes})  # fmt: skip
+                info.setdefault("build_s", {})[dtype] = round(time.perf_counter() - t, 1)
+                run.save()
+                with torch.inference_mode():
+                    for batch in args.batches:
+                        if run.left() < 30:
+                            run.note(f"{pair} {dtype} batch {batch}: skipped, time budget spent")
+                            continue
+                        measure(run, models, batch)
+                        derive_timings(run.report, args.stat)
+                        run.save()
+            except Exception as exc:
+                run.error(f"{pair} {dtype}", exc)
+            finally:
+                models = None
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            run.save()
+    derive_timings(run.report, args.stat)
+    run.report["targets"] = targets(run.report)
+    run.save()
+    print(json.dumps(run.report["targets"], indent=1, default=float))
+    print(f"wrote {args.out} in {run.elapsed():.0f}s", flush=True)
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- the plan
+# Seconds per phase where no report of the same device kind says better (docs/gpu.md). Compiles: a regional piece of
+# our engine (a layer; the head is smaller), a whole step on a CPU (per 24 layers), and transformers' whole-model
+# compile (the first GPU run, engine at 14c6662: 39-58 s for Qwen2-7B and 49 s for Qwen2.5-14B, first call included:
+# about 25 s + 0.5 s a layer). Steps: our engine at 1.5x its bytes plus 0.3 ms; transformers eager, host-bound, at
+# ~0.9 ms a layer per step; transformers compiled at 2.4x its bytes (the same run).
+PLAN_DEFAULTS: dict[str, dict[str, float]] = {
+    "cuda": {"start_s": 12, "build_gb_per_s": 5.0, "layer_compile_s": 15, "head_compile_s": 6, "whole_compile_s": 45,
+             "hf_compile_s": 25, "hf_compile_per_layer_s": 0.5, "capture_s": 0.1, "engine_bw_factor": 1.5,
+             "engine_step_s": 3e-4, "hf_layer_step_s": 9e-4, "hf_compiled_bw_factor": 2.4, "tests_s": 90},
+    "cpu": {"start_s": 10, "build_gb_per_s": 1.0, "layer_compile_s": 8, "head_compile_s": 4, "whole_compile_s": 55,
+            "hf_compile_s": 90, "hf_compile_per_layer_s": 2.0, "capture_s": 0.0, "engine_bw_factor": 1.4,
+            "engine_step_s": 1e-3, "hf_layer_step_s": 3e-4, "hf_compiled_bw_factor": 1.5, "tests_s": 0},
+}  # fmt: skip
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What the command will do, from shapes and ``PLAN_DEFAULTS`` (or the measured seconds of the last committed
+    report of the same device kind): compiles and captures per model, and seconds per phase."""
+    dev = "cuda" if args.device.startswith("cuda") else "cpu"
+    k = dict(PLAN_DEFAULTS[dev])
+    k.update(_measured_constants(dev))
+    bw = GPU_BANDWIDTH[args.gpu] if args.gpu else 20e9
+    phases: dict[str, float] = {"start": k["start_s"]}
+    compiles: dict[str, int] = {}
+    captures = 0
+    n_new = args.new_tokens
+    runs = 1 + args.reps  # warm-up and timed reps
+    for pair in args.pairs:
+        slm, llm = PAIRS[pair]
+        for dtype in args.dtypes:
+            size = DTYPES[dtype].itemsize
+            wb = {m: spec_params(m) * size for m in (slm, llm)}
+            layers = {m: SPECS[m]["layers"] for m in (slm, llm)}
+            phases["build"] = phases.get("build", 0) + (wb[slm] + wb[llm]) / 1e9 / k["build_gb_per_s"]
+            # Our compiles: regional pieces (layer, head) per model; whole steps (a step kind, and a catch-up kind for
+            # a model that is caught up) where the mode compiles whole.
+            mode = args.static_steps
+            regional = mode in ("graphs", "aot_eager")
+            for m, kinds in ((slm, 1), (llm, 2)):
+                n = 0 if mode in (None, "eager") else 2 if regional else kinds
+                compiles[f"{m} ({dtype})"] = n
+                if regional:
+                    secs = k["layer_compile_s"] + k["head_compile_s"]
+                else:
+                    secs = n * k["whole_compile_s"] * layers[m] / 24
+                phases["compile_engine"] = phases.get("compile_engine", 0) + secs
+            for b in args.batches:
+                bb = 1 << max(b - 1, 0).bit_length()
+                t_llm = k["engine_bw_factor"] * wb[llm] / bw + k["engine_step_s"]
+                t_slm = k["engine_bw_factor"] * wb[slm] / bw + k["engine_step_s"]
+                steps = n_new
+                n_routed = len(args.fractions) + (
+                    2 * len(args.fractions) + 2 * len(args.overlap_fractions) if b > 1 else 0
+                )
+                if mode == "graphs" and dev == "cuda":
+                    # per engine: its SLM step bucket, and (routed) catch-up buckets: rows x tokens up to 16
+                    caps = 2 + n_routed * (1 + bb.bit_length() * 5)
+                    captures += caps
+                    phases["captures"] = phases.get("captures", 0) + caps * k["capture_s"]
+                eng = runs * steps * (t_llm + t_slm + n_routed * (t_slm + 0.1 * t_llm * max(1, b // 4)))
+                hf_step = max(layers[llm] * k["hf_layer_step_s"], wb[llm] / bw)
+                hf = runs * steps * hf_step
+                if args.hf_slm:
+                    hf += runs * steps * max(layers[slm] * k["hf_layer_step_s"], wb[slm] / bw)
+                if args.compile and b in args.compile_batches:
+                    compiles[f"hf {llm} ({dtype}) b{b}"] = 1
+                    phases["compile_hf"] = (
+                        phases.get("compile_hf", 0)
+                        + k["hf_compile_s"]
+                        + layers[llm] * k["hf_compile_per_layer_s"]
+                    )
+                    hf += runs * steps * k["hf_compiled_bw_factor"] * wb[llm] / bw
+                if b == 1:
+                    hf += (
+                        len(args.alphas) * runs * steps * 0.35 * hf_step
+                    )  # ~0.3 verification calls per token
+                phases["measure"] = phases.get("measure", 0) + eng + hf
+    total = sum(phases.values())
+    return {"compiles_per_model": compiles, "captures": captures, "phases_s": {p: round(s, 1) for p, s in phases.items()},
+            "estimated_device_s": round(total, 1), "time_budget_s": args.time_budget, "source": k.get("source", "defaults")}  # fmt: skip
+
+
+def _measured_constants(dev: str) -> dict[str, Any]:
+    """Per-piece compile seconds from the last committed report of this device kind, when it recorded them."""
+    path = ROOT / "reports" / ("bench_gpu.json" if dev == "cuda" else "bench_cpu.json")
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    layer = [r[f"{m}_compile_s"] / r[f"{m}_compiles"] for r in rep.get("rows", []) for m in ("slm", "llm")
+             if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") in ("graphs", "aot_eager")]  # fmt: skip
+    whole = [r[f"{m}_compile_s"] / r[f"{m}_compiles"] for r in rep.get("rows", []) for m in ("slm", "llm")
+             if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") == "default"]  # fmt: skip
+    out: dict[str, Any] = {}
+    if (
+        layer
+    ):  # a model's two pieces, layer and head, averaged in the report: the split kept from the defaults
+        out["layer_compile_s"] = 0.7 * 2 * max(layer)
+        out["head_compile_s"] = 0.3 * 2 * max(layer)
+    if whole:
+        out["whole_compile_s"] = max(whole)
+    if out:
+        out["source"] = f"{path.relative_to(ROOT)} (measured compiles)"
+    return out
+
+
+def print_plan(p: dict[str, Any]) -> None:
+    width = max(len(x) for x in p["phases_s"])
+    for name, s in p["phases_s"].items():
+        print(f"  {name:<{width}} {s:8.1f} s")
+    print(
+        f"  {'total':<{width}} {p['estimated_device_s']:8.1f} s (budget {p['time_budget_s']:.0f} s; {p['source']})"
+    )
+    for m, n in p["compiles_per_model"].items():
+        print(f"  compiles {m}: {n}")
+    print(f"  captures (upper bound): {p['captures']}")
+
+
+def plan_script(runs: list[str], tests: bool) -> int:
+    """The whole one-shot script's plan: each run's, plus the CUDA tests; the last line is one JSON object."""
+    total: dict[str, Any] = {"compiles_per_model": {}, "captures": 0, "estimated_device_s": 0.0, "runs": []}
+    ok = True
+    for r in runs:
+        args = parse_args(shlex.split(r), plan_only=True)
+        p = plan(args)
+        print(f"run: bench/speed.py {r}")
+        print_plan(p)
+        ok &= p["estimated_device_s"] <= args.time_budget
+        total["runs"].append({"args": r, **p})
+        for m, n in p["compiles_per_model"].items():
+            total["compiles_per_model"][m] = max(total["compiles_per_model"].get(m, 0), n)
+        total["captures"] += p["captures"]
+        total["estimated_device_s"] += p["estimated_device_s"]
+    if tests:
+        t = PLAN_DEFAULTS["cuda"]["tests_s"]
+        print(f"CUDA tests (tests/gpu): {t:.0f} s")
+        total["estimated_device_s"] += t
+    total["estimated_device_s"] = round(total["estimated_device_s"], 1)
+    print(json.dumps({k: v for k, v in total.items() if k != "runs"}))
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--pairs", default="", help=f"comma list of {sorted(PAIRS)} (default: per device)")
+    ap.add_argument(
+        "--dtypes", default="", help="comma list of bf16, fp32 (default: bf16 on cuda, both on cpu)"
+    )
+    ap.add_argument("--batches", type=_ints, default=None, help="default: 1,32 on cuda, 1,8 on cpu")
+    ap.add_argument("--fractions", type=_floats, default=[0.1], help="random router LLM probabilities")
+    ap.add_argument("--overlap-fractions", type=_floats, default=[0.1], help="overlap_f{p} rows at batch > 1")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on cuda, 32 on cpu")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3, help="timed runs per variant")
+    ap.add_argument("--stat", choices=["median", "min"], default="median", help="over the timed reps")
+    ap.add_argument("--min-rows", type=int, default=0, help="shared: llm_min_rows (0: max(2, batch // 4))")
+    ap.add_argument("--max-wait-steps", type=int, default=4, help="shared: llm_max_wait_steps")
+    ap.add_argument(
+        "--alphas", type=_floats, default=None, help="assisted generation's forced agreement rates"
+    )
+    ap.add_argument("--draft-tokens", type=int, default=5, help="assisted: draft length per call")
+    ap.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="skip transformers' static+compile"
+    )
+    ap.add_argument("--compile-batches", type=_ints, default=None, help="batches of the compiled HF baseline")
+    ap.add_argument(
+        "--compile-reserve", type=float, default=None, help="skip a compile with fewer seconds left"
+    )
+    ap.add_argument("--engine-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="also our engine without compiles (default: on for cpu)")  # fmt: skip
+    ap.add_argument("--hf-slm", action="store_true", help="also transformers generate with the SLM alone")
+    ap.add_argument("--static-steps", default="auto",
+                    help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
+                    "default on cpu, aot_eager with --tiny; none: the ragged eager calls")  # fmt: skip
+    ap.add_argument(
+        "--gpu",
+        default="auto",
+        help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}, from the device's name",
+    )
+    ap.add_argument("--time-budget", type=float, default=480, help="seconds; later measurements are skipped")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of every path")
+    ap.add_argument("--quick", action="store_true", help="cpu: fewer reps and one dtype (bf16), for a rerun")
+    ap.add_argument(
+        "--plan", action="store_true", help="print what the command will compile and how long it takes"
+    )
+    ap.add_argument("--plan-script", nargs="+", default=None, metavar="ARGS",
+                    help="the plan of several runs (each one quoted argument string) plus the CUDA tests")  # fmt: skip
+    ap.add_argument(
+        "--recompute", default="", help="comma list of result files: merge, re-derive, write --out"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="cpu: torch threads (0: torch's default)")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    cuda = a.device == "cuda" and not a.tiny
+    if a.tiny:
+        a.device = "cpu"
+    a.pairs = [p for p in a.pairs.split(",") if p] or (
+        ["tiny"] if a.tiny else ["0.5b-7b"] if cuda else ["smollm2"]
+    )
+    a.dtypes = [d for d in a.dtypes.split(",") if d] or (
+        ["bf16"] if cuda or a.quick else ["fp32"] if a.tiny else ["bf16", "fp32"]
+    )
+    a.batches = a.batches or ([1, 32] if cuda else [1, 8])
+    a.new_tokens = a.new_tokens or (64 if cuda else 32)
+    a.alphas = [0.9] if a.alphas is None else a.alphas
+    a.compile_batches = a.compile_batches or a.batches
+    a.compile_reserve = a.compile_reserve if a.compile_reserve is not None else (90 if cuda else 150)
+    a.engine_eager = (not cuda) if a.engine_eager is None else a.engine_eager
+    if a.quick:
+        a.reps = min(a.reps, 2)
+    if a.static_steps == "auto":
+        a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else "default"
+    if a.static_steps in ("none", ""):
+        a.static_steps = None
+    if a.tiny:
+        a.compile = False  # transformers' compile takes minutes; the tiny run checks our paths
+    bad = [p for p in a.pairs if p not in PAIRS] + [d for d in a.dtypes if d not in DTYPES]
+    if bad:
+        ap.error(f"unknown pairs or dtypes {bad}; pairs: {sorted(PAIRS)}, dtypes: {sorted(DTYPES)}")
+    if a.gpu == "auto":
+        a.gpu = gpu_name(a.device) if cuda and torch.cuda.is_available() else "H100" if cuda else None
+    elif a.gpu not in GPU_BANDWIDTH:
+        ap.error(f"--gpu {a.gpu!r}: one of {sorted(GPU_BANDWIDTH)}")
+    if cuda and a.gpu is None:
+        ap.error(
+            f"GPU {torch.cuda.get_device_name(0)!r} not in {sorted(GPU_BANDWIDTH)}: name its bandwidth with --gpu"
+        )
+    if not (plan_only or a.plan or a.plan_script or a.recompute):
+        if cuda and not torch.cuda.is_available():
+            ap.error("no CUDA device; use --device cpu, or --tiny for a smoke run")
+        if not a.out:
+            ap.error(
+                "--out PATH is required (on a lent GPU: a file under the output directory that comes back)"
+            )
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.plan_script:
+        return plan_script(args.plan_script, tests=True)
+    if args.plan:
+        p = plan(args)
+        print_plan(p)
+        print(json.dumps(p))
+        return 0 if p["estimated_device_s"] <= args.time_budget else 1
+    if args.recompute:
+        merged = recompute([f for f in args.recompute.split(",") if f], args.stat, args.out)
+        print(json.dumps(merged["targets"], indent=1, default=float))
+        _stamp(args)
+        print(f"wrote {args.out} ({len(merged['rows'])} rows, stat {args.stat})")
+        return 0
+    torch.manual_seed(0)
+    code = run_pairs(args)
+    _stamp(args)
+    return code
+
+
+def _stamp(args: argparse.Namespace) -> None:
+    """Provenance for a report written into the checkout's reports/ (not on a lent GPU, whose output directory is
+    copied back and stamped when merged here)."""
+    out = Path(args.out).resolve()
+    if out.parent.name == "reports" and out.parent.parent == ROOT:
+        from citer.provenance import stamp_bench
+
+        stamp_bench(out, "speed", args, 0.0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,301 @@
+"""The variants ``bench/speed.py`` times at one pair, dtype and batch size, and how: warm-ups and reps under the time
+budget, a row per variant updated and saved after every rep.
+
+- LLM alone, the baselines, first: ``hf_llm_static_compiled`` (transformers ``generate`` with a static cache, which it
+  compiles: CUDA graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine with the LLM alone, fixed-shape steps
+  as ``--static-steps`` says), ``engine_llm_eager`` (``--engine-eager``: the same engine, lean forward, no compile),
+  ``hf_llm`` (``generate``, eager);
+- then the SLM alone (``engine_slm``, ``hf_slm``), routing with a random router sending a token to the LLM with
+  probability p (``routed_f{p}``; at batch > 1 ``shared_f{p}`` with shared LLM calls and ``overlap_f{p}`` /
+  ``overlap_shared_f{p}`` with overlapped steps), and at batch 1 transformers assisted generation with the SLM as the
+  drafter (``assisted_alpha{a}``): random models never agree, so a logits processor makes both agree at a fraction
+  alpha of positions (a hash of the prefix), a controlled acceptance rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.speed_report import BenchRun, BuiltPair, call_counter, plain_bytes
+from citer.decoding.baselines import AlwaysSLM, RandomRouter
+from citer.decoding.engine import RoutedEngine
+from citer.decoding.lean import lean_decoder
+from citer.decoding.speculative import assistant_setup
+from citer.decoding.step_compile import step_stats
+
+
+class AgreeProcessor:
+    """transformers logits processor: masks ids >= ``vocab`` (the pair's shared ids) and, at a pseudo-random fraction
+    ``alpha`` of positions (a hash of the prefix's length and last token), forces one token derived from the prefix.
+    Applied to both models of assisted generation, they then agree exactly there: a controlled acceptance rate."""
+
+    def __init__(self, vocab: int, alpha: float) -> None:
+        self.vocab, self.alpha = int(vocab), float(alpha)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[-1] > self.vocab:
+            scores = scores.clone()
+            scores[:, self.vocab :] = float("-inf")
+        if self.alpha <= 0.0:
+            return scores
+        m = 0xFFFFFFFF
+        last = input_ids[:, -1].to(torch.int64)  # (B,)
+        h = (last * 0x9E3779B1 + input_ids.shape[1] * 0x85EBCA77) & m
+        h = h ^ (h >> 15)
+        h = (h * 0x2C1B3C6D) & m
+        h = h ^ (h >> 12)
+        h = (h * 0x297A2D39) & m
+        h = h ^ (h >> 15)
+        forced = (h.to(torch.float64) / 4294967296.0) < self.alpha  # (B,)
+        tok = (h >> 7) % self.vocab  # (B,)
+        target = torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)
+        return torch.where(forced[:, None], target, scores)
+
+
+@dataclass
+class Variant:
+    """One decoder to time: ``run(n)`` generates ``n`` tokens per row and returns what the row needs (the engine's
+    stats, or the assisted tallies); ``meta`` goes into the row as is."""
+
+    name: str
+    run: Callable[[int], dict[str, Any]]
+    meta: dict[str, Any]
+    engine: RoutedEngine | None = None
+    compiles: bool = False  # its warm-up compiles (kept for when enough time is left)
+
+
+def shared_min_rows(min_rows: int, batch: int) -> int:
+    """``llm_min_rows`` of the shared variants: ``--min-rows``, or max(2, batch // 4) when it is 0."""
+    m = min_rows if min_rows > 0 else max(2, batch // 4)
+    return max(1, min(m, batch))
+
+
+def variants(
+    run: BenchRun, models: BuiltPair, prompts: list[list[int]]
+) -> tuple[list[Variant], list[Variant]]:
+    """The LLM-only baselines, then everything else, at this pair, dtype and batch."""
+    a = run.args
+    slm, llm, vocab = models.slm, models.llm, models.vocab
+    batch, n_cols = len(prompts), a.prompt_len + a.new_tokens + 1
+    ids = torch.tensor(prompts, dtype=torch.long, device=run.device)  # (B, P), equal lengths: no padding
+    cut = AgreeProcessor(vocab, 0.0)
+
+    def hf(model: Any, **extra: Any) -> Callable[[int], dict[str, Any]]:
+        from transformers import LogitsProcessorList
+
+        def go(n: int) -> dict[str, Any]:
+            model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                pad_token_id=0, eos_token_id=None, logits_processor=LogitsProcessorList([cut]), **extra,
+            )  # fmt: skip
+            return {}
+
+        return go
+
+    def eng(e: RoutedEngine) -> Callable[[int], dict[str, Any]]:
+        e.reserve(batch, n_cols)  # the pools' final size before anything runs: no capture inside a timed rep
+
+        def go(n: int) -> dict[str, Any]:
+            return {"stats": e.generate_batch(prompts, n).batch, "forward": e.forward_paths}
+
+        return go
+
+    kw = {"vocab_size": vocab, "static_steps": a.static_steps}
+
+    def engine(name: str, e: RoutedEngine, f: float, **meta: Any) -> Variant:
+        info = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": f, "static_steps": e.static_steps,
+                "overlap": e.overlap, **meta}  # fmt: skip
+        return Variant(name, eng(e), info, e, compiles=e.static_steps not in (None, "eager"))
+
+    base: list[Variant] = []
+    if a.compile and batch in a.compile_batches:
+        base.append(Variant("hf_llm_static_compiled", hf(llm, **_static_compile(run)),
+                            {"method": "hf_generate_static_compiled", "model": "llm", "f": 1.0}, compiles=True))  # fmt: skip
+    base.append(engine("engine_llm", RoutedEngine(llm, None, AlwaysSLM(), **kw), 1.0, model="llm"))
+    if a.engine_eager:
+        e = RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab)
+        base.append(engine("engine_llm_eager", e, 1.0, model="llm"))
+    base.append(Variant("hf_llm", hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}))
+
+    rest = [engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm")]
+    for p in a.fractions:
+        rest.append(
+            engine(f"routed_f{p:g}", RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw), p)
+        )
+    if batch > 1:
+        share = {"llm_min_rows": shared_min_rows(a.min_rows, batch), "llm_max_wait_steps": a.max_wait_steps}
+        for p in a.fractions:
+            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw, **share)
+            rest.append(engine(f"shared_f{p:g}", e, p, **share))
+        for p in a.overlap_fractions:
+            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw)
+            rest.append(engine(f"overlap_f{p:g}", e, p))
+            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw, **share)
+            rest.append(engine(f"overlap_shared_f{p:g}", e, p, **share))
+    if a.hf_slm:
+        rest.append(Variant("hf_slm", hf(slm), {"method": "hf_generate", "model": "slm", "f": 0.0}))
+    if batch == 1:
+        for alpha in a.alphas:
+            rest.append(_assisted(run, models, ids, alpha))
+    return base, rest
+
+
+def _static_compile(run: BenchRun) -> dict[str, Any]:
+    """``generate`` kwargs for transformers' own compiled decoding: a static cache, which it compiles by itself on a
+    GPU (``reduce-overhead``: CUDA graphs); on a CPU it is asked to (Inductor's default mode)."""
+    from transformers import CompileConfig
+
+    kw: dict[str, Any] = {"cache_implementation": "static"}
+    if not run.device.startswith("cuda"):
+        cc = CompileConfig(mode="default")
+        cc._compile_all_devices = True
+        kw["compile_config"] = cc
+    return kw
+
+
+def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float) -> Variant:
+    """Assisted generation (the SLM drafts ``--draft-tokens`` a call, the LLM verifies) at forced agreement ``alpha``."""
+    from transformers import LogitsProcessorList
+
+    slm, llm = models.slm, models.llm
+    proc = LogitsProcessorList([AgreeProcessor(models.vocab, alpha)])
+
+    def go(n: int) -> dict[str, Any]:
+        with (
+            assistant_setup(slm, llm, run.args.draft_tokens),
+            call_counter(slm, llm, models.costs, 1) as tally,
+        ):
+            out = llm.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=slm, max_new_tokens=n,
+                do_sample=False, pad_token_id=0, eos_token_id=None, logits_processor=proc,
+            )  # fmt: skip
+        return {"tally": dict(tally), "generated": int(out.shape[1] - ids.shape[1])}
+
+    meta = {"method": "hf_assisted", "alpha": alpha, "draft_tokens": run.args.draft_tokens}
+    return Variant(f"assisted_alpha{alpha:g}", go, meta)
+
+
+def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
+    """Every variant at ``batch``: the LLM-only baselines first, then the rest; each group warmed up, then timed in
+    interleaved reps (drift biases every variant alike). The budget is checked before every warm-up and rep, and the
+    report saved after each, so a run cut short keeps what it measured."""
+    prompts = run.prompts(models.vocab, batch, seed=batch)
+    try:
+        groups = variants(run, models, prompts)
+    except Exception as exc:
+        run.error(f"{models.name} {models.dtype} batch {batch}: building variants", exc)
+        return
+    for group in groups:
+        ready = [v for v in group if _warm_up(run, models, batch, v)]
+        for rep in range(run.args.reps):
+            for v in ready:
+                row = _row_of(run, models, batch, v)
+                last = row["reps_s"][-1] if row["reps_s"] else 0.0
+                if run.left() < last + 5:
+                    run.note(
+                        f"{models.name} {models.dtype} b{batch} {v.name} rep {rep}: skipped, time budget spent"
+                    )
+                    continue
+                try:
+                    sec, info = run.timed(lambda v=v: v.run(run.args.new_tokens))
+                except Exception as exc:
+                    run.error(f"{models.name} {models.dtype} b{batch} {v.name} rep {rep}", exc)
+                    continue
+                row["reps_s"].append(round(sec, 5))
+                _fill(run, models, batch, v, row, info)
+                run.save()
+        for v in ready:
+            row = _row_of(run, models, batch, v)
+            if row["reps_s"]:
+                run.print_row(row)
+
+
+def _warm_up(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> bool:
+    """One untimed run at full length (per-shape setup, compiles and captures stay out of the timings), recording
+    what it compiled and captured; False when there is no time for it or it failed."""
+    need = run.args.compile_reserve if v.compiles else 10.0
+    where = f"{models.name} {models.dtype} b{batch} {v.name}"
+    if run.left() < need:
+        run.note(f"{where}: skipped, {run.left():.0f}s left < {need:.0f}s for its warm-up")
+        return False
+    from torch._dynamo.utils import counters
+
+    leans = [lean_decoder(m) for m in (models.slm, models.llm)]
+    before = [step_stats(x).as_dict() if x is not None else None for x in leans]
+    graphs0 = counters["stats"]["unique_graphs"]
+    skips0 = counters["inductor"]["cudagraph_skips"]
+    try:
+        sec, _ = run.timed(lambda: v.run(run.args.new_tokens))
+    except Exception as exc:
+        run.error(f"{where} warm-up", exc)
+        return False
+    row = _row_of(run, models, batch, v)
+    row["warmup_s"] = round(sec, 3)
+    row["dynamo_graphs"] = counters["stats"]["unique_graphs"] - graphs0
+    row["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+    after = [step_stats(x).as_dict() if x is not None else None for x in leans]
+    for key, b, a in zip(("slm", "llm"), before, after, strict=True):
+        if a is None or b is None:
+            continue
+        for k in ("compiles", "compile_s", "captures", "capture_s", "recaptures", "fallbacks"):
+            d = a[k] - b[k]
+            if d:
+                row.setdefault(f"{key}_{k}", round(d, 3))
+    row["compiles"] = row.get("slm_compiles", 0) + row.get("llm_compiles", 0)
+    run.save()
+    return True
+
+
+def _row_of(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> dict[str, Any]:
+    key = (models.name, models.dtype, batch, v.name)
+    for r in run.report["rows"]:
+        if (r["pair"], r["dtype"], r["batch"], r["variant"]) == key:
+            return r
+    r = {"pair": models.name, "dtype": models.dtype, "batch": batch, "variant": v.name, **v.meta,
+         "new_tokens": run.args.new_tokens, "prompt_len": run.args.prompt_len, "reps_s": []}  # fmt: skip
+    run.report["rows"].append(r)
+    return r
+
+
+def _fill(
+    run: BenchRun, models: BuiltPair, batch: int, v: Variant, row: dict[str, Any], info: dict[str, Any]
+) -> None:
+    """The row's counts from its latest rep, and its times from the reps so far (``--stat``)."""
+    a = run.args
+    n_new = a.new_tokens
+    if "generated" in info:  # assisted: tokens, calls and bytes from the forward hooks
+        n_new = row["new_tokens"] = info["generated"]
+        t = info["tally"]
+        row.update(llm_calls=t["llm_calls"], slm_calls=t["slm_calls"], llm_calls_per_token=t["llm_calls"] / n_new,
+                   tokens_per_llm_call=n_new / t["llm_calls"], bytes_per_token=t["bytes"] / n_new)  # fmt: skip
+        row["draft_acceptance_approx"] = max(
+            0.0, (n_new - t["llm_calls"]) / (t["llm_calls"] * a.draft_tokens)
+        )
+    elif "stats" in info:
+        st = info["stats"]
+        row["forward"] = info.get("forward")
+        steps = st.decode_steps or n_new
+        alone = v.engine is not None and v.engine.llm is None
+        calls = st.slm_calls if alone and v.meta.get("model") == "llm" else st.llm_calls
+        row.update(decode_steps=steps, llm_calls=calls, llm_calls_per_token=calls / st.new_tokens,
+                   llm_calls_per_step=calls / steps, overlapped_steps=st.overlapped_steps,
+                   wait_row_steps=st.wait_row_steps, bytes_per_token=st.bytes_moved / st.new_tokens)  # fmt: skip
+        row["llm_fraction"] = (
+            1.0 if alone and v.meta.get("model") == "llm" else 0.0 if alone else st.llm_fraction
+        )
+    else:
+        cost = models.costs[0] if v.meta.get("model") == "slm" else models.costs[1]
+        row["bytes_per_token"] = plain_bytes(cost, batch, a.prompt_len, n_new) / (batch * n_new)
+        row["llm_fraction"] = v.meta.get("f")
+        row["llm_calls_per_step"] = 0.0 if v.meta.get("model") == "slm" else 1.0
+    row["bw_limit_ms_per_token"] = 1e3 * row["bytes_per_token"] / run.bandwidth
+    pick = min if a.stat == "min" else statistics.median
+    w = pick(row["reps_s"])
+    row["ms_per_token"] = 1e3 * w / (batch * n_new)
+    row["tokens_per_s"] = batch * n_new / w
+    row["ratio_to_bw"] = row["ms_per_token"] / row["bw_limit_ms_per_token"]

@@ -1,0 +1,506 @@
+"""What ``bench/speed.py`` measures on and what it derives: the model pairs (random weights at real shapes), bytes moved
+and the bandwidth limit, a run's report (written atomically after every measurement) and its log, per-token times,
+ratios to the bandwidth limit and to the ideal, the targets, and the plan's time estimate.
+
+Needs only torch and transformers (and numpy): a GPU machine may hold the ML stack without Prefect, MLflow or DVC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from citer.decoding.cost import GPU_BANDWIDTH, ModelCost
+
+# ----------------------------------------------------------------------------------------------------------- models
+# Real configs (family, hidden, intermediate, layers, heads, kv heads, vocab rows, tied embeddings, max positions).
+SPECS: dict[str, dict[str, Any]] = {
+    "qwen2-0.5b": dict(
+        family="qwen2", hidden=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tie=True
+    ),
+    "qwen2-1.5b": dict(
+        family="qwen2", hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, tie=True
+    ),
+    "qwen2-7b": dict(
+        family="qwen2", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, tie=False
+    ),
+    "qwen2.5-14b": dict(
+        family="qwen2", hidden=5120, inter=13824, layers=48, heads=40, kv=8, vocab=152064, tie=False
+    ),
+    # SmolLM2 (Llama architecture, one tokenizer of 49,152 ids, tied embeddings): the CPU pair, LLM/SLM ~12.6x.
+    "smollm2-135m": dict(
+        family="llama", hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152, tie=True
+    ),
+    "smollm2-1.7b": dict(
+        family="llama", hidden=2048, inter=8192, layers=24, heads=32, kv=32, vocab=49152, tie=True
+    ),
+    # --tiny: the same structure (GQA, a tied SLM head, different vocab rows), seconds on a CPU.
+    "tiny-slm": dict(family="qwen2", hidden=32, inter=64, layers=2, heads=4, kv=2, vocab=512, tie=True),
+    "tiny-llm": dict(family="qwen2", hidden=64, inter=128, layers=3, heads=4, kv=2, vocab=520, tie=False),
+}
+# Pair name -> (SLM spec, LLM spec).
+PAIRS: dict[str, tuple[str, str]] = {
+    "0.5b-7b": ("qwen2-0.5b", "qwen2-7b"),
+    "1.5b-14b": ("qwen2-1.5b", "qwen2.5-14b"),
+    "smollm2": ("smollm2-135m", "smollm2-1.7b"),
+    "tiny": ("tiny-slm", "tiny-llm"),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_model(name: str, device: str, dtype: torch.dtype, seed: int) -> Any:
+    """A random-weight causal LM of spec ``name``, built on ``device`` in ``dtype`` (no CPU detour on a GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    s = SPECS[name]
+    common = dict(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv"], tie_word_embeddings=s["tie"],
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    if s["family"] == "llama":
+        cfg, cls = LlamaConfig(max_position_embeddings=8192, rope_theta=100000.0, **common), LlamaForCausalLM
+    else:
+        cfg = Qwen2Config(max_position_embeddings=32768, rope_theta=1e6, use_sliding_window=False, **common)
+        cls = Qwen2ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.eval().requires_grad_(False)
+    gc = model.generation_config
+    gc.eos_token_id, gc.bos_token_id, gc.pad_token_id = None, None, 0
+    gc.do_sample, gc.temperature, gc.top_p, gc.top_k = False, None, None, None
+    model.config._name_or_path = name
+    return model
+
+
+def n_params(model: Any) -> int:
+    """Parameters of ``model``, a tied embedding counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@dataclass
+class BuiltPair:
+    """A pair's two models on the device in one dtype, with what every measurement of them needs."""
+
+    name: str  # the PAIRS key, e.g. "0.5b-7b"
+    dtype: str  # "bf16" or "fp32"
+    slm: Any
+    llm: Any
+    costs: tuple[ModelCost, ModelCost]  # (SLM, LLM): weight bytes per call, KV bytes per token
+    vocab: int  # ids both models have rows for (the larger vocab's extra rows are masked in generation)
+
+
+def build_pair(name: str, device: str, dtype: str) -> BuiltPair:
+    """Pair ``name``'s SLM (seed 1) and LLM (seed 2), built on ``device`` in ``dtype``."""
+    slm_name, llm_name = PAIRS[name]
+    slm = build_model(slm_name, device, DTYPES[dtype], seed=1)
+    llm = build_model(llm_name, device, DTYPES[dtype], seed=2)
+    costs = (ModelCost.from_model(slm), ModelCost.from_model(llm))
+    vocab = min(SPECS[slm_name]["vocab"], SPECS[llm_name]["vocab"])
+    return BuiltPair(name, dtype, slm, llm, costs, vocab)
+
+
+def spec_params(name: str) -> int:
+    """A spec's parameter count from its shapes (no model built): what the plan prices."""
+    s = SPECS[name]
+    h, i, n, d = s["hidden"], s["inter"], s["layers"], s["hidden"] // s["heads"]
+    attn = h * (s["heads"] * d) * 2 + h * (s["kv"] * d) * 2
+    bias = (s["heads"] + 2 * s["kv"]) * d if s["family"] == "qwen2" else 0  # Qwen2's q/k/v biases
+    layer = attn + bias + 3 * h * i + 2 * h
+    return n * layer + s["vocab"] * h * (1 if s["tie"] else 2) + h
+
+
+# -------------------------------------------------------------------------------------------------------- bandwidth
+def gpu_name(device: str) -> str | None:
+    """The GPU_BANDWIDTH key of the device measured on (from its name), None where it is not known."""
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((k for k in GPU_BANDWIDTH if k in name), None)
+
+
+def read_bandwidth(device: str, gib: float = 1.0, reps: int = 5) -> dict[str, float]:
+    """This machine's fastest measured read, bytes/s, best of ``reps`` of each: a float32 sum, a copy (read + write
+    counted) and a float32 matrix-vector product over ``gib`` GiB. The limit a decode step is held to on a CPU, where
+    no datasheet figure applies (small matrices sit in cache, so the tensors are far larger than it)."""
+    n = int(gib * 2**30) // 4
+    x = torch.randn(n, device=device)
+    y = torch.empty_like(x)
+    rows = 8192
+    m = x[: (n // rows) * rows].view(rows, -1)
+    v = torch.randn(m.shape[1], device=device)
+    out: dict[str, float] = {}
+    for name, fn, nbytes in (
+        ("sum", lambda: x.sum(), 4 * n),
+        ("copy", lambda: y.copy_(x), 8 * n),
+        ("gemv", lambda: m @ v, 4 * m.numel()),
+    ):
+        best = float("inf")
+        for _ in range(reps):
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+        out[name] = nbytes / best
+    out["best"] = max(out.values())
+    return out
+
+
+def sync(device: str) -> None:
+    """Waits for the device's queued kernels: CUDA calls return before the work is done, so a timing without it
+    measures only the launches."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def plain_bytes(cost: ModelCost, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes of plain decoding as :class:`citer.decoding.cost.CostMeter` counts them: one prefill call, then
+    ``new_tokens - 1`` one-token calls, each reading the weights once and every row's KV."""
+    total = cost.weight_bytes + batch * cost.kv_bytes_per_token * 2 * prompt_len
+    for i in range(1, new_tokens):
+        total += cost.weight_bytes + batch * cost.kv_bytes_per_token * (prompt_len + i + 1)
+    return float(total)
+
+
+@contextlib.contextmanager
+def call_counter(
+    slm: Any, llm: Any, costs: tuple[ModelCost, ModelCost], batch: int
+) -> Iterator[dict[str, float]]:
+    """Counts every forward call of both models and the bytes it moves (weights once, KV of every row)."""
+    tally: dict[str, float] = {"slm_calls": 0, "llm_calls": 0, "slm_tokens": 0, "llm_tokens": 0, "bytes": 0.0}
+
+    def hook(key: str, cost: ModelCost) -> Callable[..., None]:
+        def pre(module: Any, args: tuple, kwargs: dict) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            past = kwargs.get("past_key_values")
+            new = int(ids.shape[1])
+            seen = int(past.get_seq_length()) if past is not None else 0
+            tally[f"{key}_calls"] += 1
+            tally[f"{key}_tokens"] += new
+            tally["bytes"] += cost.weight_bytes + batch * cost.kv_bytes_per_token * (seen + 2 * new)
+
+        return pre
+
+    handles = [
+        slm.register_forward_pre_hook(hook("slm", costs[0]), with_kwargs=True),
+        llm.register_forward_pre_hook(hook("llm", costs[1]), with_kwargs=True),
+    ]
+    try:
+        yield tally
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------------------------------- the run
+class BenchRun:
+    """One run: settings, device and time budget, the report (written atomically after every measurement, so a run
+    stopped by a time limit still leaves what it measured) and its log lines."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = args.device
+        self.t_start = time.perf_counter()
+        bw = read_bandwidth(self.device) if not args.tiny else {"best": 1e10}
+        gpu = args.gpu
+        self.bandwidth = GPU_BANDWIDTH[gpu] if gpu else bw["best"]
+        self.report: dict[str, Any] = {
+            "bench": "speed",
+            "created_unix": int(time.time()),
+            "device": self._device_info(),
+            "citer": os.environ.get("CITER_COMMIT") or "this checkout",
+            "host": host_probe(self.device),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "bandwidth": {
+                "limit_bytes_per_s": self.bandwidth,
+                "source": f"datasheet ({gpu})"
+                if gpu
+                else "measured: the fastest of a float32 sum, copy and gemv",
+                "measured_bytes_per_s": bw,
+            },
+            "settings": {k: v for k, v in vars(args).items() if k not in ("recompute", "out")},
+            "definitions": {
+                "ms_per_token": "wall time / (batch * new_tokens), prefill included; stat of the timed reps",
+                "ratio_to_bw": "ms_per_token / bw_limit_ms_per_token",
+                "bw_limit_ms_per_token": "bytes moved per token (weights once per call + KV read and written) / "
+                "bandwidth.limit_bytes_per_s",
+                "ratio_to_ideal": "ms_per_token / (llm_fraction * t(engine_llm) + t(engine_slm)), same batch, dtype",
+                "llm_calls_per_step": "LLM forward calls / decoding steps (a step emits at most one token per row)",
+            },
+            "pairs": {},
+            "rows": [],
+            "notes": [],
+            "errors": [],
+        }
+
+    def _device_info(self) -> dict[str, Any]:
+        if not self.device.startswith("cuda"):
+            return {"name": _cpu_name() + (" (--tiny smoke run; timings mean nothing)" if self.args.tiny else ""),
+                    "cuda": False, "threads": torch.get_num_threads()}  # fmt: skip
+        p = torch.cuda.get_device_properties(0)
+        return {
+            "name": torch.cuda.get_device_name(0),
+            "cuda": True,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "multiprocessors": p.multi_processor_count,
+            "cuda_version": torch.version.cuda,
+        }
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def left(self) -> float:
+        """Seconds of ``--time-budget`` left."""
+        return self.args.time_budget - self.elapsed()
+
+    def note(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] note: {msg}", flush=True)
+        self.report["notes"].append(msg)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        """Logs a failed measurement with its traceback and keeps one line in the report (the rest still run)."""
+        msg = f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        print(f"[{self.elapsed():6.1f}s] ERROR {msg}\n{traceback.format_exc()}", flush=True)
+        self.report["errors"].append(msg)
+
+    def save(self) -> None:
+        """Writes the report to ``--out`` atomically (a temporary file, then a rename)."""
+        self.report["elapsed_s"] = round(self.elapsed(), 1)
+        write_report(Path(self.args.out), self.report)
+
+    def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """(wall seconds, result) of ``fn()``, the device synced before and after."""
+        sync(self.device)
+        t = time.perf_counter()
+        out = fn()
+        sync(self.device)
+        return time.perf_counter() - t, out
+
+    def prompts(self, vocab: int, batch: int, seed: int) -> list[list[int]]:
+        """``batch`` random prompts of ``--prompt-len`` ids in [3, vocab), the same for the same seed."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(3, vocab, (batch, self.args.prompt_len), generator=g).tolist()
+
+    def print_row(self, r: dict[str, Any]) -> None:
+        print(
+            f"[{self.elapsed():6.1f}s] {r['pair']:<8} {r['dtype']:<4} b{r['batch']:<3} {r['variant']:<22}"
+            f" {r['ms_per_token']:9.3f} ms/tok {r['tokens_per_s']:9.1f} tok/s f={_fmt(r.get('llm_fraction'))}"
+            f" ideal×{_fmt(r.get('ratio_to_ideal'))} bw×{_fmt(r.get('ratio_to_bw'))}"
+            f" reps={len(r['reps_s'])}" + (f" compiles={r['compiles']}" if r.get("compiles") else ""),
+            flush=True,
+        )
+
+
+def write_report(out: Path, report: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, indent=1, default=float)
+        f.write("\n")
+    os.replace(tmp, out)
+
+
+def host_probe(device: str) -> dict[str, Any]:
+    """How fast this host issues work: Python loop and eager op dispatch (µs per op), and whether another process is
+    busy (the load average; on a 2-core machine a busy neighbour slows torch's threads many times)."""
+    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_model": _cpu_name()}
+    with contextlib.suppress(OSError):
+        out["loadavg_1m"] = os.getloadavg()[0]
+    t = time.perf_counter()
+    acc = 0
+    for i in range(200_000):
+        acc += i
+    out["python_loop_ns_per_iter"] = (time.perf_counter() - t) / 200_000 * 1e9
+    x = torch.zeros(16, device=device)
+    for _ in range(200):
+        x.add_(1.0)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(5000):
+        x.add_(1.0)
+    sync(device)
+    out["eager_add_us_per_op"] = (time.perf_counter() - t) / 5000 * 1e6
+    return out
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "cpu"
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _version(pkg: str) -> str:
+    try:
+        return __import__(pkg).__version__
+    except Exception:  # pragma: no cover - reported, not fatal
+        return "?"
+
+
+# ---------------------------------------------------------------------------------------------------- derived
+def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
+    """(Re)compute every timing field of ``report["rows"]`` from the raw ``reps_s`` with ``stat`` (median or min):
+    per-token times, ratios to the bandwidth limit and to the ideal, and assisted vs routed at equal LLM calls."""
+    pick = min if stat == "min" else statistics.median
+    rows = report["rows"]
+    for r in rows:
+        reps = r.get("reps_s")
+        if not reps:
+            continue
+        w = pick(reps)
+        ntok = r["batch"] * r["new_tokens"]
+        r["wall_s"] = w
+        r["ms_per_token"] = 1e3 * w / ntok
+        r["min_ms_per_token"] = 1e3 * min(reps) / ntok
+        r["tokens_per_s"] = ntok / w
+        if r.get("bw_limit_ms_per_token"):
+            r["ratio_to_bw"] = r["ms_per_token"] / r["bw_limit_ms_per_token"]
+    idx = {(r["pair"], r["dtype"], r["batch"], r["variant"]): r for r in rows}
+    for r in rows:
+        key = (r["pair"], r["dtype"], r["batch"])
+        sl, ll = idx.get((*key, "engine_slm")), idx.get((*key, "engine_llm"))
+        if sl is None or ll is None or "ms_per_token" not in sl or "ms_per_token" not in ll:
+            continue
+        if r["variant"].startswith(ROUTED) and r.get("llm_fraction") is not None:
+            ideal = r["llm_fraction"] * ll["ms_per_token"] + sl["ms_per_token"]
+            r["ideal_ms_per_token"] = ideal
+            r["ratio_to_ideal"] = r["ms_per_token"] / ideal
+        elif r["variant"].startswith("assisted") and "llm_calls_per_token" in r:
+            c = r["llm_calls_per_token"]
+            r["routed_ideal_ms_at_same_llm_calls"] = c * ll["ms_per_token"] + sl["ms_per_token"]
+            curve = sorted(
+                (x["llm_calls_per_token"], x["ms_per_token"])
+                for x in rows
+                if (x["pair"], x["dtype"], x["batch"]) == key
+                and x["variant"].startswith("routed_f")
+                and "llm_calls_per_token" in x
+            )
+            if curve:
+                y = interpolate(curve, c)
+                r["routed_ms_at_same_llm_calls"] = y
+                r["assisted_over_routed"] = r["ms_per_token"] / y
+    report["stat"] = stat
+
+
+ROUTED = ("routed", "shared", "overlap")
+# The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine (as it runs, and eager).
+LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager")
+# The routed f=0.1 decoders a target takes the best of: plain, shared LLM calls, overlapped, both.
+ROUTED_F01 = ("routed_f0.1", "shared_f0.1", "overlap_f0.1", "overlap_shared_f0.1")
+
+
+def expected_llm_only(settings: dict[str, Any], batch: int) -> list[str]:
+    """The LLM-only baselines a run with ``settings`` set out to measure at ``batch``: a target compares against all
+    of them, and names the ones missing rather than compare against fewer."""
+    out = ["hf_llm", "engine_llm"]
+    if settings.get("compile") and batch in settings.get("compile_batches", []):
+        out.append("hf_llm_static_compiled")
+    if settings.get("engine_eager"):
+        out.append("engine_llm_eager")
+    return out
+
+
+def targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The issues' targets per pair, from the derived rows: routed f=0.1 over the best LLM-only decoder per batch
+    (every dtype measured: the best of each side), the engine's LLM-only step against the bandwidth limit, routed
+    against assisted generation."""
+    rows = [r for r in report["rows"] if "tokens_per_s" in r]
+    settings = report.get("settings", {})
+    out: dict[str, Any] = {}
+    for pair in report["pairs"]:
+        s: dict[str, Any] = {}
+        mine = [r for r in rows if r["pair"] == pair]
+        for b in sorted({r["batch"] for r in mine}):
+            at = [r for r in mine if r["batch"] == b]
+            llm_only = [r for r in at if r["variant"] in LLM_ONLY]
+            routed = [r for r in at if r["variant"] in ROUTED_F01]
+            missing = sorted(set(expected_llm_only(settings, b)) - {r["variant"] for r in llm_only})
+            if missing:
+                s[f"b{b}_baseline_missing"] = missing
+            if llm_only and routed and not missing:
+                best = max(llm_only, key=lambda r: r["tokens_per_s"])
+                top = max(routed, key=lambda r: r["tokens_per_s"])
+                s[f"b{b}_routed_f0.1_over_best_llm_only"] = top["tokens_per_s"] / best["tokens_per_s"]
+                s[f"b{b}_best_llm_only"] = f"{best['variant']} ({best['dtype']})"
+                s[f"b{b}_best_routed_f0.1"] = f"{top['variant']} ({top['dtype']})"
+                if "ratio_to_ideal" in top:
+                    s[f"b{b}_best_routed_f0.1_ratio_to_ideal"] = top["ratio_to_ideal"]
+            elif routed and missing:
+                s[f"b{b}_routed_f0.1_over_best_llm_only"] = f"baseline missing: {', '.join(missing)}"
+            eng = [r for r in at if r["variant"] == "engine_llm" and "ratio_to_bw" in r]
+            if eng:
+                fast = min(eng, key=lambda r: r["ratio_to_bw"])
+                s[f"b{b}_engine_llm_ratio_to_bw"] = fast["ratio_to_bw"]
+                s[f"b{b}_engine_llm_dtype"] = fast["dtype"]
+            slm = [r for r in at if r["variant"] == "engine_slm" and "ratio_to_bw" in r]
+            if slm:
+                s[f"b{b}_engine_slm_ratio_to_bw"] = min(r["ratio_to_bw"] for r in slm)
+            for r in at:
+                if r["variant"].startswith("assisted_alpha") and routed:
+                    top = max(routed, key=lambda x: x["tokens_per_s"])
+                    s[f"b{b}_routed_f0.1_over_{r['variant']}"] = top["tokens_per_s"] / r["tokens_per_s"]
+        out[pair] = s
+    return out
+
+
+def interpolate(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear y(x) through pts (sorted by x); linear extrapolation from the end segments."""
+    if len(pts) == 1:
+        return pts[0][1]
+    i = 0
+    while i < len(pts) - 2 and x > pts[i + 1][0]:
+        i += 1
+    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def recompute(files: list[str], stat: str, out: str) -> dict[str, Any]:
+    """Merge result files (one device: e.g. one pair per process) and re-derive timings and targets."""
+    reports = [json.loads(Path(f).read_text()) for f in files]
+    merged = json.loads(json.dumps(reports[0]))
+    merged["runs"] = []
+    for f, r in zip(files, reports, strict=True):
+        run = {
+            k: r.get(k) for k in ("device", "host", "citer", "torch", "transformers", "settings", "elapsed_s")
+        }
+        merged["runs"].append({"file": Path(f).name, **run})
+        if r is reports[0]:
+            continue
+        if r["device"].get("name") != merged["device"].get("name"):
+            raise SystemExit(
+                f"{f}: device {r['device'].get('name')!r} differs from {merged['device'].get('name')!r}"
+            )
+        merged["pairs"].update(r["pairs"])
+        merged["rows"] += r["rows"]
+        merged["notes"] += r["notes"]
+        merged["errors"] += r["errors"]
+    derive_timings(merged, stat)
+    merged["targets"] = targets(merged)
+    write_report(Path(out), merged)
+    return merged

@@ -1,0 +1,226 @@
+"""bench/speed.py on the CPU at tiny shapes: the GPU run's code path (fixed-shape steps compiled per layer and replayed
+per bucket, traced here by ``aot_eager``) and the CPU run's (Inductor), every variant in its order, rows saved as they
+come, at most three compiles per model, targets that never substitute a missing baseline, the re-derivation from the
+raw reps, and the plan of the one-shot GPU script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from citer.decoding.engine import RoutedEngine
+
+
+@pytest.fixture(scope="module")
+def speed():
+    spec = importlib.util.spec_from_file_location("bench_speed", REPO / "bench" / "speed.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TINY = [
+    "--tiny",
+    "--batches",
+    "1,2",
+    "--new-tokens",
+    "4",
+    "--prompt-len",
+    "5",
+    "--reps",
+    "2",
+    "--engine-eager",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_report(speed, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_speed") / "bench.json"
+    assert speed.main([*TINY, "--out", str(out)]) == 0
+    return out, json.loads(out.read_text())
+
+
+def test_tiny_run_measures_every_variant_baselines_first(tiny_report):
+    _, rep = tiny_report
+    assert rep["errors"] == []
+    assert rep["device"]["cuda"] is False and "--tiny" in rep["device"]["name"]
+    order = [(r["batch"], r["variant"]) for r in rep["rows"]]
+    for b in (1, 2):
+        names = [v for bb, v in order if bb == b]
+        base = ["engine_llm", "engine_llm_eager", "hf_llm"]
+        assert names[:3] == base  # the LLM-only baselines run (and are saved) first
+        assert {"engine_slm", "routed_f0.1"} <= set(names[3:])
+    assert {
+        (1, "assisted_alpha0.9"),
+        (2, "shared_f0.1"),
+        (2, "overlap_f0.1"),
+        (2, "overlap_shared_f0.1"),
+    } <= set(order)
+    rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
+    assert rows[1, "routed_f0.1"]["static_steps"] == "aot_eager"
+    assert rows[1, "engine_llm_eager"]["static_steps"] is None
+    assert rows[1, "routed_f0.1"]["forward"] == {"slm": "lean", "llm": "lean"}
+    assert all(len(r["reps_s"]) == 2 for r in rep["rows"])
+    assert rows[2, "overlap_f0.1"]["overlap"] is True and rows[2, "routed_f0.1"]["overlap"] is False
+
+
+def test_tiny_run_compiles_each_model_at_most_three_times(tiny_report):
+    """The traced fixed-shape steps compile each model's layer and head once for every bucket and row the run uses:
+    the count the GPU plan holds to (``--plan``), measured through the same bucket plan."""
+    _, rep = tiny_report
+    per_model = {m: sum(r.get(f"{m}_compiles", 0) for r in rep["rows"]) for m in ("slm", "llm")}
+    assert 1 <= per_model["slm"] <= 3 and 1 <= per_model["llm"] <= 3, per_model
+    # engine_llm, the first variant, runs the LLM alone: it compiles the LLM's layer and head, nothing of the SLM's
+    first = next(r for r in rep["rows"] if r["variant"] == "engine_llm")
+    assert first["llm_compiles"] == 2 and "slm_compiles" not in first
+
+
+def test_tiny_run_ratios_are_finite_and_targets_named(tiny_report):
+    _, rep = tiny_report
+    for r in rep["rows"]:
+        for k in ("ms_per_token", "tokens_per_s", "bw_limit_ms_per_token", "ratio_to_bw"):
+            assert math.isfinite(r[k]) and r[k] > 0, (r["variant"], k)
+        if r["variant"].startswith(("routed", "shared", "overlap")):
+            assert 0.0 <= r["llm_fraction"] <= 1.0
+    t = rep["targets"]["tiny"]
+    for b in (1, 2):
+        assert t[f"b{b}_routed_f0.1_over_best_llm_only"] > 0
+        assert t[f"b{b}_best_llm_only"].split(" ")[0] in ("hf_llm", "engine_llm", "engine_llm_eager")
+        assert t[f"b{b}_engine_llm_ratio_to_bw"] > 0
+    assert t["b1_routed_f0.1_over_assisted_alpha0.9"] > 0
+    by = {(r["batch"], r["variant"]): r["bytes_per_token"] for r in rep["rows"]}
+    assert all(by[b, "engine_slm"] < by[b, "engine_llm"] for b in (1, 2))
+
+
+def test_a_missing_baseline_is_named_never_substituted(speed, tiny_report, tmp_path):
+    path, _ = tiny_report
+    rep = json.loads(path.read_text())
+    rep["rows"] = [r for r in rep["rows"] if not (r["batch"] == 1 and r["variant"] == "hf_llm")]
+    src = tmp_path / "partial.json"
+    src.write_text(json.dumps(rep))
+    out = tmp_path / "again.json"
+    assert speed.main(["--recompute", str(src), "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["targets"]["tiny"]
+    assert t["b1_routed_f0.1_over_best_llm_only"] == "baseline missing: hf_llm"
+    assert t["b1_baseline_missing"] == ["hf_llm"]
+    assert isinstance(t["b2_routed_f0.1_over_best_llm_only"], float)
+
+
+# Raw reps (seconds) written over the measured ones: engine_llm / engine_slm / every other variant are 4 : 1 : 2.
+REPS = {"engine_slm": [0.005, 0.001, 0.002], "engine_llm": [0.020, 0.004, 0.008]}
+OTHER_REPS = [0.010, 0.002, 0.004]
+# ms per token of a batch-1 row of 4 new tokens, by hand from the reps above: median, min.
+HAND_MS = {
+    "median": {"engine_slm": 2 / 4, "engine_llm": 8 / 4, "other": 4 / 4},
+    "min": {"engine_slm": 1 / 4, "engine_llm": 4 / 4, "other": 2 / 4},
+}
+
+
+@pytest.mark.parametrize("stat", ["median", "min"])
+def test_recompute_rederives_the_same_numbers(speed, tiny_report, tmp_path, stat):
+    path, rep = tiny_report
+    tampered = json.loads(path.read_text())
+    for r in tampered["rows"]:
+        r["reps_s"] = REPS.get(r["variant"], OTHER_REPS)
+    src = tmp_path / "tampered.json"
+    src.write_text(json.dumps(tampered))
+    out = tmp_path / "again.json"
+    assert speed.main(["--recompute", str(src), "--stat", stat, "--out", str(out)]) == 0
+    again = json.loads(out.read_text())
+    assert again["stat"] == stat
+    assert [(r["batch"], r["variant"]) for r in again["rows"]] == [
+        (r["batch"], r["variant"]) for r in rep["rows"]
+    ]
+    hand = HAND_MS[stat]
+    for a, b in zip(rep["rows"], again["rows"], strict=True):
+        where = (b["batch"], b["variant"])
+        for k in ("bw_limit_ms_per_token", "llm_fraction", "llm_calls_per_token"):
+            assert b.get(k) == a.get(k), (where, k)
+        ms = hand.get(b["variant"], hand["other"]) * 4 / b["new_tokens"] / b["batch"]
+        assert b["ms_per_token"] == pytest.approx(ms, rel=1e-9), where
+        assert b["ratio_to_bw"] == pytest.approx(ms / a["bw_limit_ms_per_token"], rel=1e-9), where
+        if b["variant"].startswith(("routed", "shared", "overlap")):
+            # ideal = f * LLM alone + SLM alone = (f * 8 + 2) / 4 / batch against this row's 4 / 4 / batch
+            assert b["ratio_to_ideal"] == pytest.approx(2 / (4 * a["llm_fraction"] + 1), rel=1e-9), where
+
+
+def test_a_run_out_of_time_keeps_what_it_measured(speed, tmp_path):
+    """The budget is checked before every warm-up and rep: a budget spent early leaves a valid report that says what
+    was skipped."""
+    out = tmp_path / "short.json"
+    assert speed.main([*TINY, "--time-budget", "12", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["errors"] == [] and rep["notes"]
+    assert any("skipped" in n for n in rep["notes"])
+
+
+def test_the_one_shot_gpu_script_plans_within_its_budget():
+    """``bash bench/gpu_oneshot.sh --plan`` on a CPU: at most three compiles per model of ours, and the whole script
+    (CUDA tests, both pairs) estimated at <= 480 s of device time, leaving room for one rerun in 15 minutes."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(
+        ["bash", "bench/gpu_oneshot.sh", "--plan"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    ours = {m: n for m, n in plan["compiles_per_model"].items() if not m.startswith("hf ")}
+    assert ours and all(1 <= n <= 3 for n in ours.values()), ours
+    assert 0 < plan["estimated_device_s"] <= 480
+    assert plan["captures"] > 0
+
+
+def test_a_plan_over_its_budget_exits_non_zero(speed, capsys):
+    argv = ["--plan", "--device", "cuda", "--pairs", "1.5b-14b", "--batches", "1,32", "--time-budget", "30"]
+    assert speed.main(argv) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["estimated_device_s"] > 30
+
+
+def test_agree_processor_masks_and_forces(speed):
+    measure = sys.modules["bench.speed_measure"]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (64, 7))
+    scores = torch.randn(64, 60)
+    cut = measure.AgreeProcessor(50, 0.0)(ids, scores)
+    assert torch.isinf(cut[:, 50:]).all() and torch.equal(cut[:, :50], scores[:, :50])
+    forced = measure.AgreeProcessor(50, 1.0)(ids, scores)
+    tok = forced.argmax(-1)
+    assert (tok < 50).all() and torch.isfinite(forced).sum(-1).eq(1).all()
+    # A function of the prefix only: another model's scores get the same forced token.
+    assert torch.equal(measure.AgreeProcessor(50, 1.0)(ids, torch.randn(64, 55)).argmax(-1), tok)
+    half = measure.AgreeProcessor(50, 0.5)(ids, scores)
+    assert 0.2 < torch.isfinite(half).sum(-1).eq(1).float().mean().item() < 0.8
+
+
+def test_plain_bytes_matches_the_engine_meter(speed):
+    from citer.decoding.baselines import AlwaysSLM
+    from citer.decoding.cost import ModelCost
+
+    report = sys.modules["bench.speed_report"]
+    slm = report.build_model("tiny-slm", "cpu", torch.float32, seed=1)
+    res = RoutedEngine(slm, None, AlwaysSLM()).generate_batch([[5, 6, 7, 8]] * 3, 5)
+    assert report.plain_bytes(ModelCost.from_model(slm), 3, 4, 5) == pytest.approx(res.batch.bytes_moved)
+    assert report.spec_params("tiny-slm") == report.n_params(slm)
+
+
+@pytest.mark.slow
+def test_the_cpu_run_compiles_the_engine_with_inductor(speed, tmp_path):
+    """The CPU bench's engine (``--static-steps default``: one Inductor graph per call kind) at tiny shapes."""
+    out = tmp_path / "cpu.json"
+    argv = ["--tiny", "--static-steps", "default", "--batches", "1", "--new-tokens", "4", "--prompt-len", "5",
+            "--reps", "1", "--alphas", "", "--out", str(out)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["errors"] == []
+    rows = {r["variant"]: r for r in rep["rows"]}
+    assert rows["engine_llm"]["static_steps"] == "default" and rows["engine_llm"]["compiles"] >= 1
+    assert rep["targets"]["tiny"]["b1_routed_f0.1_over_best_llm_only"] > 0
