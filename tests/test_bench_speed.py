@@ -213,14 +213,20 @@ def test_plain_bytes_matches_the_engine_meter(speed):
 
 
 @pytest.mark.slow
-def test_the_cpu_run_compiles_the_engine_with_inductor(speed, tmp_path):
-    """The CPU bench's engine (``--static-steps default``: one Inductor graph per call kind) at tiny shapes."""
+def test_the_cpu_run_compiles_each_kind_once_with_inductor(speed, tmp_path):
+    """The CPU bench's engine (``--static-steps default``: one whole-step Inductor graph per call kind, rows padded to
+    at least two) at tiny shapes, batch 1 and 2: the SLM compiles its decode step once, the LLM its step (alone) and
+    its catch-up (routed) once each; prompts longer than a fixed-shape call prefill eagerly."""
     out = tmp_path / "cpu.json"
-    argv = ["--tiny", "--static-steps", "default", "--batches", "1", "--new-tokens", "4", "--prompt-len", "5",
-            "--reps", "1", "--alphas", "", "--out", str(out)]  # fmt: skip
+    argv = ["--tiny", "--static-steps", "default", "--batches", "1,2", "--new-tokens", "12", "--prompt-len", "20",
+            "--reps", "1", "--alphas", "", "--fractions", "0.5", "--overlap-fractions", "", "--out", str(out)]  # fmt: skip
     assert speed.main(argv) == 0
     rep = json.loads(out.read_text())
     assert rep["errors"] == []
-    rows = {r["variant"]: r for r in rep["rows"]}
-    assert rows["engine_llm"]["static_steps"] == "default" and rows["engine_llm"]["compiles"] >= 1
-    assert rep["targets"]["tiny"]["b1_routed_f0.1_over_best_llm_only"] > 0
+    rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
+    assert rows[1, "engine_llm"]["static_steps"] == "default"
+    per_model = {m: sum(r.get(f"{m}_compiles", 0) for r in rep["rows"]) for m in ("slm", "llm")}
+    assert per_model == {"slm": 1, "llm": 2}, per_model
+    assert (
+        rows[1, "routed_f0.5"]["llm_calls"] > 1
+    )  # the first catch-up prefills the prompt eagerly, later ones are steps

@@ -52,7 +52,7 @@ from citer.decoding.verify import Verification, VerificationError
 STATIC_STEPS: dict[str | None, StepMode | None] = {
     None: None,
     "eager": StepMode(buckets=True),
-    "default": StepMode("inductor"),
+    "default": StepMode("inductor", min_size=2),
     "graphs": StepMode("inductor", buckets=True, graphs=True, regional=True),
     "aot_eager": StepMode("aot_eager", buckets=True, graphs=True, regional=True),
 }
@@ -201,9 +201,11 @@ class RoutedEngine:
         rounded = True if self.static_steps is not None else None
         slm = RaggedKVCache(self.slm, 0, 0, round_shapes=rounded)
         llm = RaggedKVCache(self.llm, 0, 0, round_shapes=rounded) if self.llm is not None else None
-        slm.static = self.static_for("slm")
-        if llm is not None:
-            llm.static = self.static_for("llm")
+        mode = STATIC_STEPS[self.static_steps]
+        for c, which in ((slm, "slm"), (llm, "llm")):
+            if c is not None:
+                c.static = self.static_for(which)
+                c.min_rows = mode.min_size if mode is not None else 1
         return slm, llm
 
     def reserve(self, rows: int, columns: int) -> None:
@@ -211,6 +213,8 @@ class RoutedEngine:
         served: a pool that grows later moves (captured steps re-capture) and, if its columns grow, recompiles."""
         if self._caches is None:
             self._caches = self._new_caches()
+        mode = STATIC_STEPS[self.static_steps]
+        rows = max(rows, mode.min_size if mode is not None else 1)  # pad rows write into slots of their own
         for c, m in zip(self._caches, (self.slm, self.llm), strict=True):
             if c is not None and m is not None:
                 c.reserve(rows, columns, next(m.parameters()))

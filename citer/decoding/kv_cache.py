@@ -61,6 +61,7 @@ class RaggedKVCache(Cache):
         # Fixed-shape calls (citer.decoding.static_step.StaticSteps) for chunks of at most ``static_q`` tokens.
         self.static: Any = None
         self.static_q = 16
+        self.min_rows = 1  # slots allocated at least (fixed-shape steps padded to more rows write into slots of their own)
         # Rows rounded up to a power of two and columns to a multiple of 128, so that a compiled forward sees a few
         # pool shapes and compiles its graphs for them (citer.decoding.compiled); from the next allocation on.
         # None: round where the model's forward runs compiled.
@@ -88,7 +89,7 @@ class RaggedKVCache(Cache):
         """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""
         n = len(self.lengths)
         if n + k > self._alloc:
-            alloc = max(n + k, 2 * self._alloc)
+            alloc = max(n + k, 2 * self._alloc, self.min_rows)
             if self.round_shapes:
                 alloc = 1 << (alloc - 1).bit_length()
             self.keys = [self._grown(t, rows=alloc) for t in self.keys]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from citer.decoding.cpu_linear import linear
+
 
 @dataclass
 class LayerWeights:
@@ -112,7 +114,7 @@ def attn_in(
     of ``cos``/``sin`` (B, T, 1, D)."""
     b, t = x.shape[0], x.shape[1]
     nh, nkv, d = s.n_heads, s.n_kv, s.head_dim
-    qkv = F.linear(rms_norm(x, L.ln1, s.eps), L.wqkv, L.bqkv).view(b, t, nh + 2 * nkv, d)
+    qkv = linear(rms_norm(x, L.ln1, s.eps), L.wqkv, L.bqkv).view(b, t, nh + 2 * nkv, d)
     if L.q_norm is not None:  # Qwen3: a norm per head before RoPE
         qk = torch.cat(
             (rms_norm(qkv[:, :, :nh], L.q_norm, s.eps), rms_norm(qkv[:, :, nh : nh + nkv], L.k_norm, s.eps)),  # type: ignore[arg-type]
@@ -127,6 +129,6 @@ def attn_in(
 def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: LayerWeights, eps: float) -> torch.Tensor:
     """The rest of a layer: x (B, T, H) plus the output projection of the attention o (B, T, nh D), then the gated
     MLP's residual."""
-    x = x + F.linear(o, L.wo, L.bo)
-    g, u = F.linear(rms_norm(x, L.ln2, eps), L.wgu, L.bgu).chunk(2, dim=-1)
-    return x + F.linear(F.silu(g) * u, L.wd, L.bd)
+    x = x + linear(o, L.wo, L.bo)
+    g, u = linear(rms_norm(x, L.ln2, eps), L.wgu, L.bgu).chunk(2, dim=-1)
+    return x + linear(F.silu(g) * u, L.wd, L.bd)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from citer.decoding.cpu_linear import linear
 from citer.decoding.layers import HeadShape, LayerWeights, attn_in, attn_out_mlp, fused_attention, rms_norm
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
@@ -229,7 +230,7 @@ class LeanDecoder:
         return o.transpose(1, 2)[row, j].transpose(0, 1)[None]  # (1, nh, N, D)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.head)
+        return linear(hidden, self.head)
 
 
 def _fingerprint(model: nn.Module) -> tuple:

@@ -150,7 +150,9 @@ class StaticSteps:
         return x.clone() if self.mode.graphs and self.cuda else x
 
     # -- inputs ------------------------------------------------------------------------------------------------------
-    def _shape(self, b: int, q: int) -> tuple[int, int]:
+    def _shape(self, b: int, q: int, q1: bool) -> tuple[int, int]:
+        b = max(b, self.mode.min_size)
+        q = q if q1 else max(q, self.mode.min_size)
         return (bucket(b), bucket(q)) if self.mode.buckets else (b, q)
 
     def _host_inputs(
@@ -219,7 +221,7 @@ class StaticSteps:
         steps: Sequence[int],
     ) -> tuple[torch.Tensor, ...]:
         b, q = len(chunks), max(len(c) for c in chunks)
-        big_b, big_q = self._shape(b, 1 if kind.q1 else q)
+        big_b, big_q = self._shape(b, 1 if kind.q1 else q, kind.q1)
         self.stats.buckets.add((big_b, big_q))
         keys, values = self._pool(cache)
         flat = self._host_inputs(cache, chunks, slots, big_b, big_q, kind, rid, steps)

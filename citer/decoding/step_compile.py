@@ -34,6 +34,7 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
 from citer.decoding.choice import Sampling, step_decisions
+from citer.decoding.cpu_linear import linear
 from citer.decoding.layers import attn_in, attn_out_mlp, fused_attention, grouped_attention, rms_norm
 from citer.decoding.lean import LeanDecoder
 
@@ -48,13 +49,17 @@ class StepMode:
     with ``options``, ``"aot_eager"``, or a callable). ``buckets``: rows and tokens padded to powers of two (else the
     exact shapes, which a dynamic graph runs as well). ``graphs``: fixed input buffers and one capture per bucket (CUDA
     graphs on CUDA). ``regional``: compile one layer and the head, not the whole step (compile time independent of
-    depth; for captures, whose replay skips the Python loop)."""
+    depth; for captures, whose replay skips the Python loop). ``min_size``: calls of fewer rows (and catch-ups of fewer tokens) are padded up
+    to it (Inductor specializes a whole step first compiled for one row or token, so a CPU run at batch 1 and 8 would
+    compile each kind twice; padded to two it compiles once, and a bf16 matrix-vector product reads its weight once
+    for two rows as for one)."""
 
     backend: str | Callable[..., Any] | None = None
     options: tuple[tuple[str, Any], ...] = ()
     buckets: bool = False
     graphs: bool = False
     regional: bool = False
+    min_size: int = 1
 
 
 @dataclass
@@ -155,12 +160,12 @@ def head_step(
     or (``every``) (B, Q, V) and (B, Q, H)."""
     h = rms_norm(x, norm, eps)
     if kind.every:
-        return F.linear(h, head), h
+        return linear(h, head), h
     if kind.q1:
         h = h[:, 0]
     else:
         h = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # (B, H)
-    return F.linear(h, head), h
+    return linear(h, head), h
 
 
 def step_body(
