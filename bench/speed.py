@@ -286,6 +286,8 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap.add_argument("--engine-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="also our engine without compiles (default: on for cpu)")  # fmt: skip
     ap.add_argument("--hf-slm", action="store_true", help="also transformers generate with the SLM alone")
+    ap.add_argument("--llama-cpp-python", default="",
+                    help="a Python with llama-cpp-python and gguf: llama.cpp rows (batch 1) from the same weights")  # fmt: skip
     ap.add_argument("--static-steps", default="auto",
                     help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
                     "default on cpu, aot_eager with --tiny; none: the ragged eager calls")  # fmt: skip
@@ -294,7 +296,8 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         default="auto",
         help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}, from the device's name",
     )
-    ap.add_argument("--time-budget", type=float, default=480, help="seconds; later measurements are skipped")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 330 with --quick)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of every path")
     ap.add_argument("--quick", action="store_true", help="cpu: fewer reps and one dtype (bf16), for a rerun")
     ap.add_argument(
@@ -319,12 +322,14 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     )
     a.batches = a.batches or ([1, 32] if cuda else [1, 8])
     a.new_tokens = a.new_tokens or (64 if cuda else 32)
-    a.alphas = [0.9] if a.alphas is None else a.alphas
+    a.alphas = ([0.9] if cuda or a.quick else [0.5, 0.9]) if a.alphas is None else a.alphas
     a.compile_batches = a.compile_batches or a.batches
     a.compile_reserve = a.compile_reserve if a.compile_reserve is not None else (90 if cuda else 150)
     a.engine_eager = (not cuda) if a.engine_eager is None else a.engine_eager
     if a.quick:
         a.reps = min(a.reps, 2)
+    if a.time_budget is None:
+        a.time_budget = 480 if cuda else 330 if a.quick else 3600
     if a.static_steps == "auto":
         a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else "default"
     if a.static_steps in ("none", ""):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.speed_report import BenchRun, BuiltPair, call_counter, plain_bytes
+from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, call_counter, plain_bytes
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.lean import lean_decoder
@@ -60,13 +61,15 @@ class AgreeProcessor:
 @dataclass
 class Variant:
     """One decoder to time: ``run(n)`` generates ``n`` tokens per row and returns what the row needs (the engine's
-    stats, or the assisted tallies); ``meta`` goes into the row as is."""
+    stats, or the assisted tallies); ``meta`` goes into the row as is. An ``external`` variant runs in a process of
+    its own that warms up and times its reps itself: ``run`` returns them (``reps_s``)."""
 
     name: str
     run: Callable[[int], dict[str, Any]]
     meta: dict[str, Any]
     engine: RoutedEngine | None = None
     compiles: bool = False  # its warm-up compiles (kept for when enough time is left)
+    external: bool = False
 
 
 def shared_min_rows(min_rows: int, batch: int) -> int:
@@ -121,6 +124,11 @@ def variants(
         e = RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab)
         base.append(engine("engine_llm_eager", e, 1.0, model="llm"))
     base.append(Variant("hf_llm", hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}))
+    llama = SPECS[PAIRS[models.name][1]]["family"] == "llama"
+    if a.llama_cpp_python and batch == 1 and not llama:
+        run.note(f"{models.name}: no llama.cpp rows (the peer writes Llama-architecture GGUF files only)")
+    if a.llama_cpp_python and batch == 1 and llama:
+        base.append(_llama_cpp(run, models, "llm"))
 
     rest = [engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm")]
     for p in a.fractions:
@@ -139,6 +147,8 @@ def variants(
             rest.append(engine(f"overlap_shared_f{p:g}", e, p, **share))
     if a.hf_slm:
         rest.append(Variant("hf_slm", hf(slm), {"method": "hf_generate", "model": "slm", "f": 0.0}))
+    if a.llama_cpp_python and batch == 1 and llama:
+        rest.append(_llama_cpp(run, models, "slm"))
     if batch == 1:
         for alpha in a.alphas:
             rest.append(_assisted(run, models, ids, alpha))
@@ -156,6 +166,59 @@ def _static_compile(run: BenchRun) -> dict[str, Any]:
         cc._compile_all_devices = True
         kw["compile_config"] = cc
     return kw
+
+
+# HF Llama parameter names -> GGUF tensor names (llama.cpp's llama architecture)
+_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def _llama_cpp(run: BenchRun, models: BuiltPair, which: str) -> Variant:
+    """llama.cpp decoding one model of the pair alone (batch 1), in the environment of ``--llama-cpp-python``
+    (``bench/speed_peers.py``), from the same random weights written out as ``.npy`` files."""
+    import json
+    import subprocess
+    import tempfile
+
+    import numpy as np
+
+    model = models.llm if which == "llm" else models.slm
+    a = run.args
+
+    def go(n: int) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="citer_llama_cpp_") as tmp:
+            out = Path(tmp)
+            for k, t in model.state_dict().items():
+                if k == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                if k.startswith("model.layers."):
+                    parts = k.split(".")
+                    name = f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:-1])]}.weight"
+                else:
+                    name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                            "lm_head.weight": "output.weight"}[k]  # fmt: skip
+                t = t.contiguous()
+                arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype is torch.bfloat16 else t.numpy()
+                np.save(out / f"{name}.npy", arr)
+            c = model.config
+            cfg = dict(dtype=models.dtype, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                       intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
+                       num_key_value_heads=c.num_key_value_heads, rope_theta=float(c.rope_parameters["rope_theta"]),
+                       rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+                       max_position_embeddings=c.max_position_embeddings, prompt_len=a.prompt_len, new_tokens=n,
+                       reps=a.reps, threads=torch.get_num_threads())  # fmt: skip
+            (out / "config.json").write_text(json.dumps(cfg))
+            script = Path(__file__).with_name("speed_peers.py")
+            res = subprocess.run(
+                [a.llama_cpp_python, str(script), "llama_cpp", tmp], capture_output=True, text=True
+            )
+            if res.returncode != 0:
+                raise RuntimeError(f"llama.cpp: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+            return json.loads(res.stdout.strip().splitlines()[-1])
+
+    meta = {"method": "llama_cpp", "model": which, "f": 1.0 if which == "llm" else 0.0, "peer": "llama.cpp"}
+    return Variant(f"llama_cpp_{which}", go, meta, external=True)
 
 
 def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float) -> Variant:
@@ -191,7 +254,10 @@ def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
         run.error(f"{models.name} {models.dtype} batch {batch}: building variants", exc)
         return
     for group in groups:
-        ready = [v for v in group if _warm_up(run, models, batch, v)]
+        for v in group:
+            if v.external:
+                _external(run, models, batch, v)
+        ready = [v for v in group if not v.external and _warm_up(run, models, batch, v)]
         for rep in range(run.args.reps):
             for v in ready:
                 row = _row_of(run, models, batch, v)
@@ -213,6 +279,26 @@ def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
             row = _row_of(run, models, batch, v)
             if row["reps_s"]:
                 run.print_row(row)
+
+
+def _external(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> None:
+    """A peer in a process of its own: it warms up and times its reps; they fill its row like any other's."""
+    where = f"{models.name} {models.dtype} b{batch} {v.name}"
+    if run.left() < 60:
+        run.note(f"{where}: skipped, {run.left():.0f}s left")
+        return
+    try:
+        got = v.run(run.args.new_tokens)
+    except Exception as exc:
+        run.error(where, exc)
+        return
+    row = _row_of(run, models, batch, v)
+    row["reps_s"] = [round(x, 5) for x in got["reps_s"]]
+    row["warmup_s"] = round(got["warmup_s"], 3)
+    row["peer_version"] = got.get("version")
+    _fill(run, models, batch, v, row, {})
+    run.save()
+    run.print_row(row)
 
 
 def _warm_up(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> bool:

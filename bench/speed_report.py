@@ -410,12 +410,12 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
 
 ROUTED = ("routed", "shared", "overlap")
 # The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine (as it runs, and eager).
-LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager")
+LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager", "llama_cpp_llm")
 # The routed f=0.1 decoders a target takes the best of: plain, shared LLM calls, overlapped, both.
 ROUTED_F01 = ("routed_f0.1", "shared_f0.1", "overlap_f0.1", "overlap_shared_f0.1")
 
 
-def expected_llm_only(settings: dict[str, Any], batch: int) -> list[str]:
+def expected_llm_only(settings: dict[str, Any], batch: int, pair: str) -> list[str]:
     """The LLM-only baselines a run with ``settings`` set out to measure at ``batch``: a target compares against all
     of them, and names the ones missing rather than compare against fewer."""
     out = ["hf_llm", "engine_llm"]
@@ -423,6 +423,8 @@ def expected_llm_only(settings: dict[str, Any], batch: int) -> list[str]:
         out.append("hf_llm_static_compiled")
     if settings.get("engine_eager"):
         out.append("engine_llm_eager")
+    if settings.get("llama_cpp_python") and batch == 1 and SPECS[PAIRS[pair][1]]["family"] == "llama":
+        out.append("llama_cpp_llm")
     return out
 
 
@@ -440,7 +442,7 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
             at = [r for r in mine if r["batch"] == b]
             llm_only = [r for r in at if r["variant"] in LLM_ONLY]
             routed = [r for r in at if r["variant"] in ROUTED_F01]
-            missing = sorted(set(expected_llm_only(settings, b)) - {r["variant"] for r in llm_only})
+            missing = sorted(set(expected_llm_only(settings, b, pair)) - {r["variant"] for r in llm_only})
             if missing:
                 s[f"b{b}_baseline_missing"] = missing
             if llm_only and routed and not missing:
