@@ -288,6 +288,7 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap.add_argument("--hf-slm", action="store_true", help="also transformers generate with the SLM alone")
     ap.add_argument("--llama-cpp-python", default="",
                     help="a Python with llama-cpp-python and gguf: llama.cpp rows (batch 1) from the same weights")  # fmt: skip
+    ap.add_argument("--vllm-python", default="", help="a Python with vllm (CPU backend): vLLM LLM-only rows")
     ap.add_argument("--static-steps", default="auto",
                     help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
                     "default on cpu, aot_eager with --tiny; none: the ragged eager calls")  # fmt: skip

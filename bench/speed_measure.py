@@ -14,6 +14,7 @@ budget, a row per variant updated and saved after every rep.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,7 +129,9 @@ def variants(
     if a.llama_cpp_python and batch == 1 and not llama:
         run.note(f"{models.name}: no llama.cpp rows (the peer writes Llama-architecture GGUF files only)")
     if a.llama_cpp_python and batch == 1 and llama:
-        base.append(_llama_cpp(run, models, "llm"))
+        base.append(_peer(run, models, "llm", "llama_cpp", batch))
+    if a.vllm_python:
+        base.append(_peer(run, models, "llm", "vllm", batch))
 
     rest = [engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm")]
     for p in a.fractions:
@@ -148,7 +151,7 @@ def variants(
     if a.hf_slm:
         rest.append(Variant("hf_slm", hf(slm), {"method": "hf_generate", "model": "slm", "f": 0.0}))
     if a.llama_cpp_python and batch == 1 and llama:
-        rest.append(_llama_cpp(run, models, "slm"))
+        rest.append(_peer(run, models, "slm", "llama_cpp", batch))
     if batch == 1:
         for alpha in a.alphas:
             rest.append(_assisted(run, models, ids, alpha))
@@ -174,9 +177,10 @@ _GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_att
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
 
 
-def _llama_cpp(run: BenchRun, models: BuiltPair, which: str) -> Variant:
-    """llama.cpp decoding one model of the pair alone (batch 1), in the environment of ``--llama-cpp-python``
-    (``bench/speed_peers.py``), from the same random weights written out as ``.npy`` files."""
+def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -> Variant:
+    """A peer decoding one model of the pair alone in an environment of its own (``bench/speed_peers.py``), from the
+    same random weights: llama.cpp (``--llama-cpp-python``; the weights as ``.npy`` files it writes into a GGUF file)
+    or vLLM's CPU backend (``--vllm-python``; an HF model directory)."""
     import json
     import subprocess
     import tempfile
@@ -185,24 +189,33 @@ def _llama_cpp(run: BenchRun, models: BuiltPair, which: str) -> Variant:
 
     model = models.llm if which == "llm" else models.slm
     a = run.args
+    python = a.llama_cpp_python if peer == "llama_cpp" else a.vllm_python
 
     def go(n: int) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="citer_llama_cpp_") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"citer_{peer}_") as tmp:
             out = Path(tmp)
-            for k, t in model.state_dict().items():
-                if k == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue
-                if k.startswith("model.layers."):
-                    parts = k.split(".")
-                    name = f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:-1])]}.weight"
-                else:
-                    name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                            "lm_head.weight": "output.weight"}[k]  # fmt: skip
-                t = t.contiguous()
-                arr = t.view(torch.int16).numpy().view(np.uint16) if t.dtype is torch.bfloat16 else t.numpy()
-                np.save(out / f"{name}.npy", arr)
+            if peer == "vllm":
+                model.save_pretrained(out / "hf")
+            else:
+                for k, t in model.state_dict().items():
+                    if k == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue
+                    if k.startswith("model.layers."):
+                        parts = k.split(".")
+                        name = f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:-1])]}.weight"
+                    else:
+                        name = {"model.embed_tokens.weight": "token_embd.weight",
+                                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]  # fmt: skip
+                    t = t.contiguous()
+                    arr = (
+                        t.view(torch.int16).numpy().view(np.uint16)
+                        if t.dtype is torch.bfloat16
+                        else t.numpy()
+                    )
+                    np.save(out / f"{name}.npy", arr)
             c = model.config
-            cfg = dict(dtype=models.dtype, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+            cfg = dict(dtype=models.dtype, dtype_name=str(model.dtype).removeprefix("torch."), batch=batch,
+                       hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
                        intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
                        num_key_value_heads=c.num_key_value_heads, rope_theta=float(c.rope_parameters["rope_theta"]),
                        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
@@ -210,15 +223,17 @@ def _llama_cpp(run: BenchRun, models: BuiltPair, which: str) -> Variant:
                        reps=a.reps, threads=torch.get_num_threads())  # fmt: skip
             (out / "config.json").write_text(json.dumps(cfg))
             script = Path(__file__).with_name("speed_peers.py")
+            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
             res = subprocess.run(
-                [a.llama_cpp_python, str(script), "llama_cpp", tmp], capture_output=True, text=True
+                [python, str(script), peer, tmp], capture_output=True, text=True, cwd=tmp, env=env
             )
-            if res.returncode != 0:
-                raise RuntimeError(f"llama.cpp: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
-            return json.loads(res.stdout.strip().splitlines()[-1])
+            line = next((x for x in res.stdout.splitlines() if x.startswith('{"reps_s"')), None)
+            if res.returncode != 0 or line is None:
+                raise RuntimeError(f"{peer}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
+            return json.loads(line)
 
-    meta = {"method": "llama_cpp", "model": which, "f": 1.0 if which == "llm" else 0.0, "peer": "llama.cpp"}
-    return Variant(f"llama_cpp_{which}", go, meta, external=True)
+    meta = {"method": peer, "model": which, "f": 1.0 if which == "llm" else 0.0, "peer": peer}
+    return Variant(f"{peer}_{which}", go, meta, external=True)
 
 
 def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float) -> Variant:

@@ -1,12 +1,12 @@
-"""A peer decoder for ``bench/speed.py`` that lives in an environment of its own: llama.cpp through llama-cpp-python,
-run as ``PYTHON bench/speed_peers.py llama_cpp DIR`` with that environment's Python (``--llama-cpp-python``).
+"""Peer decoders for ``bench/speed.py`` that live in environments of their own, run with that environment's Python
+as ``PYTHON bench/speed_peers.py {llama_cpp,vllm} DIR``; each prints one JSON line with its wall times (a warm-up, then
+``reps`` runs of ``prompt_len`` random ids and ``new_tokens`` greedy tokens, no EOS).
 
-DIR holds a model as ``bench/speed.py`` writes it (``config.json`` and one ``.npy`` per tensor, bf16 stored as
-uint16): the same random weights the other rows decode with. This script writes them into a GGUF file (llama
-architecture, a placeholder vocabulary of the same size, bf16 or f32 as given), decodes ``prompt_len`` random ids and
-then ``new_tokens`` tokens one at a time with ``n_threads`` threads, and prints one JSON line with the wall times.
-Needs only numpy, gguf and llama_cpp. (q and k are not permuted to llama.cpp's rotary layout: with random weights the
-tokens mean nothing either way, and the work per token is the same.)
+- ``llama_cpp`` (``--llama-cpp-python``: llama-cpp-python and gguf): DIR holds ``config.json`` and one ``.npy`` per
+  tensor (bf16 stored as uint16), the same random weights the other rows decode with, written here into a GGUF file
+  (llama architecture, a placeholder vocabulary of the same size). q and k are not permuted to llama.cpp's rotary
+  layout: with random weights the tokens mean nothing either way, and the work per token is the same.
+- ``vllm`` (``--vllm-python``: vllm's CPU backend): DIR/hf is the model saved by ``save_pretrained``; no tokenizer.
 """
 
 from __future__ import annotations
@@ -79,7 +79,32 @@ def time_llama_cpp(src: Path) -> dict:
     return {"reps_s": walls[1:], "warmup_s": walls[0], "version": llama_cpp.__version__}
 
 
+def time_vllm(src: Path) -> dict:
+    """vLLM's CPU backend decoding the HF model directory ``src/hf`` (saved by the bench), ``batch`` rows of random
+    prompt ids, greedy, no EOS: the rows' wall times, the first run a warm-up."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = json.loads((src / "config.json").read_text())
+    llm = LLM(model=str(src / "hf"), dtype=cfg["dtype_name"], skip_tokenizer_init=True, seed=0,
+              max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 8, max_num_seqs=max(cfg["batch"], 1))  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in rng.integers(3, cfg["vocab_size"], cfg["prompt_len"])])
+               for _ in range(cfg["batch"])]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["new_tokens"], ignore_eos=True, detokenize=False)
+    walls = []
+    for _ in range(1 + cfg["reps"]):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t)
+    import vllm
+
+    return {"reps_s": walls[1:], "warmup_s": walls[0], "version": vllm.__version__}
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "llama_cpp":
-        raise SystemExit("usage: PYTHON bench/speed_peers.py llama_cpp DIR")
-    print(json.dumps(time_llama_cpp(Path(sys.argv[2]))), flush=True)
+    peers = {"llama_cpp": time_llama_cpp, "vllm": time_vllm}
+    if len(sys.argv) != 3 or sys.argv[1] not in peers:
+        raise SystemExit(f"usage: PYTHON bench/speed_peers.py {{{','.join(peers)}}} DIR")
+    print(json.dumps(peers[sys.argv[1]](Path(sys.argv[2]))), flush=True)

@@ -410,7 +410,7 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
 
 ROUTED = ("routed", "shared", "overlap")
 # The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine (as it runs, and eager).
-LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager", "llama_cpp_llm")
+LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager", "llama_cpp_llm", "vllm_llm")
 # The routed f=0.1 decoders a target takes the best of: plain, shared LLM calls, overlapped, both.
 ROUTED_F01 = ("routed_f0.1", "shared_f0.1", "overlap_f0.1", "overlap_shared_f0.1")
 
@@ -425,6 +425,8 @@ def expected_llm_only(settings: dict[str, Any], batch: int, pair: str) -> list[s
         out.append("engine_llm_eager")
     if settings.get("llama_cpp_python") and batch == 1 and SPECS[PAIRS[pair][1]]["family"] == "llama":
         out.append("llama_cpp_llm")
+    if settings.get("vllm_python"):
+        out.append("vllm_llm")
     return out
 
 
