@@ -270,10 +270,14 @@ def record_reports(proj: Project, stage: str, started: float) -> None:
     )
 
 
-def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def locked(
+    what: str, side_run: Callable[..., bool] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run a stage flow's body holding the project lock (``lock`` params), after removing what a killed run left.
 
-    Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file.
+    Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file. The report
+    files the body wrote are stamped in ``reports/provenance.json``, unless ``side_run`` (called with the flow's
+    arguments) says this call is not the project's own stage (``citer route --output mine.jsonl``).
     """
     from citer.locking import project_lock, remove_leftovers
 
@@ -289,7 +293,8 @@ def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     say(f"removed {proj.portable_ref(p)}, left by a killed run")
                 started = time.time()
                 out = fn(*args, **kwargs)
-                record_reports(proj, what, started)
+                if side_run is None or not side_run(*args, **kwargs):
+                    record_reports(proj, what, started)
                 return out
 
         return wrapper

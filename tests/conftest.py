@@ -255,8 +255,11 @@ def champion_project(tiny_pair_dirs, tmp_path, monkeypatch):
     root = tmp_path / "project"
     for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):
         shutil.copytree(src, root / "models" / role)
+    from citer.routing.iterations import pair_digests
+
     torch.manual_seed(0)
     meta = {"slm": "models/slm", "llm": "models/llm", "iteration": 2}
+    meta |= pair_digests(root / "models" / "slm", root / "models" / "llm")  # the pair it routes for
     save_router(MLPRouter(32).eval(), root / "artifacts" / "routers" / "iter2", meta)
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

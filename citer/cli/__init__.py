@@ -15,6 +15,7 @@ import typer
 from citer.cli import report as _report  # noqa: F401  (registers the ``citer report`` commands)
 from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used by tests)
     _OUTPUT,
+    AllowPairMismatch,
     ParamsOpt,
     _one_line,
     _setup,
@@ -243,11 +244,25 @@ def route(
         ),
     ] = None,
     params: ParamsOpt = "params.yaml",
+    allow_pair_mismatch: AllowPairMismatch = False,
 ) -> None:
-    """Routed batch inference with the champion router; resumes where a previous run stopped."""
+    """Routed batch inference with the champion router; resumes where a previous run stopped.
+
+    Without --input/--output: the pipeline's batch stage (inference.output, reports/report.html, an MLflow run).
+    With them: a side run that writes only --output and its .meta.json/.summary.json beside it.
+    """
     from flows.batch_inference import batch_inference_flow
 
-    out = batch_inference_flow(params_path=params, input=input, output=output, llm_fraction=llm_fraction)
+    if input is not None and output is None:
+        typer.echo("error: --input needs --output (inference.output holds the pipeline's own run)", err=True)
+        raise typer.Exit(2)
+    out = batch_inference_flow(
+        params_path=params,
+        input=input,
+        output=output,
+        llm_fraction=llm_fraction,
+        allow_pair_mismatch=allow_pair_mismatch,
+    )
     _show(out)
     if "report" in out and not _OUTPUT["json"]:  # the last dvc stage: end on what a person wants to know
         _headline(params, "the run so far:", None)
@@ -299,12 +314,19 @@ def serve_cmd(
             min=0.0, max=1.0, help="route this share of tokens to the LLM (default: serve.llm_fraction)"
         ),
     ] = None,
+    allow_pair_mismatch: AllowPairMismatch = False,
 ) -> None:
     """Serve the registry's champion router behind an OpenAI-compatible API (streaming included)."""
     from citer.project import load_project
     from citer.serving.server import serve_champion
 
-    serve_champion(load_project(params), host=host, port=port, llm_fraction=llm_fraction)
+    serve_champion(
+        load_project(params),
+        host=host,
+        port=port,
+        llm_fraction=llm_fraction,
+        allow_pair_mismatch=allow_pair_mismatch,
+    )
 
 
 def main() -> None:  # pragma: no cover - console entry

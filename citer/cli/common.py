@@ -32,6 +32,13 @@ app.add_typer(router_app, name="router")
 app.add_typer(report_app, name="report")
 
 ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
+AllowPairMismatch = Annotated[
+    bool,
+    typer.Option(
+        "--allow-pair-mismatch",
+        help="use a champion trained for other SLM/LLM files than params name (warns; the rare deliberate case)",
+    ),
+]
 
 
 _OUTPUT = {"json": False}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -272,17 +272,25 @@ def plan_promotion(
     champion_version: str | None = None,
     champion_note: str = "",
     guard: Guard | None = None,
+    champion_stale: bool = False,
 ) -> PromotionPlan:
     """τ is chosen on dev (the candidate's, and the re-evaluated champion's by the sweep); both are compared on the
     same test examples (:func:`decide_promotion`).
 
     ``champion_version`` names the version holding the alias (None: no champion yet). A champion that exists but has
     no row here (another SLM, another hidden size: ``champion_note`` says which) is kept: it cannot be compared.
+    A ``champion_stale`` one (trained for other weights under the pair's names: no loader decodes with it) is judged
+    as no champion: the candidate takes the alias if it passes every other gate.
     """
     best_dev = choose_candidate(dev_rows, rule)
     best = test_row_of(test_rows, best_dev)
     champion_row = next((r for r in test_rows if r.method == "champion"), None)
-    if champion_version is not None and champion_row is None:
+    if champion_stale and champion_version is not None and best_dev is not None:
+        d = decide_promotion(best, None, rule, previous=champion_version, guard=guard)
+        why = f"v{champion_version} is stale ({champion_note})"
+        reason = d.reason.replace("no champion yet", why) if d.promoted else f"{d.reason} ({why})"
+        decision = replace(d, reason=reason)
+    elif champion_version is not None and champion_row is None:
         why = f": {champion_note}" if champion_note else ""
         decision = Decision(
             False, f"kept v{champion_version}{why}; it cannot be compared here", champion_version

@@ -295,6 +295,19 @@ def _summarise(
     )
 
 
+def write_without_champion(
+    input_path: str | os.PathLike[str], output_path: str | os.PathLike[str], fmt: Format, status: str
+) -> None:
+    """What batch inference leaves when no router holds the alias: an empty (valid) output and a sidecar whose
+    ``status`` says why. A later run with a champion starts the file over (no rows to resume)."""
+    from citer.io import write_text
+
+    inp, output = Path(input_path), Path(output_path)
+    write_text(output, "")
+    meta = {"input_sha256": _file_hash(inp), "fmt": fmt, "status": status}
+    write_json(output.with_name(output.name + ".meta.json"), meta)
+
+
 def route_file(
     engine: Any | Callable[[], Any],
     tokenizer: Any,

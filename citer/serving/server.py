@@ -287,9 +287,10 @@ def serve_champion(
     host: str | None = None,
     port: int | None = None,
     llm_fraction: float | None = None,
+    allow_pair_mismatch: bool = False,
 ) -> None:
     """``citer serve``: the champion engine behind the endpoint, settings from ``serve`` in params (host/port
-    override). The environment variable named by ``serve.api_key_env`` (``CITER_API_KEY``), when set, becomes the
+    override); a champion trained for other model files than params name is refused unless ``allow_pair_mismatch``. The environment variable named by ``serve.api_key_env`` (``CITER_API_KEY``), when set, becomes the
     bearer key the server requires; a non-loopback host without it is refused before any model is loaded, unless
     ``serve.allow_remote_without_key``.
     """
@@ -299,7 +300,9 @@ def serve_champion(
     host, port = host or s.host, port or s.port
     api_key = (os.environ.get(s.api_key_env) or "").strip() or None
     check_bind(host, api_key, allow_remote_without_key=s.allow_remote_without_key, api_key_env=s.api_key_env)
-    engine, tok, info = load_champion(proj, llm_fraction=llm_fraction)
+    engine, tok, info = load_champion(
+        proj, llm_fraction=llm_fraction, allow_pair_mismatch=allow_pair_mismatch
+    )
     fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
     log.info(
         "serving %s (tau=%s) as %r on http://%s:%d/v1%s",
