@@ -226,20 +226,70 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
     import mlflow
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+    from citer import interrupt
+
     exp_id = ensure_experiment(proj)
     client = mlflow.MlflowClient()
     parent = parent_run_id or os.environ.get("CITER_PARENT_RUN_ID")
     tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_commit(proj.root)}
+    tags |= _owner_tags()
     if parent:
         tags[MLFLOW_PARENT_RUN_ID] = parent
     run = client.create_run(exp_id, tags=tags, run_name=stage)
     sr = StageRun(client=client, run_id=run.info.run_id, experiment_id=exp_id)
+    # Ctrl-C whose unwinding hangs (citer.interrupt) still closes the run: no stage leaves it RUNNING.
+    token = interrupt.on_interrupt(lambda: client.set_terminated(sr.run_id, status="KILLED"))
     try:
         yield sr
-    except BaseException:
-        client.set_terminated(sr.run_id, status="FAILED")
+    except BaseException as exc:
+        killed = isinstance(exc, KeyboardInterrupt) or interrupt.interrupted() is not None
+        client.set_terminated(sr.run_id, status="KILLED" if killed else "FAILED")
         raise
+    finally:
+        interrupt.done(token)
     client.set_terminated(sr.run_id, status="FINISHED")
+
+
+OWNER_TAGS = ("citer.host", "citer.pid", "citer.pid_start")
+
+
+def _owner_tags() -> dict[str, str]:
+    """Which process holds a run open: a run still RUNNING whose process is gone was left by a SIGKILL."""
+    import socket
+
+    from citer.reaper import stat
+
+    st = stat(os.getpid())
+    return {
+        "citer.host": socket.gethostname(),
+        "citer.pid": str(os.getpid()),
+        "citer.pid_start": st[1] if st else "",
+    }
+
+
+def close_orphan_runs(proj: Project) -> list[str]:
+    """Mark ``KILLED`` the project's runs still ``RUNNING`` whose process on this machine is gone (a SIGKILL, an
+    OOM kill: nothing in the process could close them). Call it holding the project lock. Returns their ids."""
+    import socket
+
+    import mlflow
+
+    from citer.reaper import alive
+
+    exp_id = ensure_experiment(proj)
+    client = mlflow.MlflowClient()
+    host = socket.gethostname().replace("'", "")
+    found = client.search_runs(
+        [exp_id], f"attributes.status = 'RUNNING' and tags.`citer.host` = '{host}'", max_results=1000
+    )
+    gone = []
+    for run in found:
+        t = run.data.tags
+        pid, start = t.get("citer.pid", ""), t.get("citer.pid_start", "")
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid), start):
+            client.set_terminated(run.info.run_id, status="KILLED")
+            gone.append(run.info.run_id)
+    return gone
 
 
 def owned_dirs(proj: Project) -> list[Path]:
@@ -270,6 +320,9 @@ def record_reports(proj: Project, stage: str, started: float) -> None:
     )
 
 
+_DEPTH = [0]  # stage flows running inside one another in this process (a pipeline's stages)
+
+
 def locked(
     what: str, side_run: Callable[..., bool] | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -291,8 +344,15 @@ def locked(
             with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):
                 for p in remove_leftovers(owned_dirs(proj)):
                     say(f"removed {proj.portable_ref(p)}, left by a killed run")
+                if _DEPTH[0] == 0:  # once per command: a pipeline's stages share its lock
+                    for run_id in close_orphan_runs(proj):
+                        say(f"marked MLflow run {run_id} KILLED: its process was killed while it ran")
                 started = time.time()
-                out = fn(*args, **kwargs)
+                _DEPTH[0] += 1
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    _DEPTH[0] -= 1
                 if side_run is None or not side_run(*args, **kwargs):
                     record_reports(proj, what, started)
                 return out

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "citer.progress",
         "citer.locking",
         "citer.reaper",
+        "citer.interrupt",
         "citer.sharding",
         "citer.provenance",
     ),

@@ -334,6 +334,9 @@ def main() -> None:  # pragma: no cover - console entry
         from citer.reaper import start_reaper
 
         start_reaper()  # a SIGKILLed command takes its children (Prefect's temporary server) with it
+        from citer.interrupt import install
+
+        install()  # Ctrl-C / SIGTERM: one line and exit 130 / 143 within seconds, runs closed as KILLED
     sys.exit(app())
 
 

@@ -100,9 +100,14 @@ def friendly(fn: F) -> F:
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
+            _interrupted()
         except Exception as exc:
+            from citer import interrupt
+
+            if (
+                interrupt.interrupted() is not None
+            ):  # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+                _interrupted()
             if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
                 traceback.print_exc()
             hint = "" if isinstance(exc, EXPECTED) else " (rerun with --debug for the traceback)"
@@ -110,6 +115,16 @@ def friendly(fn: F) -> F:
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _interrupted() -> None:
+    """Ctrl-C (or SIGTERM): close the runs still open, one line, exit 130 (143)."""
+    from citer import interrupt
+
+    interrupt.run_callbacks()
+    interrupt.say_once()
+    interrupt.stop_children()  # Prefect's temporary server, dask workers: the stage's children go with it
+    raise typer.Exit(interrupt.exit_code()) from None
 
 
 def _brief(v: Any) -> str:
