@@ -20,7 +20,7 @@ from flows.common import locked, stage_run
 
 
 @flow(name="batch-inference")
-@locked("route", side_run=lambda *_, **kw: kw.get("input") is not None or kw.get("output") is not None)
+@locked("route", side_run=lambda a: a.get("input") is not None or a.get("output") is not None)
 def batch_inference_flow(
     params_path: str = "params.yaml",
     input: str | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -275,12 +276,17 @@ def close_orphan_runs(proj: Project) -> list[str]:
     import mlflow
 
     from citer.reaper import alive
+    from citer.registry import open_store
 
-    exp_id = ensure_experiment(proj)
-    client = mlflow.MlflowClient()
+    client = mlflow.MlflowClient(open_store(proj))
+    exp = client.get_experiment_by_name(proj.params.registry.experiment)
+    if exp is None:  # nothing logged yet (and nothing created here: a side run writes no store)
+        return []
     host = socket.gethostname().replace("'", "")
     found = client.search_runs(
-        [exp_id], f"attributes.status = 'RUNNING' and tags.`citer.host` = '{host}'", max_results=1000
+        [exp.experiment_id],
+        f"attributes.status = 'RUNNING' and tags.`citer.host` = '{host}'",
+        max_results=1000,
     )
     gone = []
     for run in found:
@@ -330,7 +336,7 @@ def locked(
 
     Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file. The report
     files the body wrote are stamped in ``reports/provenance.json``, unless ``side_run`` (called with the flow's
-    arguments) says this call is not the project's own stage (``citer route --output mine.jsonl``).
+    arguments by name) says this call is not the project's own stage (``citer route --output mine.jsonl``).
     """
     from citer.locking import project_lock, remove_leftovers
 
@@ -353,7 +359,7 @@ def locked(
                     out = fn(*args, **kwargs)
                 finally:
                     _DEPTH[0] -= 1
-                if side_run is None or not side_run(*args, **kwargs):
+                if side_run is None or not side_run(inspect.signature(fn).bind(*args, **kwargs).arguments):
                     record_reports(proj, what, started)
                 return out
 

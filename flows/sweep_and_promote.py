@@ -189,7 +189,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
-    promotion = promotion_record(plan, version, result.test)
+    promotion = promotion_record(plan, version, result.test) | {"mlflow_run_id": run.run_id}
     write_json(proj.reports / "promotion.json", promotion)
     pending.unlink(missing_ok=True)
     return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}

@@ -277,6 +277,9 @@ def _headline(params: str, title: str, mlflow_run: str | None) -> None:
     rows, files = headline_rows(proj.reports)
     width = max(len(label) for label, _ in rows)
     typer.echo(title)
+    outcome = _outcome(proj)
+    if outcome:  # nothing promoted: that is the news, before any number
+        typer.echo(f"  {outcome}")
     for label, value in rows:
         typer.echo(f"  {label:<{width}}  {value}")
     typer.echo(
@@ -287,6 +290,25 @@ def _headline(params: str, title: str, mlflow_run: str | None) -> None:
         uri = proj.params.paths.mlflow_tracking_uri
     run = f"MLflow run {mlflow_run}: " if mlflow_run else "MLflow: "
     typer.echo(f"  {run}mlflow ui --backend-store-uri {uri}")
+
+
+def _outcome(proj: Any) -> str | None:
+    """The line the closing table leads with when the last sweep promoted nothing: no champion (and why), or the
+    champion that stays."""
+    import json
+
+    from citer.serving.champion import no_champion_reason
+
+    try:
+        promo = json.loads((proj.reports / "promotion.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if promo.get("promoted"):
+        return None
+    reason = no_champion_reason(proj)
+    if reason is not None:
+        return f"no champion: {reason}; `citer route` wrote an empty predictions file saying so"
+    return f"not promoted: {promo.get('reason', '')}; the champion stays"
 
 
 @app.command("pipeline")

@@ -2,7 +2,7 @@
 
 Output: one JSON line per non-blank input line, in input order::
 
-    {"index": 0, "line": 1, "response": "...", "answer": "7", "correct": true, "n_tokens": 31, "llm_tokens": 4,
+    {"index": 0, "line": 1, "question": "...", "response": "...", "answer": "7", "correct": true, "n_tokens": 31, "llm_tokens": 4,
      "llm_token_fraction": 0.129, "llm_calls": 2, "bytes_moved": 1.2e6, "spans": [["7 + 3 = ", "slm"], ["1", "llm"], ...]}
     {"index": 1, "line": 2, "error": "field 'problem': missing required key"}
 
@@ -192,6 +192,16 @@ def _generate(
     return list(zip(res.tokens, res.rows, res.from_llm, replaced, strict=True))
 
 
+def question_text(row: Mapping[str, Any], fmt: Format) -> str:
+    """What a row asks, as a person reads it: the math problem, or the mc question with its choices."""
+    if fmt == "math":
+        return str(row["problem"])
+    ch = row["choices"]
+    return f"{row['question']} " + " ".join(
+        f"({a}) {b}" for a, b in zip(ch["label"], ch["text"], strict=False)
+    )
+
+
 def writer_spans(
     tokenizer: Any,
     toks: list[int],
@@ -259,6 +269,7 @@ def _decode_chunk(
             rec: dict[str, Any] = {"index": it.index, "line": it.line}
             if "id" in it.row:
                 rec["id"] = it.row["id"]
+            rec["question"] = question_text(it.row, fmt)  # the report's token view shows what was asked
             # A response naming a choice's text is recorded as that choice's label.
             choices = it.row.get("choices") if fmt == "mc" else None
             rec.update(response=text, answer=extract_answer(text, fmt, choices))
@@ -373,11 +384,12 @@ def route_file(
     todo = [ch for ch in chunks if ch[0].index not in done]
     n_processed = 0
     if todo:
-        from tqdm.auto import tqdm
+        from citer.progress import bar as progress_bar
 
         if eng is None:
             eng = engine if hasattr(engine, "generate_batch") else engine()
-        bar = tqdm(total=sum(len(c) for c in todo), disable=not progress, desc=f"route {inp.name}", unit="q")
+        # One switch for every bar (CITER_PROGRESS), shown on an interactive terminal only.
+        bar = progress_bar(f"route {inp.name}", total=sum(len(c) for c in todo), unit="q", enabled=progress)
         with output.open("ab") as fh:
             for ch in todo:
                 recs = _decode_chunk(eng, tokenizer, ch, fmt, max_new_tokens, batch_size)
