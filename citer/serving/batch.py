@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from citer.data.answers import extract_answer, grade
-from citer.data.formats import FORMATS, Format, structural_problems
+from citer.data.formats import FORMATS, Format, question_text, structural_problems
 from citer.data.jsonl import iter_raw_lines
 from citer.data.prompts import build_prompt
 from citer.decoding.engine import EngineInputError
@@ -190,16 +190,6 @@ def _generate(
     )
     replaced = res.replaced or [[] for _ in res.tokens]
     return list(zip(res.tokens, res.rows, res.from_llm, replaced, strict=True))
-
-
-def question_text(row: Mapping[str, Any], fmt: Format) -> str:
-    """What a row asks, as a person reads it: the math problem, or the mc question with its choices."""
-    if fmt == "math":
-        return str(row["problem"])
-    ch = row["choices"]
-    return f"{row['question']} " + " ".join(
-        f"({a}) {b}" for a, b in zip(ch["label"], ch["text"], strict=False)
-    )
 
 
 def writer_spans(
