@@ -345,6 +345,10 @@ def locked(
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             params_path = kwargs.get("params_path", args[0] if args else "params.yaml")
             proj = load_project(params_path)
+            if _DEPTH[0] == 0:  # a command's first stage: devices, dtypes, models and data before any work
+                from citer.preflight import preflight
+
+                preflight(proj, params_path)
             lk = proj.params.lock
             say = functools.partial(print, file=sys.stderr)
             with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("citer.routing", "citer.evaluation"),
     (
         "citer.project",
+        "citer.preflight",
         "citer.mlflow_store",
         "citer.alias",
         "citer.registry",
