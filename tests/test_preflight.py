@@ -25,9 +25,13 @@ def _project(root, **blocks):
 def test_the_default_passes_and_a_missing_device_is_named(tmp_path):
     preflight(_project(tmp_path))  # the embedded default on a CPU: nothing to say
     if torch.cuda.device_count() == 0:
-        with pytest.raises(PreflightError, match=r"models\.device: 'cuda' is not on this machine \(torch sees 0"):
+        with pytest.raises(
+            PreflightError, match=r"models\.device: 'cuda' is not on this machine \(torch sees 0"
+        ):
             preflight(_project(tmp_path, models={"device": "cuda"}))
-        with pytest.raises(PreflightError, match=r"models\.llm_device_map\.lm_head: 1 is not on this machine"):
+        with pytest.raises(
+            PreflightError, match=r"models\.llm_device_map\.lm_head: 1 is not on this machine"
+        ):
             preflight(_project(tmp_path, models={"llm_device_map": {"model": "cpu", "lm_head": 1}}))
     n = torch.cuda.device_count()
     with pytest.raises(PreflightError, match=rf"models\.device: 'cuda:{n + 3}' is not on this machine"):
@@ -51,7 +55,9 @@ def test_missing_models_and_data_are_named_together(tmp_path):
     assert "models.llm" not in msg
     for key in ("data.train=own/train.jsonl", "data.dev=own/dev.jsonl", "data.test=own/test.jsonl"):
         assert f"synth.enabled is false but {key} does not exist" in msg
-    assert "inference.input=own/questions.jsonl does not exist" in msg and msg.endswith("before any stage ran)")
+    assert "inference.input=own/questions.jsonl does not exist" in msg and msg.endswith(
+        "before any stage ran)"
+    )
     (tmp_path / "models" / "mine").mkdir()
     (tmp_path / "own").mkdir()
     for f in ("train", "dev", "test", "questions"):

@@ -83,8 +83,9 @@ def _one_line(exc: BaseException) -> str:
 def friendly(fn: F) -> F:
     """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
 
-    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file is checked before
-    any flow starts, so a bad key fails fast and quietly.
+    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file, and the devices,
+    models and data it points at (:mod:`citer.preflight`), are checked before any flow starts, so a bad key or a
+    missing device fails fast and quietly.
     """
 
     @functools.wraps(fn)
@@ -96,6 +97,13 @@ def friendly(fn: F) -> F:
                 from citer.config import load_params
 
                 load_params(params)
+            if params is not None and not kwargs.get(
+                "paths"
+            ):  # a stage: what params point at, before Prefect starts
+                from citer.preflight import preflight
+                from citer.project import load_project
+
+                preflight(load_project(params), params)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
