@@ -234,6 +234,8 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
     parent = parent_run_id or os.environ.get("CITER_PARENT_RUN_ID")
     tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_commit(proj.root)}
     tags |= _owner_tags()
+    if "torch" in sys.modules:  # what the stage ran on (citer.threads chose it)
+        tags["citer.torch_threads"] = str(sys.modules["torch"].get_num_threads())
     if parent:
         tags[MLFLOW_PARENT_RUN_ID] = parent
     run = client.create_run(exp_id, tags=tags, run_name=stage)
@@ -327,6 +329,9 @@ def record_reports(proj: Project, stage: str, started: float) -> None:
 
 
 _DEPTH = [0]  # stage flows running inside one another in this process (a pipeline's stages)
+TORCH_STAGES = frozenset(
+    {"bootstrap", "finetune", "eval_models", "iterate", "labels", "router", "sweep", "route"}
+)
 
 
 def locked(
@@ -357,6 +362,10 @@ def locked(
                 if _DEPTH[0] == 0:  # once per command: a pipeline's stages share its lock
                     for run_id in close_orphan_runs(proj):
                         say(f"marked MLflow run {run_id} KILLED: its process was killed while it ran")
+                if what in TORCH_STAGES:
+                    from citer.threads import set_stage_threads
+
+                    set_stage_threads(proj)
                 started = time.time()
                 _DEPTH[0] += 1
                 try:

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "citer.project",
         "citer.preflight",
+        "citer.threads",
         "citer.mlflow_store",
         "citer.alias",
         "citer.registry",

@@ -352,6 +352,8 @@ def serve_cmd(
 
 
 def main() -> None:  # pragma: no cover - console entry
+    # Waiting OpenMP threads sleep instead of spinning on a core other work needs (before torch is imported).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:
         from citer.reaper import start_reaper
 
