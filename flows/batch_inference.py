@@ -11,6 +11,7 @@ MLflow runs are left alone, and without a champion it fails.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from prefect import flow
@@ -57,6 +58,18 @@ def batch_inference_flow(
             run.tags({"status": status})
         out = {"status": status, "n": 0, "output": proj.portable_ref(dst)}
         return out | ({"report": proj.portable_ref(page)} if page is not None else {})
+    outside = None
+    if p.bootstrap.enabled:  # the embedded pair knows its own task only: say when questions leave it
+        from citer.data.task_vocab import questions_outside_task
+
+        outside = questions_outside_task(src, fmt, max(p.synth.max_total, p.synth.max_start))
+        if outside[0]:
+            print(
+                f"warning: {outside[0]} of {outside[1]} questions use words or numbers the embedded task never has "
+                f"({', '.join(outside[2])}); the embedded pair answers only its own task (README: The embedded "
+                "default)",
+                file=sys.stderr,
+            )
     # Its own store, and a pair that matches params by name and by the model files' digests, or one line.
     rv = project_champion(proj, allow_pair_mismatch)
     # Fail closed even when the output is finished and nothing will be decoded: a tampered champion stops here.
@@ -82,6 +95,8 @@ def batch_inference_flow(
         restart_on_change=True,  # predictions for another input, champion or τ are never resumed
     )
     out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+    if outside is not None:
+        out["outside_task"] = outside[0]
     if side:  # its own summary beside its output; nothing of the project's is touched
         write_json(dst.with_name(dst.name + ".summary.json"), out | {"input": str(src)})
         return out

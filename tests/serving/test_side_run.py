@@ -50,6 +50,14 @@ def test_a_side_run_writes_only_its_output_and_summary(champion_project, prefect
     )  # where would it write? not the project's file
     assert res.exit_code == 2 and "--input needs --output" in res.output
 
+    # The embedded pair knows its task only: a question from elsewhere is routed, and named.
+    odd = {"problem": "Jane has 3 oranges and eats 2. How many oranges now?", "solution": "\\boxed{1}"}
+    (champion_project / "odd.jsonl").write_text(json.dumps(odd) + "\n" + json.dumps(QUESTIONS[0]) + "\n")
+    res = CliRunner().invoke(app, ["route", "--input", "odd.jsonl", "--output", "mine/odd.jsonl"])
+    assert res.exit_code == 0, res.output
+    want = "warning: 1 of 2 questions use words or numbers the embedded task never has (Jane, eats, oranges)"
+    assert want in res.output and "outside_task: 1" in res.output
+
 
 def test_without_a_champion_the_batch_stage_ends_with_an_empty_file_saying_why(project, prefect_server):
     shutil.copy(REPO / "params.yaml", project / "params.yaml")
