@@ -260,14 +260,20 @@ def _owner_tags() -> dict[str, str]:
     """Which process holds a run open: a run still RUNNING whose process is gone was left by a SIGKILL."""
     import socket
 
-    from citer.reaper import stat
+    from citer.reaper import ancestor_named, stat
 
     st = stat(os.getpid())
-    return {
+    tags = {
         "citer.host": socket.gethostname(),
         "citer.pid": str(os.getpid()),
         "citer.pid_start": st[1] if st else "",
     }
+    if os.environ.get(
+        "DVC_STAGE"
+    ):  # one `dvc repro` runs each stage as its own command: its runs share this tag
+        dvc = ancestor_named("dvc")
+        tags["citer.dvc_repro"] = f"{dvc[0]}-{dvc[1]}" if dvc else "?"
+    return tags
 
 
 def close_orphan_runs(proj: Project) -> list[str]:
