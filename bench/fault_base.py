@@ -24,7 +24,7 @@ PROJECT_PARAMS: dict[str, Any] = {
     "validate": {"files": [["data/embedded/math_test.jsonl", "math"]]},  # one split: each costs a GE context
     "bootstrap": {"slm_pretrain": {"steps": 20, "lr": 3e-3}, "llm_pretrain": {"steps": 30, "lr": 3e-3}},
     "finetune": {"max_steps": 5, "eval_examples": 4},
-    "eval": {"n_examples": 4, "max_new_tokens": 16},
+    "eval": {"n_examples": 4, "max_new_tokens": 16, "llm_chance_margin": None},  # the tiny pair is at chance
     "labels": {"n_examples": 12, "max_new_tokens": 16},
     "router": {"epochs": 3, "min_val_auc": 0.0, "ablations": []},
     "registry": {"min_eval_examples": 1},

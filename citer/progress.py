@@ -32,8 +32,10 @@ def progress(iterable: Iterable[T], desc: str, total: int | None = None, unit: s
     )
 
 
-def bar(desc: str, total: int | None = None, unit: str = "it") -> Any:
-    """A bar advanced by hand (``with bar(...) as b: b.update(n)``), for loops whose unit is not an item."""
+def bar(desc: str, total: int | None = None, unit: str = "it", enabled: bool = True) -> Any:
+    """A bar advanced by hand (``with bar(...) as b: b.update(n)``), for loops whose unit is not an item;
+    ``enabled=False``: never shown, whatever ``CITER_PROGRESS`` says."""
     from tqdm.auto import tqdm
 
-    return tqdm(desc=desc, total=total, unit=unit, disable=_disable(), dynamic_ncols=True, leave=False)
+    off = True if not enabled else _disable()
+    return tqdm(desc=desc, total=total, unit=unit, disable=off, dynamic_ncols=True, leave=False)

@@ -79,6 +79,24 @@ def watch(target: int, interval: float = 0.5, grace: float = 2.0) -> list[int]:
     return hit
 
 
+def ancestor_named(name: str) -> tuple[int, str] | None:
+    """(pid, start time) of the nearest ancestor of this process whose program is ``name`` (e.g. the ``dvc`` that
+    runs a stage), or None."""
+    pid = os.getppid()
+    while pid > 1:
+        try:
+            argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")[:2]
+        except OSError:
+            return None
+        st = stat(pid)
+        if st is None:
+            return None
+        if any(Path(a.decode(errors="replace")).name == name for a in argv):
+            return pid, st[1]
+        pid = st[0]
+    return None
+
+
 def with_signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)

@@ -54,6 +54,17 @@ DIGEST_TAG = "router_sha256"
 ROUTER_FILES = ("router.safetensors", "router.json")
 
 
+def recorded_pair_of(router_dir: str | Path) -> dict[str, str]:
+    """The ``slm_digest``/``llm_digest`` a router directory's ``router.json`` records (none when it records none)."""
+    from citer.routing.pair_check import recorded_pair
+
+    try:
+        meta = json.loads((Path(router_dir) / "router.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return recorded_pair(meta) if isinstance(meta, dict) else {}
+
+
 def router_digests(router_dir: str | Path) -> dict[str, str]:
     from citer.io import file_digest
 
@@ -109,6 +120,9 @@ def _pyfunc_config(tags: dict[str, str], model_config: dict[str, Any] | None) ->
         cfg["tau"] = float(tags["tau"])
     cfg.update(model_config or {})
     cfg.setdefault("project_root", "")  # MLflow lets a loader override only the keys logged: empty = unset
+    cfg.setdefault(
+        "allow_pair_mismatch", False
+    )  # a loader may set it to use the router with other model files
     return cfg
 
 
@@ -133,7 +147,9 @@ def register_router(
         if not (router_dir / f).is_file():
             raise RegistryError(f"{router_dir}: missing {f}; train the router first (dvc stage router_*)")
     client = _client(tracking_uri)
-    tags = {**tags, DIGEST_TAG: router_digests(router_dir)}
+    # The pair the router was trained with travels in the tags, so every loader can refuse another pair
+    # (citer.routing.pair_check); tags given by the caller win.
+    tags = {**recorded_pair_of(router_dir), **tags, DIGEST_TAG: router_digests(router_dir)}
     str_tags = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in tags.items()}
     with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
         # An input example would make MLflow load the SLM and LLM to validate it; the signature says the schema.
@@ -247,6 +263,9 @@ class ChampionToCompare:
     version: RouterVersion | None  # None: no champion yet
     router: Any | None  # None: no champion, or one that cannot run on this SLM (``note`` says why)
     note: str
+    # Trained for other weights under the pair's names (its digests differ, or it records none): no loader will
+    # decode with it, so a candidate that passes every other gate may take its alias.
+    stale: bool = False
 
     @property
     def router_and_tau(self) -> tuple[Any, float] | None:
@@ -273,11 +292,14 @@ def champion_to_compare(
     tracking_uri: str | None = None,
     root: Path | None = None,
     slm_model: Any = None,
+    pair: dict[str, str] | None = None,
 ) -> ChampionToCompare:
     """The champion, re-usable in a sweep only when it was registered for the same SLM and hidden size.
 
     With ``root`` an SLM recorded relative to the project and the same directory named absolutely are the same.
-    ``slm_model`` (the loaded SLM) lets a champion that reads more than the hidden state be rebuilt on it.
+    ``slm_model`` (the loaded SLM) lets a champion that reads more than the hidden state be rebuilt on it. With
+    ``pair`` (:func:`~citer.routing.iterations.pair_digests` of the pair in use) a champion whose tags record other
+    digests, or none, is ``stale``: not re-evaluated, and replaceable.
     """
     rv = get_alias(model_name, alias, tracking_uri)
     if rv is None:
@@ -286,6 +308,12 @@ def champion_to_compare(
         return ChampionToCompare(
             rv, None, f"champion v{rv.version} routes for SLM {rv.tags.get('slm')}, not {slm}"
         )
+    if pair is not None:
+        from citer.routing.pair_check import pair_problem
+
+        problem = pair_problem(rv.tags, pair, f"champion v{rv.version}")
+        if problem is not None:
+            return ChampionToCompare(rv, None, problem, stale=True)
     router = load_router_version(rv, slm=slm_model)
     if router.hidden_size != hidden_size:
         note = f"champion v{rv.version} has hidden_size {router.hidden_size}, the SLM {hidden_size}"

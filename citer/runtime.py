@@ -131,13 +131,17 @@ def worker_router(ctx: ShardContext, slm: Any, tokenizer: Any) -> Any:
     key = f"{d}:{dir_digest(d, (WEIGHTS_FILE, META_FILE))}:{ctx.digests}"
 
     def load() -> Any:
-        router, _ = load_router(
+        from citer.routing.pair_check import check_pair
+
+        router, meta = load_router(
             d,
             expected_hidden_size=int(slm.config.hidden_size),
             expected_slm=proj.slm_name,
             slm=slm,  # used only by a router that reads features beyond the hidden state
             vocab_size=len(tokenizer),
         )
+        # Rollouts routed by a router of another pair would label this pair's tokens with someone else's choices.
+        check_pair(meta, ctx.digests, f"router {proj.portable_ref(d)}", remedy="run `citer router iterate`")
         return router
 
     return _cached("router", key, load)

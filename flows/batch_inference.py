@@ -1,7 +1,17 @@
-"""Stage ``batch_inference``: the champion router over a JSONL of questions; a rerun resumes where it stopped."""
+"""Stage ``batch_inference``: the champion router over a JSONL of questions; a rerun resumes where it stopped.
+
+Two kinds of run. The pipeline's own (``citer route`` with no ``--input``/``--output``, what ``dvc repro`` and
+``citer pipeline`` run): routes ``inference.input`` (else ``data.test``) into ``inference.output``, writes
+``reports/report.html``, logs an MLflow run and stamps ``reports/provenance.json``. When the sweep promoted nothing
+it still ends well: it writes an empty predictions file whose sidecar says ``no champion: <reason>``, so a first run
+that promoted nothing is an outcome, not a failure. A side run (``--input``/``--output`` given) writes only its
+output, the output's ``.meta.json`` and its own ``.summary.json`` beside it: the project's reports, provenance and
+MLflow runs are left alone, and without a champion it fails.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from prefect import flow
@@ -11,33 +21,65 @@ from flows.common import locked, stage_run
 
 
 @flow(name="batch-inference")
-@locked("route")
+@locked("route", side_run=lambda a: a.get("input") is not None or a.get("output") is not None)
 def batch_inference_flow(
     params_path: str = "params.yaml",
     input: str | None = None,
     output: str | None = None,
     llm_fraction: float | None = None,
+    allow_pair_mismatch: bool = False,
 ) -> dict[str, Any]:
+    from citer.evaluation.html_report import write_report
+    from citer.io import write_json
     from citer.models.loading import load_tokenizer
     from citer.registry import verify_router_version
-    from citer.serving.batch import route_file
-    from citer.serving.champion import champion_tau, load_champion, project_champion
+    from citer.serving.batch import route_file, write_without_champion
+    from citer.serving.champion import champion_tau, load_champion, no_champion_reason, project_champion
 
     proj = load_project(params_path)
     p = proj.params
     inf = p.inference
-    rv = project_champion(proj)  # its own store, and a pair that matches params, or one line saying both
+    side = input is not None or output is not None  # a side run records nothing of the project's
+    if input is not None and output is None:
+        raise ValueError(
+            "--input routes a file of your own: give --output too (inference.output holds the pipeline's run)"
+        )
+    fmt = inf.format or p.data.format
+    src = proj.path(input or inf.input or p.data.test)
+    dst = proj.path(output or inf.output)
+    if not side and (reason := no_champion_reason(proj)) is not None:
+        status = f"no champion: {reason}"
+        write_without_champion(src, dst, fmt, status)
+        page = None
+        if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
+            page = write_report(proj.reports, dst, proj.reports / "report.html")
+        with stage_run(proj, "batch_inference") as run:
+            run.params({"input": proj.portable_ref(src), "output": proj.portable_ref(dst)})
+            run.tags({"status": status})
+        out = {"status": status, "n": 0, "output": proj.portable_ref(dst)}
+        return out | ({"report": proj.portable_ref(page)} if page is not None else {})
+    outside = None
+    if p.bootstrap.enabled:  # the embedded pair knows its own task only: say when questions leave it
+        from citer.data.task_vocab import questions_outside_task
+
+        outside = questions_outside_task(src, fmt, max(p.synth.max_total, p.synth.max_start))
+        if outside[0]:
+            print(
+                f"warning: {outside[0]} of {outside[1]} questions use words or numbers the embedded task never has "
+                f"({', '.join(outside[2])}); the embedded pair answers only its own task (README: The embedded "
+                "default)",
+                file=sys.stderr,
+            )
+    # Its own store, and a pair that matches params by name and by the model files' digests, or one line.
+    rv = project_champion(proj, allow_pair_mismatch)
     # Fail closed even when the output is finished and nothing will be decoded: a tampered champion stops here.
     verify_router_version(rv)
     if llm_fraction is None and inf.tau is None:
         llm_fraction = inf.llm_fraction
     tau = champion_tau(rv, inf.tau if llm_fraction is None else None, llm_fraction)
-    fmt = inf.format or p.data.format
-    src = proj.path(input or inf.input or p.data.test)
-    dst = proj.path(output or inf.output)
 
     def engine():
-        return load_champion(proj, tau=tau).engine
+        return load_champion(proj, tau=tau, allow_pair_mismatch=allow_pair_mismatch).engine
 
     summary = route_file(
         engine,
@@ -52,8 +94,12 @@ def batch_inference_flow(
         | {k: v for k, v in rv.tags.items() if k.startswith("verify_")},
         restart_on_change=True,  # predictions for another input, champion or τ are never resumed
     )
-    from citer.evaluation.html_report import write_report
-
+    out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+    if outside is not None:
+        out["outside_task"] = outside[0]
+    if side:  # its own summary beside its output; nothing of the project's is touched
+        write_json(dst.with_name(dst.name + ".summary.json"), out | {"input": str(src)})
+        return out
     page = None
     if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
         page = write_report(proj.reports, dst, proj.reports / "report.html")  # the page to look at
@@ -62,5 +108,4 @@ def batch_inference_flow(
         run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
         if page is not None:
             run.artifact(page)
-    out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
     return out | ({"report": proj.portable_ref(page)} if page is not None else {})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -226,20 +227,83 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
     import mlflow
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
+    from citer import interrupt
+
     exp_id = ensure_experiment(proj)
     client = mlflow.MlflowClient()
     parent = parent_run_id or os.environ.get("CITER_PARENT_RUN_ID")
     tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_commit(proj.root)}
+    tags |= _owner_tags()
+    if "torch" in sys.modules:  # what the stage ran on (citer.threads chose it)
+        tags["citer.torch_threads"] = str(sys.modules["torch"].get_num_threads())
     if parent:
         tags[MLFLOW_PARENT_RUN_ID] = parent
     run = client.create_run(exp_id, tags=tags, run_name=stage)
     sr = StageRun(client=client, run_id=run.info.run_id, experiment_id=exp_id)
+    # Ctrl-C whose unwinding hangs (citer.interrupt) still closes the run: no stage leaves it RUNNING.
+    token = interrupt.on_interrupt(lambda: client.set_terminated(sr.run_id, status="KILLED"))
     try:
         yield sr
-    except BaseException:
-        client.set_terminated(sr.run_id, status="FAILED")
+    except BaseException as exc:
+        killed = isinstance(exc, KeyboardInterrupt) or interrupt.interrupted() is not None
+        client.set_terminated(sr.run_id, status="KILLED" if killed else "FAILED")
         raise
+    finally:
+        interrupt.done(token)
     client.set_terminated(sr.run_id, status="FINISHED")
+
+
+OWNER_TAGS = ("citer.host", "citer.pid", "citer.pid_start")
+
+
+def _owner_tags() -> dict[str, str]:
+    """Which process holds a run open: a run still RUNNING whose process is gone was left by a SIGKILL."""
+    import socket
+
+    from citer.reaper import ancestor_named, stat
+
+    st = stat(os.getpid())
+    tags = {
+        "citer.host": socket.gethostname(),
+        "citer.pid": str(os.getpid()),
+        "citer.pid_start": st[1] if st else "",
+    }
+    if os.environ.get(
+        "DVC_STAGE"
+    ):  # one `dvc repro` runs each stage as its own command: its runs share this tag
+        dvc = ancestor_named("dvc")
+        tags["citer.dvc_repro"] = f"{dvc[0]}-{dvc[1]}" if dvc else "?"
+    return tags
+
+
+def close_orphan_runs(proj: Project) -> list[str]:
+    """Mark ``KILLED`` the project's runs still ``RUNNING`` whose process on this machine is gone (a SIGKILL, an
+    OOM kill: nothing in the process could close them). Call it holding the project lock. Returns their ids."""
+    import socket
+
+    import mlflow
+
+    from citer.reaper import alive
+    from citer.registry import open_store
+
+    client = mlflow.MlflowClient(open_store(proj))
+    exp = client.get_experiment_by_name(proj.params.registry.experiment)
+    if exp is None:  # nothing logged yet (and nothing created here: a side run writes no store)
+        return []
+    host = socket.gethostname().replace("'", "")
+    found = client.search_runs(
+        [exp.experiment_id],
+        f"attributes.status = 'RUNNING' and tags.`citer.host` = '{host}'",
+        max_results=1000,
+    )
+    gone = []
+    for run in found:
+        t = run.data.tags
+        pid, start = t.get("citer.pid", ""), t.get("citer.pid_start", "")
+        if pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid), start):
+            client.set_terminated(run.info.run_id, status="KILLED")
+            gone.append(run.info.run_id)
+    return gone
 
 
 def owned_dirs(proj: Project) -> list[Path]:
@@ -270,10 +334,20 @@ def record_reports(proj: Project, stage: str, started: float) -> None:
     )
 
 
-def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+_DEPTH = [0]  # stage flows running inside one another in this process (a pipeline's stages)
+TORCH_STAGES = frozenset(
+    {"bootstrap", "finetune", "eval_models", "iterate", "labels", "router", "sweep", "route"}
+)
+
+
+def locked(
+    what: str, side_run: Callable[..., bool] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run a stage flow's body holding the project lock (``lock`` params), after removing what a killed run left.
 
-    Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file.
+    Place it under ``@flow``. The flow's first argument (or ``params_path=``) names the params file. The report
+    files the body wrote are stamped in ``reports/provenance.json``, unless ``side_run`` (called with the flow's
+    arguments by name) says this call is not the project's own stage (``citer route --output mine.jsonl``).
     """
     from citer.locking import project_lock, remove_leftovers
 
@@ -282,14 +356,30 @@ def locked(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             params_path = kwargs.get("params_path", args[0] if args else "params.yaml")
             proj = load_project(params_path)
+            if _DEPTH[0] == 0:  # a command's first stage: devices, dtypes, models and data before any work
+                from citer.preflight import preflight
+
+                preflight(proj, params_path)
             lk = proj.params.lock
             say = functools.partial(print, file=sys.stderr)
             with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):
                 for p in remove_leftovers(owned_dirs(proj)):
                     say(f"removed {proj.portable_ref(p)}, left by a killed run")
+                if _DEPTH[0] == 0:  # once per command: a pipeline's stages share its lock
+                    for run_id in close_orphan_runs(proj):
+                        say(f"marked MLflow run {run_id} KILLED: its process was killed while it ran")
+                if what in TORCH_STAGES:
+                    from citer.threads import set_stage_threads
+
+                    set_stage_threads(proj)
                 started = time.time()
-                out = fn(*args, **kwargs)
-                record_reports(proj, what, started)
+                _DEPTH[0] += 1
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    _DEPTH[0] -= 1
+                if side_run is None or not side_run(inspect.signature(fn).bind(*args, **kwargs).arguments):
+                    record_reports(proj, what, started)
                 return out
 
         return wrapper

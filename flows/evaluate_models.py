@@ -40,6 +40,7 @@ def evaluate_one(
 @locked("eval_models")
 def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.io import read_json
+    from citer.models.chance import chance_accuracy, check_llm_above_chance
     from citer.models.evaluate import write_models_report
 
     proj = load_project(params_path)
@@ -67,6 +68,7 @@ def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     report = write_models_report(
         proj.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
     )
+    chance = chance_accuracy(rows, fmt)
     with stage_run(proj, "eval_models") as run:
         run.params(
             {
@@ -81,6 +83,9 @@ def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         run.metrics({f"slm.{k}": v for k, v in slm_ev.metrics().items()})
         run.metrics({f"llm.{k}": v for k, v in llm_ev.metrics().items()})
         run.metrics({"slm.params": slm_n, "llm.params": llm_n, "param_ratio": llm_n / max(slm_n, 1)})
+        run.metrics({"llm.chance_accuracy": chance})
+    # After the report and the run: they show what the LLM did. An LLM at chance stops the pipeline here.
+    check_llm_above_chance(llm_ev.accuracy, chance, p.eval.llm_chance_margin, len(rows), p.models.llm)
     return report
 
 

@@ -21,7 +21,6 @@ from flows.common import locked, stage_run
 @flow(name="citer-pipeline")
 @locked("pipeline")
 def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.registry import get_alias
     from flows.batch_inference import batch_inference_flow
     from flows.bootstrap import bootstrap_flow
     from flows.evaluate_models import eval_models_flow
@@ -51,10 +50,8 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
             out["models"] = eval_models_flow(params_path)
             out.update(iterate_flow(params_path))  # labels + router k = 1..labels.iterations, CITER-S
             out["sweep"] = sweep_flow(params_path)
-            if get_alias(p.registry.model_name, p.registry.alias, proj.tracking_uri) is not None:
-                out["inference"] = batch_inference_flow(params_path)
-            else:  # nothing promoted yet (no τ met the rule): there is no deployed router to infer with
-                out["inference"] = {"skipped": "no champion: " + out["sweep"]["reason"]}
+            # Without a champion (the sweep promoted nothing) it writes an empty predictions file saying why.
+            out["inference"] = batch_inference_flow(params_path)
             out["mlflow_run"] = parent.run_id
         finally:
             if previous is None:

@@ -15,7 +15,7 @@ PENDING_FILE = ".state/promotion_pending.json"  # the intent of a registration +
 
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
-def find_champion(proj, slm):
+def find_champion(proj, slm, pair):
     from citer.registry import champion_to_compare, open_store
 
     reg = proj.params.registry
@@ -27,40 +27,43 @@ def find_champion(proj, slm):
         tracking_uri=open_store(proj),
         root=proj.root,
         slm_model=slm,
+        pair=pair,
     )
 
 
 @task(name="sweep-routers", cache_policy=NO_CACHE)
-def sweep_routers(proj, slm, vocab_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def sweep_routers(proj, slm, vocab_size: int, pair) -> tuple[dict[str, Any], dict[str, Any]]:
     """The routers the sweep compares: the last iteration's (``citer``, with its meta), iteration 1's, CITER-S and
-    the router-input ablations, each when present on disk."""
+    the router-input ablations, each when present on disk. Every one must have been trained for the pair in use
+    (``pair``, its digests): a router left by an interrupted ``iterate`` for the previous SLM is refused, never
+    swept (``citer router iterate`` retrains it)."""
     from citer.routing.mlp import META_FILE, load_router
+    from citer.routing.pair_check import check_pair
 
     p = proj.params
     hidden = slm.config.hidden_size
     k = p.labels.iterations
-    router, meta = load_router(
-        proj.router_dir(k),
-        expected_hidden_size=hidden,
-        expected_slm=proj.slm_name,
-        slm=slm,
-        vocab_size=vocab_size,
-    )
-    from citer.routing.iterations import check_provenance, pair_digests
-
-    # A router reads one SLM's hidden states: refuse one trained for other weights under the same name.
-    check_provenance(meta, pair_digests(proj.slm_ref, proj.llm_ref), f"router {proj.router_dir(k)}", ("slm",))
-    routers: dict[str, Any] = {"citer": router}
-    extra = {"citer_iter1": proj.method_router_dir("citer_iter1") if k >= 2 and p.sweep.iter1 else None}
-    extra["citer_s"] = proj.method_router_dir("citer_s")
+    dirs = {"citer": proj.router_dir(k)}
+    dirs["citer_iter1"] = proj.method_router_dir("citer_iter1") if k >= 2 and p.sweep.iter1 else None
+    dirs["citer_s"] = proj.method_router_dir("citer_s")
     for name in p.router.ablations:
-        extra[f"citer_{name}"] = proj.method_router_dir(f"citer_{name}")
-    for method, d in extra.items():
-        if d is not None and (d / META_FILE).exists():
-            routers[method] = load_router(
-                d, expected_hidden_size=hidden, expected_slm=proj.slm_name, slm=slm, vocab_size=vocab_size
-            )[0]
-    return routers, meta
+        dirs[f"citer_{name}"] = proj.method_router_dir(f"citer_{name}")
+    routers: dict[str, Any] = {}
+    metas: dict[str, dict[str, Any]] = {}
+    for method, d in dirs.items():
+        if d is None or (method != "citer" and not (d / META_FILE).exists()):
+            continue
+        routers[method], metas[method] = load_router(
+            d, expected_hidden_size=hidden, expected_slm=proj.slm_name, slm=slm, vocab_size=vocab_size
+        )
+        # A router reads one SLM's hidden states: refuse one trained for other weights under the same name.
+        check_pair(
+            metas[method],
+            pair,
+            f"router {proj.portable_ref(d)} ({method})",
+            remedy="run `citer router iterate` (it retrains routers made for another pair), then the sweep",
+        )
+    return routers, metas["citer"]
 
 
 @flow(name="sweep-decode")
@@ -73,9 +76,12 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
     logger = get_run_logger()
     proj = load_project(params_path)
     p = proj.params
+    from citer.routing.iterations import pair_digests
+
+    pair = pair_digests(proj.slm_ref, proj.llm_ref)
     slm, llm, tok = proj.load_pair()
-    routers, rmeta = sweep_routers(proj, slm, len(tok))
-    champion = find_champion(proj, slm)
+    routers, rmeta = sweep_routers(proj, slm, len(tok), pair)
+    champion = find_champion(proj, slm, pair)
     logger.info(champion.note)
     result = run_sweep(
         slm,
@@ -130,6 +136,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         champion.version.version if champion.version else None,
         champion.note,
         guard=guard,
+        champion_stale=champion.stale,
     )
 
     reg = p.registry
@@ -182,7 +189,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
-    promotion = promotion_record(plan, version, result.test)
+    promotion = promotion_record(plan, version, result.test) | {"mlflow_run_id": run.run_id}
     write_json(proj.reports / "promotion.json", promotion)
     pending.unlink(missing_ok=True)
     return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}

@@ -107,17 +107,21 @@ def router_flow(
     out = proj.router_dir(name)
     fp = router_fingerprint(proj, labels_dir, rp)
     last = ablation is None and not citer_s and iteration == p.labels.iterations
+    pair = pair_digests(proj.slm_ref, proj.llm_ref)
     if reuse and recorded_fingerprint(out / META_FILE) == fp:
         from citer.io import read_json
+        from citer.routing.pair_check import pair_problem
 
-        summary = read_json(out / META_FILE).get("summary")
-        if summary is not None:  # a router from before summaries were recorded is retrained
+        kept = read_json(out / META_FILE)
+        summary = kept.get("summary")
+        # A router from before summaries were recorded, or one whose recorded pair is not the pair in use (the
+        # sweep would refuse it), is retrained.
+        if summary is not None and pair_problem(kept, pair, "router") is None:
             write_json(proj.reports / f"{report_name}.json", summary)
             if last:
                 router_report(proj, iteration)
             return {"dir": str(out), "reused": True, **summary}
     labelset = load_labels(labels_dir)
-    pair = pair_digests(proj.slm_ref, proj.llm_ref)
     check_provenance(labelset.meta, pair, f"labels {proj.portable_ref(labels_dir)}", ("slm", "llm"))
     if citer_s and ablation is None:
         labelset = citer_s_labels(labelset)

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "citer.progress",
         "citer.locking",
         "citer.reaper",
+        "citer.interrupt",
         "citer.sharding",
         "citer.provenance",
     ),
@@ -36,6 +37,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("citer.routing", "citer.evaluation"),
     (
         "citer.project",
+        "citer.preflight",
+        "citer.threads",
         "citer.mlflow_store",
         "citer.alias",
         "citer.registry",

@@ -192,6 +192,17 @@ def answering_pair(char_tokenizer) -> AnsweringPair:
     return AnsweringPair(slm, llm, tok, router, labels)
 
 
+@pytest.fixture(scope="session")
+def answering_pair_dirs(answering_pair, tmp_path_factory):
+    """The answering pair saved as model directories (its labels have both classes: the SLM is right half the
+    time), for tests that run stages on a pair of the user's own."""
+    root = tmp_path_factory.mktemp("answering")
+    for name in ("slm", "llm"):
+        getattr(answering_pair, name).save_pretrained(root / name)
+        answering_pair.tok.save_pretrained(root / name)
+    return root / "slm", root / "llm"
+
+
 @pytest.fixture()
 def store(tmp_path, monkeypatch):
     """A real MLflow sqlite store in ``tmp_path`` (the tracking URI set for the test) and an experiment in it:
@@ -255,8 +266,11 @@ def champion_project(tiny_pair_dirs, tmp_path, monkeypatch):
     root = tmp_path / "project"
     for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):
         shutil.copytree(src, root / "models" / role)
+    from citer.routing.iterations import pair_digests
+
     torch.manual_seed(0)
     meta = {"slm": "models/slm", "llm": "models/llm", "iteration": 2}
+    meta |= pair_digests(root / "models" / "slm", root / "models" / "llm")  # the pair it routes for
     save_router(MLPRouter(32).eval(), root / "artifacts" / "routers" / "iter2", meta)
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -330,7 +344,8 @@ TINY = {
     "synth": {"n_train": 400, "n_dev": 24, "n_test": 24},
     "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
     "finetune": {"max_steps": 10, "eval_examples": 8},
-    "eval": {"n_examples": 12},
+    # The tiny pair answers about nothing: the stop for an LLM at chance (its own test) would end every smoke run.
+    "eval": {"n_examples": 12, "llm_chance_margin": None},
     "labels": {"n_examples": 24},
     # Tiny models on a dozen questions: the guards are exercised by their own tests, not by the smoke runs.
     "router": {"epochs": 3, "min_val_auc": 0.0},
@@ -356,6 +371,36 @@ def merge(base: dict, over: dict) -> dict:
 
 def write_tiny_params(root: Path) -> Path:
     params = merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY)
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return path
+
+
+def write_pair_project(
+    root: Path, pair_dirs: tuple[Path, Path], over: dict | None = None, n: int = 48
+) -> Path:
+    """A project on your own pair and data, as a user sets one up: the tiny pair copied into ``models/``, the
+    answering task as ``data/{train,dev,test}.jsonl`` (math), synth/bootstrap/finetune off, tiny params (``over``
+    merged last). Returns the params path."""
+    import json
+    import shutil
+
+    for role, src in zip(("slm", "llm"), pair_dirs, strict=True):
+        shutil.copytree(src, root / "models" / role)
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    for i, split in enumerate(("train", "dev", "test")):
+        rows = answering_rows(10 + i, n)
+        (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    own = {
+        "data": {"train": "data/train.jsonl", "dev": "data/dev.jsonl", "test": "data/test.jsonl"},
+        "models": {"slm": "models/slm", "llm": "models/llm"},
+        "synth": {"enabled": False},
+        "bootstrap": {"enabled": False},
+        "finetune": {"enabled": False},
+        "router": {"ablations": []},
+    }
+    params = merge(merge(yaml.safe_load((REPO / "params.yaml").read_text()), TINY), own)
+    params = merge(params, over or {})
     path = root / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

@@ -104,3 +104,18 @@ def test_a_zombie_child_counts_only_when_asked():
     finally:
         child.wait()
     assert stat(child.pid, zombies=True) is None
+
+
+def test_ancestor_named_finds_the_program_that_runs_this_one():
+    """How a stage under `dvc repro` finds its dvc (its runs share a tag): the nearest ancestor by program name."""
+    import subprocess
+    import sys
+
+    code = (
+        "from citer.reaper import ancestor_named; print(ancestor_named('sh'), ancestor_named('no-such-prog'))"
+    )
+    out = subprocess.run(
+        ["sh", "-c", f'"{sys.executable}" -c "{code}"; true'], capture_output=True, text=True
+    )
+    found, missing = out.stdout.strip().split(") ")
+    assert found.startswith("(") and int(found[1:].split(",")[0]) > 1 and missing == "None", out

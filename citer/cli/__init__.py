@@ -15,6 +15,7 @@ import typer
 from citer.cli import report as _report  # noqa: F401  (registers the ``citer report`` commands)
 from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used by tests)
     _OUTPUT,
+    AllowPairMismatch,
     ParamsOpt,
     _one_line,
     _setup,
@@ -243,11 +244,25 @@ def route(
         ),
     ] = None,
     params: ParamsOpt = "params.yaml",
+    allow_pair_mismatch: AllowPairMismatch = False,
 ) -> None:
-    """Routed batch inference with the champion router; resumes where a previous run stopped."""
+    """Routed batch inference with the champion router; resumes where a previous run stopped.
+
+    Without --input/--output: the pipeline's batch stage (inference.output, reports/report.html, an MLflow run).
+    With them: a side run that writes only --output and its .meta.json/.summary.json beside it.
+    """
     from flows.batch_inference import batch_inference_flow
 
-    out = batch_inference_flow(params_path=params, input=input, output=output, llm_fraction=llm_fraction)
+    if input is not None and output is None:
+        typer.echo("error: --input needs --output (inference.output holds the pipeline's own run)", err=True)
+        raise typer.Exit(2)
+    out = batch_inference_flow(
+        params_path=params,
+        input=input,
+        output=output,
+        llm_fraction=llm_fraction,
+        allow_pair_mismatch=allow_pair_mismatch,
+    )
     _show(out)
     if "report" in out and not _OUTPUT["json"]:  # the last dvc stage: end on what a person wants to know
         _headline(params, "the run so far:", None)
@@ -262,6 +277,9 @@ def _headline(params: str, title: str, mlflow_run: str | None) -> None:
     rows, files = headline_rows(proj.reports)
     width = max(len(label) for label, _ in rows)
     typer.echo(title)
+    outcome = _outcome(proj)
+    if outcome:  # nothing promoted: that is the news, before any number
+        typer.echo(f"  {outcome}")
     for label, value in rows:
         typer.echo(f"  {label:<{width}}  {value}")
     typer.echo(
@@ -272,6 +290,25 @@ def _headline(params: str, title: str, mlflow_run: str | None) -> None:
         uri = proj.params.paths.mlflow_tracking_uri
     run = f"MLflow run {mlflow_run}: " if mlflow_run else "MLflow: "
     typer.echo(f"  {run}mlflow ui --backend-store-uri {uri}")
+
+
+def _outcome(proj: Any) -> str | None:
+    """The line the closing table leads with when the last sweep promoted nothing: no champion (and why), or the
+    champion that stays."""
+    import json
+
+    from citer.serving.champion import no_champion_reason
+
+    try:
+        promo = json.loads((proj.reports / "promotion.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if promo.get("promoted"):
+        return None
+    reason = no_champion_reason(proj)
+    if reason is not None:
+        return f"no champion: {reason}; `citer route` wrote an empty predictions file saying so"
+    return f"not promoted: {promo.get('reason', '')}; the champion stays"
 
 
 @app.command("pipeline")
@@ -299,19 +336,31 @@ def serve_cmd(
             min=0.0, max=1.0, help="route this share of tokens to the LLM (default: serve.llm_fraction)"
         ),
     ] = None,
+    allow_pair_mismatch: AllowPairMismatch = False,
 ) -> None:
     """Serve the registry's champion router behind an OpenAI-compatible API (streaming included)."""
     from citer.project import load_project
     from citer.serving.server import serve_champion
 
-    serve_champion(load_project(params), host=host, port=port, llm_fraction=llm_fraction)
+    serve_champion(
+        load_project(params),
+        host=host,
+        port=port,
+        llm_fraction=llm_fraction,
+        allow_pair_mismatch=allow_pair_mismatch,
+    )
 
 
 def main() -> None:  # pragma: no cover - console entry
+    # Waiting OpenMP threads sleep instead of spinning on a core other work needs (before torch is imported).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:
         from citer.reaper import start_reaper
 
         start_reaper()  # a SIGKILLed command takes its children (Prefect's temporary server) with it
+        from citer.interrupt import install
+
+        install()  # Ctrl-C / SIGTERM: one line and exit 130 / 143 within seconds, runs closed as KILLED
     sys.exit(app())
 
 

@@ -32,6 +32,13 @@ app.add_typer(router_app, name="router")
 app.add_typer(report_app, name="report")
 
 ParamsOpt = Annotated[str, typer.Option("--params", "-p", help="params.yaml of the project")]
+AllowPairMismatch = Annotated[
+    bool,
+    typer.Option(
+        "--allow-pair-mismatch",
+        help="use a champion trained for other SLM/LLM files than params name (warns; the rare deliberate case)",
+    ),
+]
 
 
 _OUTPUT = {"json": False}
@@ -76,8 +83,9 @@ def _one_line(exc: BaseException) -> str:
 def friendly(fn: F) -> F:
     """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
 
-    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file is checked before
-    any flow starts, so a bad key fails fast and quietly.
+    With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file, and the devices,
+    models and data it points at (:mod:`citer.preflight`), are checked before any flow starts, so a bad key or a
+    missing device fails fast and quietly.
     """
 
     @functools.wraps(fn)
@@ -89,13 +97,25 @@ def friendly(fn: F) -> F:
                 from citer.config import load_params
 
                 load_params(params)
+            if params is not None and not kwargs.get(
+                "paths"
+            ):  # a stage: what params point at, before Prefect starts
+                from citer.preflight import preflight
+                from citer.project import load_project
+
+                preflight(load_project(params), params)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
+            _interrupted()
         except Exception as exc:
+            from citer import interrupt
+
+            if (
+                interrupt.interrupted() is not None
+            ):  # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+                _interrupted()
             if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
                 traceback.print_exc()
             hint = "" if isinstance(exc, EXPECTED) else " (rerun with --debug for the traceback)"
@@ -103,6 +123,16 @@ def friendly(fn: F) -> F:
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _interrupted() -> None:
+    """Ctrl-C (or SIGTERM): close the runs still open, one line, exit 130 (143)."""
+    from citer import interrupt
+
+    interrupt.run_callbacks()
+    interrupt.say_once()
+    interrupt.stop_children()  # Prefect's temporary server, dask workers: the stage's children go with it
+    raise typer.Exit(interrupt.exit_code()) from None
 
 
 def _brief(v: Any) -> str:

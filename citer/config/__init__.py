@@ -186,9 +186,27 @@ def _error_line(e: Any) -> str:
     if rule:
         return f"{key}: {_shown(value)} is not allowed ({rule})"
     msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] in ("extra_forbidden", "missing") or isinstance(value, dict):
-        return f"{key}: {msg}"  # an unknown or missing key, or a check over a whole block
+    if e["type"] == "extra_forbidden":
+        return f"{key}: {msg}{_did_you_mean(loc)}"
+    if e["type"] == "missing" or isinstance(value, dict):
+        return f"{key}: {msg}"  # a missing key, or a check over a whole block
     return f"{key}: {msg} (got {_shown(value)})"
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """`` (did you mean router.lr?)`` for an unknown key close to one its block has; empty when none is close."""
+    import difflib
+
+    model: Any = Params
+    if loc[:-1]:
+        parent = _field_at(loc[:-1])
+        ann = None if parent is None else parent.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    if model is None or not isinstance(loc[-1], str):
+        return ""
+    names = [f.alias or name for name, f in model.model_fields.items()]
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    return f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?)" if close else ""
 
 
 def _format_error(path: Path, err: ValidationError) -> str:

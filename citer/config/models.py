@@ -173,3 +173,5 @@ class EvalParams(_Block):
     batch_size: PosInt = 64
     max_new_tokens: PosInt = 96
     n_examples: Count0 = 0  # first N test rows; 0 = all
+    # The pipeline stops after eval_models when the LLM's test accuracy is at most chance + this (null: never).
+    llm_chance_margin: float | None = Field(0.05, ge=0.0, le=1.0)

@@ -113,3 +113,13 @@ def structural_problems(obj: Any, fmt: Format) -> list[Problem]:
         _need_str_list(obj["choices"], "text", out)
         _need_str_list(obj["choices"], "label", out)
     return out
+
+
+def question_text(row: Mapping[str, Any], fmt: Format) -> str:
+    """What a row asks, as a person reads it: the math problem, or the mc question with its choices."""
+    if fmt == "math":
+        return str(row["problem"])
+    ch = row["choices"]
+    return f"{row['question']} " + " ".join(
+        f"({a}) {b}" for a, b in zip(ch["label"], ch["text"], strict=False)
+    )

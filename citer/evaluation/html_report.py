@@ -24,7 +24,9 @@ body { font: 15px/1.5 system-ui, sans-serif; margin: 2rem auto; max-width: 1100p
 h1 { font-size: 1.6rem; } h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: .5rem 0; } td, th { border: 1px solid #ddd; padding: .25rem .5rem; }
 th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.oracle td { color: #666; font-style: italic; } tr.citer td { font-weight: 600; }
+tr.oracle td { color: #666; font-style: italic; } tr.promoted td { font-weight: 600; }
+.question { color: #444; margin: .2rem 0; } .status { border-left: 4px solid #a11; padding: .3rem .6rem; }
+.run { color: #555; font-size: .9rem; }
 .answer { font-family: ui-monospace, monospace; white-space: pre-wrap; background: #fafafa; border: 1px solid #e4e4e4;
           padding: .5rem; margin: .4rem 0 1rem; }
 .tok.llm { background: #ffd58a; border-radius: 3px; } .tok.slm { color: #1d3f73; }
@@ -48,12 +50,13 @@ def _fmt(v: Any, ci: list[Any] | None = None, digits: int = 3) -> str:
     return out
 
 
-def _sweep_table(rows: list[dict[str, Any]]) -> str:
+def _sweep_table(rows: list[dict[str, Any]], promoted: str | None) -> str:
+    """Every method at its dev-chosen point; the promoted method's row in bold (none when nothing was promoted)."""
     body = []
     for r in rows:
         if r.get("tau") is not None and not r.get("selected_on_dev"):
             continue
-        cls = r["method"] if r["method"] in ("oracle", "citer") else ""
+        cls = "promoted" if r["method"] == promoted else "oracle" if r["method"] == "oracle" else ""
         tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
         cells = [_esc(r["method"]), tau, _fmt(r["accuracy"], r.get("accuracy_ci")),
                  _fmt(r.get("llm_token_fraction")), _fmt(r["bytes_moved_rel_llm"], r.get("bytes_ci"))]  # fmt: skip
@@ -79,10 +82,45 @@ def _answers(preds: list[dict[str, Any]], n: int) -> tuple[str, int, int]:
         if "correct" in p:
             verdict = '<span class="ok">correct</span>' if p["correct"] else '<span class="bad">wrong</span>'
         share = f"{p.get('llm_tokens', 0)} of {p.get('n_tokens', 0)} tokens from the LLM"
+        question = f'<p class="question">{_esc(p["question"])}</p>' if p.get("question") else ""
         out.append(
-            f'<p>Question {p["index"]} ({share}) {verdict}</p><div class="answer">{"".join(pieces)}</div>'
+            f'<p>Question {p["index"]} ({share}) {verdict}</p>{question}<div class="answer">{"".join(pieces)}</div>'
         )
     return "".join(out), n_llm, n_slm
+
+
+def _status(reports: Path, predictions: str | os.PathLike[str] | None) -> str:
+    """The outcome first when nothing was promoted: the batch stage's ``no champion`` status, or the gate that held."""
+    text = None
+    if predictions is not None:
+        meta = Path(f"{predictions}.meta.json")
+        if meta.is_file():
+            text = json.loads(meta.read_text(encoding="utf-8")).get("status")
+    promo = reports / "promotion.json"
+    if text is None and promo.is_file():
+        rec = json.loads(promo.read_text(encoding="utf-8"))
+        if not rec.get("promoted") and rec.get("reason"):
+            text = f"not promoted: {rec['reason']}"
+    return f'<p class="status">{_esc(text)}</p>' if text else ""
+
+
+def _run_line(reports: Path) -> str:
+    """When and from which commit the sweep wrote its reports, and its MLflow run (``provenance.json``)."""
+    from citer.provenance import read
+
+    files = read(reports)["files"]
+    entry = next((v for k, v in files.items() if Path(k).name == "sweep.json"), None)
+    if entry is None:
+        return ""
+    run = ""
+    promo = reports / "promotion.json"
+    if promo.is_file():
+        run_id = json.loads(promo.read_text(encoding="utf-8")).get("mlflow_run_id")
+        run = f", MLflow run {_esc(run_id)}" if run_id else ""
+    return (
+        f'<p class="run">Sweep run {_esc(entry.get("written_at", "?"))}, commit '
+        f"{_esc(str(entry.get('commit', '?'))[:12])}{run}.</p>"
+    )
 
 
 def build_report(
@@ -91,6 +129,8 @@ def build_report(
     """The page's HTML from ``reports`` (and ``predictions``, when the file exists)."""
     d = Path(reports)
     rows, files = headline_rows(d)
+    promo = json.loads((d / "promotion.json").read_text(encoding="utf-8"))
+    promoted = (promo.get("method") or "citer") if promo.get("promoted") else None
     head = "".join(f"<tr><th>{_esc(a)}</th><td>{_esc(b)}</td></tr>" for a, b in rows)
     sweep = json.loads((d / "sweep.json").read_text(encoding="utf-8"))
     png = d / "pareto.png"
@@ -115,10 +155,10 @@ def build_report(
 <html lang="en"><head><meta charset="utf-8"><title>citer report</title><style>{_STYLE}</style></head>
 <body>
 <h1>citer: routed decoding report</h1>
-<p>Every number on <b>test</b> at the point chosen on <b>dev</b>, 95% paired-bootstrap intervals in brackets.
-From {_esc(src)}.</p>
+{_status(d, predictions)}<p>Every number on <b>test</b> at the point chosen on <b>dev</b>, 95% paired-bootstrap
+intervals in brackets. From {_esc(src)}.</p>{_run_line(d)}
 <h2>Headline</h2><table>{head}</table>
-<h2>Every method at its dev-chosen point</h2>{_sweep_table(sweep)}
+<h2>Every method at its dev-chosen point</h2>{_sweep_table(sweep, promoted)}
 <h2>Accuracy against bytes moved</h2>{plot}
 <h2>Who wrote which token</h2>{legend}{answers}
 </body></html>

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from citer.config import SelectionRule
 from citer.decoding.verify import Verification
 from citer.evaluation.intervals import interval, resample_indices
 from citer.evaluation.rows import SweepError, SweepRow, llm_reference, rows_of
+from citer.evaluation.rule_on_test import misses_rule_on_test
 
 
 @dataclass(frozen=True)
@@ -192,11 +193,13 @@ def decide_promotion(
     rule: SelectionRule,
     previous: str | None = None,
     guard: Guard | None = None,
+    llm: SweepRow | None = None,
 ) -> Decision:
     """Whether the candidate router takes the alias from the champion; every refusal names the gate that held.
 
     Gates, in order: the candidate was evaluated on at least ``guard.min_examples`` questions; it meets the rule on
-    them; it moves fewer bytes than LLM-only (by its bytes interval's upper end when it has one); and, with a champion
+    them, or misses it by less than chance (:func:`misses_rule_on_test`; ``llm``: the LLM-only row of the same
+    questions); it moves fewer bytes than LLM-only (by its bytes interval's upper end when it has one); and, with a champion
     (re-evaluated on the same examples in the same sweep, which is checked), it wins on the rule's primary measure by
     :func:`_significant_win`. A tie or a win within chance keeps the champion. ``previous`` (the champion's version)
     is carried into the decision for the log.
@@ -215,15 +218,21 @@ def decide_promotion(
         )
         return Decision(False, reason, previous, details)
     if cand_obj[0] != 1.0:
-        reason = f"candidate does not meet the rule {rule.kind} ({_describe(candidate)}); alias unchanged"
-        return Decision(False, reason, previous, details)
+        missed, how = misses_rule_on_test(candidate, llm, rule, guard)
+        if how:
+            details["rule_on_test"] = how
+        if missed:
+            reason = (
+                f"candidate does not meet the rule {rule.kind} ({_describe(candidate)}{how}); alias unchanged"
+            )
+            return Decision(False, reason, previous, details)
     cheaper, why = _beats_llm(candidate)
     if not cheaper:
         return Decision(False, f"{why}; alias unchanged", previous, details)
     if champion is None:
-        return Decision(
-            True, f"no champion yet; candidate promoted ({_describe(candidate)})", previous, details
-        )
+        within = details.get("rule_on_test", "")  # met the rule on test, or missed it by less than chance
+        reason = f"no champion yet; candidate promoted ({_describe(candidate)}{within})"
+        return Decision(True, reason, previous, details)
     if champion.examples_hash != candidate.examples_hash or champion.n_examples != candidate.n_examples:
         raise SweepError(
             "champion and candidate rows come from different examples "
@@ -272,17 +281,26 @@ def plan_promotion(
     champion_version: str | None = None,
     champion_note: str = "",
     guard: Guard | None = None,
+    champion_stale: bool = False,
 ) -> PromotionPlan:
     """τ is chosen on dev (the candidate's, and the re-evaluated champion's by the sweep); both are compared on the
     same test examples (:func:`decide_promotion`).
 
     ``champion_version`` names the version holding the alias (None: no champion yet). A champion that exists but has
     no row here (another SLM, another hidden size: ``champion_note`` says which) is kept: it cannot be compared.
+    A ``champion_stale`` one (trained for other weights under the pair's names: no loader decodes with it) is judged
+    as no champion: the candidate takes the alias if it passes every other gate.
     """
     best_dev = choose_candidate(dev_rows, rule)
     best = test_row_of(test_rows, best_dev)
     champion_row = next((r for r in test_rows if r.method == "champion"), None)
-    if champion_version is not None and champion_row is None:
+    if champion_stale and champion_version is not None and best_dev is not None:
+        llm = next((r for r in test_rows if r.method == "llm"), None)
+        d = decide_promotion(best, None, rule, previous=champion_version, guard=guard, llm=llm)
+        why = f"v{champion_version} is stale ({champion_note})"
+        reason = d.reason.replace("no champion yet", why) if d.promoted else f"{d.reason} ({why})"
+        decision = replace(d, reason=reason)
+    elif champion_version is not None and champion_row is None:
         why = f": {champion_note}" if champion_note else ""
         decision = Decision(
             False, f"kept v{champion_version}{why}; it cannot be compared here", champion_version
@@ -294,7 +312,8 @@ def plan_promotion(
             champion_version,
         )
     else:
-        decision = decide_promotion(best, champion_row, rule, previous=champion_version, guard=guard)
+        llm = next((r for r in test_rows if r.method == "llm"), None)
+        decision = decide_promotion(best, champion_row, rule, previous=champion_version, guard=guard, llm=llm)
     return PromotionPlan(best, decision, best_dev)
 
 

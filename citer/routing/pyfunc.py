@@ -10,6 +10,10 @@ reference and the decoding settings: ``slm``, ``llm`` (hub ids or paths relative
 ``prompt_format`` (``raw``: the prompt is continued as given; ``math``/``mc``: it is the question, wrapped in the
 training template), ``answer_format`` (``math``/``mc``/``none``), ``max_new_tokens``, ``dtype``, ``device``.
 
+The router's ``router.json`` records the digests of the SLM and LLM it was trained with; loading it with other model
+files under the configured names is refused (:mod:`citer.routing.pair_check`) unless the loader passes
+``model_config={"allow_pair_mismatch": True}``.
+
 Where relative model paths resolve, first match wins: ``project_root`` in the config (a loader passes it:
 ``mlflow.pyfunc.load_model(uri, model_config={"project_root": "/path/to/project"})``), the ``CITER_ROOT``
 environment variable, the current directory. The router itself is the artifact ``router_dir``.
@@ -97,7 +101,18 @@ class CiterGenerator(mlflow.pyfunc.PythonModel):
                 f"{exc} (relative model refs resolve against {root}: model_config project_root, else CITER_ROOT, "
                 "else the current directory)"
             ) from exc
-        router, _ = load_router(context.artifacts["router_dir"], slm=slm, vocab_size=len(tok))
+        router, meta = load_router(context.artifacts["router_dir"], slm=slm, vocab_size=len(tok))
+        from citer.routing.iterations import pair_digests
+        from citer.routing.pair_check import check_pair
+
+        check_pair(
+            meta,
+            pair_digests(slm_ref, llm_ref),
+            f"router of this model (slm={cfg['slm']}, llm={cfg['llm']})",
+            remedy="point the model config at the pair it was trained with, or load it with model_config="
+            '{"allow_pair_mismatch": true}',
+            allow=str(cfg.get("allow_pair_mismatch", False)).strip().lower() in ("1", "true", "yes"),
+        )
         if router.hidden_size != slm.config.hidden_size:
             raise ValueError(
                 f"router hidden_size={router.hidden_size} but SLM {slm_ref} has hidden size {slm.config.hidden_size}"

@@ -2,7 +2,7 @@
 
 Output: one JSON line per non-blank input line, in input order::
 
-    {"index": 0, "line": 1, "response": "...", "answer": "7", "correct": true, "n_tokens": 31, "llm_tokens": 4,
+    {"index": 0, "line": 1, "question": "...", "response": "...", "answer": "7", "correct": true, "n_tokens": 31, "llm_tokens": 4,
      "llm_token_fraction": 0.129, "llm_calls": 2, "bytes_moved": 1.2e6, "spans": [["7 + 3 = ", "slm"], ["1", "llm"], ...]}
     {"index": 1, "line": 2, "error": "field 'problem': missing required key"}
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from citer.data.answers import extract_answer, grade
-from citer.data.formats import FORMATS, Format, structural_problems
+from citer.data.formats import FORMATS, Format, question_text, structural_problems
 from citer.data.jsonl import iter_raw_lines
 from citer.data.prompts import build_prompt
 from citer.decoding.engine import EngineInputError
@@ -259,6 +259,7 @@ def _decode_chunk(
             rec: dict[str, Any] = {"index": it.index, "line": it.line}
             if "id" in it.row:
                 rec["id"] = it.row["id"]
+            rec["question"] = question_text(it.row, fmt)  # the report's token view shows what was asked
             # A response naming a choice's text is recorded as that choice's label.
             choices = it.row.get("choices") if fmt == "mc" else None
             rec.update(response=text, answer=extract_answer(text, fmt, choices))
@@ -293,6 +294,19 @@ def _summarise(
         bytes_moved=float(sum(float(r.get("bytes_moved", 0.0)) for r in rows)),
         seconds=seconds,
     )
+
+
+def write_without_champion(
+    input_path: str | os.PathLike[str], output_path: str | os.PathLike[str], fmt: Format, status: str
+) -> None:
+    """What batch inference leaves when no router holds the alias: an empty (valid) output and a sidecar whose
+    ``status`` says why. A later run with a champion starts the file over (no rows to resume)."""
+    from citer.io import write_text
+
+    inp, output = Path(input_path), Path(output_path)
+    write_text(output, "")
+    meta = {"input_sha256": _file_hash(inp), "fmt": fmt, "status": status}
+    write_json(output.with_name(output.name + ".meta.json"), meta)
 
 
 def route_file(
@@ -360,11 +374,12 @@ def route_file(
     todo = [ch for ch in chunks if ch[0].index not in done]
     n_processed = 0
     if todo:
-        from tqdm.auto import tqdm
+        from citer.progress import bar as progress_bar
 
         if eng is None:
             eng = engine if hasattr(engine, "generate_batch") else engine()
-        bar = tqdm(total=sum(len(c) for c in todo), disable=not progress, desc=f"route {inp.name}", unit="q")
+        # One switch for every bar (CITER_PROGRESS), shown on an interactive terminal only.
+        bar = progress_bar(f"route {inp.name}", total=sum(len(c) for c in todo), unit="q", enabled=progress)
         with output.open("ab") as fh:
             for ch in todo:
                 recs = _decode_chunk(eng, tokenizer, ch, fmt, max_new_tokens, batch_size)

@@ -28,19 +28,23 @@ class Champion(NamedTuple):
     info: dict[str, Any]  # router name/version, alias, slm, llm, tau
 
 
-def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterVersion:
+def project_champion(
+    project: Project | str | os.PathLike[str] = ".", allow_pair_mismatch: bool = False
+) -> RouterVersion:
     """The version holding the project's alias, once its pair is checked against params.
 
     Opens the project's own store (rebased when the project was copied or moved, :func:`citer.registry.open_store`)
     and refuses, in one line naming both, a champion trained for another SLM or LLM than params name: routing its
-    scores with other models would silently decode with a router that never saw them.
+    scores with other models would silently decode with a router that never saw them. The names are not enough (a
+    re-finetuned SLM keeps its directory): the digests the version's tags record must be those of the model files
+    in use (:mod:`citer.routing.pair_check`); ``allow_pair_mismatch`` turns that refusal into a warning.
     """
     proj = as_project(project)
     reg = proj.params.registry
     try:
         rv = require_champion(reg.model_name, reg.alias, open_store(proj), proj.root)
     except RegistryError as exc:
-        refused = _refused_promotion(proj)
+        refused = refused_promotion(proj)
         if refused is None:
             raise
         raise RegistryError(
@@ -59,10 +63,28 @@ def project_champion(project: Project | str | os.PathLike[str] = ".") -> RouterV
             f"slm={named['slm']} ({slm_key}), llm={named['llm']} (models.llm); rerun the sweep or point params at "
             "the champion's pair"
         )
+    from citer.routing.iterations import pair_digests
+    from citer.routing.pair_check import check_pair
+
+    check_pair(
+        rv.tags,
+        pair_digests(proj.slm_ref, proj.llm_ref),
+        f"champion {rv.name} v{rv.version}",
+        remedy="rerun the pipeline for this pair (`citer router iterate`, then `citer eval sweep`), or pass "
+        "--allow-pair-mismatch to use it anyway",
+        allow=allow_pair_mismatch,
+        warn=_warn,
+    )
     return rv
 
 
-def _refused_promotion(proj: Project) -> str | None:
+def _warn(message: str) -> None:
+    import sys
+
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def refused_promotion(proj: Project) -> str | None:
     """The gate that held, when the project's last sweep ran and promoted no router (``reports/promotion.json``)."""
 
     path = proj.reports / "promotion.json"
@@ -73,6 +95,16 @@ def _refused_promotion(proj: Project) -> str | None:
     if rec.get("promoted") or not rec.get("reason"):
         return None
     return f"{rec['reason']} ({proj.portable_ref(path)})"
+
+
+def no_champion_reason(proj: Project) -> str | None:
+    """Why no router holds the project's alias (the last sweep's refusal, else that none ran); None when one does."""
+    from citer.registry import get_alias
+
+    reg = proj.params.registry
+    if get_alias(reg.model_name, reg.alias, open_store(proj)) is not None:
+        return None
+    return refused_promotion(proj) or "no sweep has promoted a router yet (run `citer eval sweep`)"
 
 
 def champion_tau(rv: Any, tau: float | None = None, llm_fraction: float | None = None) -> float:
@@ -99,6 +131,7 @@ def load_champion(
     project: Project | str | os.PathLike[str] = ".",
     tau: float | None = None,
     llm_fraction: float | None = None,
+    allow_pair_mismatch: bool = False,
 ) -> Champion:
     """The router holding the project's registry alias, with its SLM and LLM, as a :class:`Champion`.
 
@@ -106,12 +139,13 @@ def load_champion(
     version's tags name its SLM, LLM and τ; ``tau`` or ``llm_fraction`` (else ``serve.tau`` / ``serve.llm_fraction``
     in params) overrides τ (:func:`champion_tau`). Relative model paths
     are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
-    and :class:`ChampionError` when its router does not fit its SLM or params name another pair
-    (:func:`project_champion`).
+    and :class:`ChampionError` when its router does not fit its SLM or params name another pair, and
+    :class:`~citer.routing.pair_check.PairMismatch` when it was trained for other model files under those names
+    (``allow_pair_mismatch``: a warning instead; :func:`project_champion`).
     """
     proj = as_project(project)
     params = proj.params
-    rv = project_champion(proj)
+    rv = project_champion(proj, allow_pair_mismatch)
     paths = {role: proj.model_ref(rv.tags[role]) for role in ("slm", "llm")}
     if tau is None and llm_fraction is None:
         tau, llm_fraction = params.serve.tau, params.serve.llm_fraction

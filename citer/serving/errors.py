@@ -9,7 +9,7 @@ the statuses the server really returns.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -41,6 +41,45 @@ def error_body(exc: RequestError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
 
 
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> RequestError:
+    """A body FastAPI could not validate, as a 400 naming the first bad field; a body that is not JSON says where
+    it stops being JSON (FastAPI's own text was ``"32: JSON decode error"``)."""
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        pos = next((x for x in e.get("loc", ()) if isinstance(x, int)), None)
+        why = (e.get("ctx") or {}).get("error", "not JSON")
+        at = f", character {pos}" if pos is not None else ""
+        return RequestError(f"the request body is not valid JSON ({why}{at})", code="invalid_json")
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    return RequestError(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", param=".".join(loc) or None)
+
+
+def http_error(method: str, path: str, status: int, headers: Mapping[str, str] | None = None) -> RequestError:
+    """The error a route-level refusal gets (unknown URL, wrong method, a body that cannot be read), as OpenAI's API
+    words them."""
+    if status == 404:
+        return RequestError(
+            f"Invalid URL ({method} {path}): this server answers /v1/completions, /v1/chat/completions, "
+            "/v1/models and /health",
+            status=404,
+            code="unknown_url",
+        )
+    if status == 405:
+        allowed = (headers or {}).get("allow", (headers or {}).get("Allow", ""))
+        return RequestError(
+            f"{method} is not allowed on {path}" + (f" (allowed: {allowed})" if allowed else ""),
+            status=405,
+            code="method_not_allowed",
+        )
+    if status == 400:
+        return RequestError("the request body could not be read: send UTF-8 JSON", code="invalid_body")
+    return RequestError(
+        f"{method} {path}: HTTP {status}",
+        status=status,
+        type_="server_error" if status >= 500 else "invalid_request_error",
+    )
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -59,7 +98,8 @@ STATUS_MEANING = {
     400: "invalid request: a bad parameter, a body of the wrong shape, a prompt the models cannot take "
     "(error.param names it)",
     401: "missing or invalid API key (only when the server was started with one)",
-    404: "model not found: the request names another model than this server serves",
+    404: "model not found: the request names another model than this server serves (or an unknown URL)",
+    405: "method not allowed on this route",
     429: "the queue is full (serve.max_queued_requests); retry after the Retry-After header's seconds",
     500: "the engine failed while decoding this request",
 }

@@ -39,13 +39,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from citer.project import Project, as_project
 from citer.serving.access import BearerAuth, ServeError, check_bind, is_loopback, public_info, public_ref
 from citer.serving.champion import load_champion
 from citer.serving.endpoints import chat_completions as chat_endpoint
 from citer.serving.endpoints import completions as completions_endpoint
-from citer.serving.errors import RequestError, error_body, error_responses, without_validation_422
+from citer.serving.errors import (
+    RequestError,
+    error_body,
+    error_responses,
+    http_error,
+    validation_error,
+    without_validation_422,
+)
 from citer.serving.protocol import ChatRequest, CompletionRequest
 from citer.serving.scheduler import (
     MAX_BATCH_ROWS,
@@ -185,12 +193,13 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422 with its own shape; OpenAI clients expect 400 and {"error": {...}}.
-        e = exc.errors()[0]
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        err = RequestError(
-            f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}", param=".".join(loc) or None
-        )
-        return JSONResponse(error_body(err), status_code=400)
+        return JSONResponse(error_body(validation_error(exc.errors())), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes (404), wrong methods (405) and bodies FastAPI cannot read (400) in OpenAI's shape too.
+        err = http_error(request.method, request.url.path, exc.status_code, exc.headers)
+        return JSONResponse(error_body(err), status_code=exc.status_code, headers=exc.headers)
 
     if api_key:
         app.add_middleware(BearerAuth, expected=f"Bearer {api_key}".encode())
@@ -287,9 +296,10 @@ def serve_champion(
     host: str | None = None,
     port: int | None = None,
     llm_fraction: float | None = None,
+    allow_pair_mismatch: bool = False,
 ) -> None:
     """``citer serve``: the champion engine behind the endpoint, settings from ``serve`` in params (host/port
-    override). The environment variable named by ``serve.api_key_env`` (``CITER_API_KEY``), when set, becomes the
+    override); a champion trained for other model files than params name is refused unless ``allow_pair_mismatch``. The environment variable named by ``serve.api_key_env`` (``CITER_API_KEY``), when set, becomes the
     bearer key the server requires; a non-loopback host without it is refused before any model is loaded, unless
     ``serve.allow_remote_without_key``.
     """
@@ -299,7 +309,9 @@ def serve_champion(
     host, port = host or s.host, port or s.port
     api_key = (os.environ.get(s.api_key_env) or "").strip() or None
     check_bind(host, api_key, allow_remote_without_key=s.allow_remote_without_key, api_key_env=s.api_key_env)
-    engine, tok, info = load_champion(proj, llm_fraction=llm_fraction)
+    engine, tok, info = load_champion(
+        proj, llm_fraction=llm_fraction, allow_pair_mismatch=allow_pair_mismatch
+    )
     fmt = proj.params.data.format if s.prompt_format == "auto" else s.prompt_format
     log.info(
         "serving %s (tau=%s) as %r on http://%s:%d/v1%s",

@@ -71,3 +71,34 @@ def test_a_browser_renders_the_report(tmp_path):
     subprocess.run([*base, f"--screenshot={shot}", "--window-size=1200,1600", out.as_uri()], capture_output=True,
                    timeout=120, check=True)  # fmt: skip
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_report_names_the_question_the_promoted_method_and_the_run(tmp_path):
+    """The token view shows what was asked; the bold row is the promoted method (not always citer); the page says
+    when, from which commit and in which MLflow run the sweep ran; nothing promoted leads the page."""
+    reports = tmp_path / "reports"
+    shutil.copytree(REPO / "reports", reports)
+    preds = [dict(PREDS[0], question="Tom has 3 coins and gets 4. How many coins now?")]
+    out = tmp_path / "predictions.jsonl"
+    out.write_text(json.dumps(preds[0]) + "\n")
+    promo = json.loads((reports / "promotion.json").read_text())
+    promo |= {"method": "citer_verify", "promoted": 1, "mlflow_run_id": "0123abcd"}
+    (reports / "promotion.json").write_text(json.dumps(promo))
+    page = build_report(reports, out)
+    assert '<p class="question">Tom has 3 coins and gets 4. How many coins now?</p>' in page
+    bold = re.findall(r'<tr class="promoted"><td>([a-z_]+)</td>', page)
+    assert bold == ["citer_verify"], bold
+    sweep_entry = json.loads((reports / "provenance.json").read_text())["files"]["reports/sweep.json"]
+    assert (
+        f"Sweep run {sweep_entry['written_at']}, commit {sweep_entry['commit'][:12]}, MLflow run 0123abcd"
+        in page
+    )
+    assert 'class="status"' not in page
+
+    (reports / "promotion.json").write_text(
+        json.dumps(promo | {"promoted": 0, "reason": "too few questions"})
+    )
+    page = build_report(reports, out)
+    assert '<p class="status">not promoted: too few questions</p>' in page and 'class="promoted"' not in page
+    out.with_name("predictions.jsonl.meta.json").write_text(json.dumps({"status": "no champion: too few"}))
+    assert '<p class="status">no champion: too few</p>' in build_report(reports, out)

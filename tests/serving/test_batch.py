@@ -264,3 +264,12 @@ def test_mc_response_naming_the_choice_text_is_graded_as_its_label(engine, tiny_
     out = _lines(tmp_path / "o.jsonl")
     assert [(r["answer"], r["correct"]) for r in out] == [("C", True), ("C", True), ("B", False)]
     assert s.n_graded == 3
+
+
+@pytest.mark.parametrize("flag, shown", [("0", False), ("1", True), ("", False)])
+def test_route_bar_follows_citer_progress(engine, tiny_pair, tmp_path, capfd, monkeypatch, flag, shown):
+    """The route bar obeys CITER_PROGRESS like every other bar, and stays out of redirected stderr by default."""
+    monkeypatch.setenv("CITER_PROGRESS", flag)
+    inp = _write_input(tmp_path / "in.jsonl", with_bad=False)
+    route_file(engine, tiny_pair[2], inp, tmp_path / "out.jsonl", "math", batch_size=4, max_new_tokens=2)
+    assert ("route in.jsonl" in capfd.readouterr().err) == shown

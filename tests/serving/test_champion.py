@@ -14,6 +14,7 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     from citer.config import Params
     from citer.project import Project
     from citer.registry import register_router, set_alias
+    from citer.routing.iterations import pair_digests
     from citer.routing.mlp import save_router
     from citer.serving.champion import ChampionError, load_champion
 
@@ -28,9 +29,8 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     proj = Project(root=tmp_path, params=params)
 
     def register(hidden: int, tau: float, **extra: str) -> str:
-        rdir = save_router(
-            spread_router(hidden), tmp_path / f"router{hidden}", {"slm": str(slm_dir), "llm": str(llm_dir)}
-        )
+        meta = {"slm": str(slm_dir), "llm": str(llm_dir)} | pair_digests(slm_dir, llm_dir)
+        rdir = save_router(spread_router(hidden), tmp_path / f"router{hidden}", meta)
         run = client.create_run(exp)
         tags = {"slm": str(slm_dir), "llm": str(llm_dir), "tau": tau, **extra}
         rv = register_router(

@@ -253,7 +253,9 @@ def test_serve_champion_passes_key_limits_and_public_names(
         "slm": str(bare_project / "models" / "slm"),
         "llm": str(tmp_path / "llm"),
     }
-    monkeypatch.setattr(server, "load_champion", lambda proj, llm_fraction=None: (engine, tiny_pair[2], info))
+    monkeypatch.setattr(
+        server, "load_champion", lambda proj, llm_fraction=None, **_: (engine, tiny_pair[2], info)
+    )
     seen: dict = {}
     monkeypatch.setattr(server, "serve", lambda engine, tok, **kw: seen.update(kw))
     monkeypatch.setenv("CITER_API_KEY", "k3y")

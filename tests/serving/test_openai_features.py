@@ -318,3 +318,36 @@ def test_the_embedded_tokenizer_carries_the_task_template(embedded_tok, tmp_path
     want = build_prompt({"problem": msgs[0]["content"]}, "math")
     assert loaded.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == want
     assert chat_prompt(msgs, "math", loaded) == want
+
+
+def test_route_level_refusals_come_in_openais_error_shape(server, client):
+    """Bodies that are not JSON or not UTF-8, unknown URLs and wrong methods: OpenAI's {"error": {...}} (FastAPI's
+    {"detail": ...} before), seen by the official client as its typed errors with their code."""
+    import httpx
+
+    def post(body: bytes) -> httpx.Response:
+        return httpx.post(
+            f"{server}/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+
+    cut = post(b'{"model": "citer-test", "prompt": ')
+    assert cut.status_code == 400 and cut.json()["error"] == {
+        "message": "the request body is not valid JSON (Expecting value, character 34)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
+    latin1 = post('{"model": "citer-test", "prompt": "caf\xe9"}'.encode("latin-1"))
+    assert latin1.status_code == 400 and latin1.json()["error"]["code"] == "invalid_body"
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.get("/nope", cast_to=object)
+    assert err.value.code == "unknown_url" and err.value.type == "invalid_request_error"
+    assert "Invalid URL (GET /v1/nope)" in err.value.message
+    with pytest.raises(openai.APIStatusError) as err:
+        client.get("/completions", cast_to=object)
+    assert err.value.status_code == 405 and err.value.code == "method_not_allowed"
+    assert err.value.message.endswith("GET is not allowed on /v1/completions (allowed: POST)")
+    with pytest.raises(openai.BadRequestError) as err:  # a field of the wrong type: 400, never FastAPI's 422
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens="many")  # type: ignore[arg-type]
+    assert err.value.status_code == 400 and err.value.param == "max_tokens"
