@@ -47,10 +47,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], list[str]]:
-    """(label, value) rows of the run's outcome: the pair, the promoted point, the claims; and the files read."""
+def headline_rows(reports: str | os.PathLike[str], priced: bool = False) -> tuple[list[list[str]], list[str]]:
+    """(label, value) rows of the run's outcome: the pair, the promoted point, the claims; and the files read.
+    ``priced``: the same rows with every byte figure at the reference pair (``sweep_claims.json``'s ``priced``)."""
     d = Path(reports)
     models, promo, claims = _load(d, "models.json"), _load(d, "promotion.json"), _load(d, "sweep_claims.json")
+    if priced:
+        claims = _unlabelled(claims.get("priced") or {})
     sweep = {
         r["method"]: r for r in _load(d, "sweep.json") if r.get("tau") is None or r.get("selected_on_dev")
     }
@@ -67,15 +70,19 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
         if promo.get("verify_rho") is not None:
             how += f", ρ {float(promo['verify_rho']):g}, W {promo['verify_window']}"
             how += ", final check" if str(promo.get("verify_final")).lower() == "true" else ""
+        b, b_ci = promo["bytes_moved_rel_llm"], promo["bytes_ci"]
+        if priced:
+            b, b_ci = c.get("bytes_priced_rel_llm"), c.get("bytes_priced_ci")
         rows.append([
             f"promoted point ({how} chosen on dev; version {promo['version'] or '–'}, "
             f"promoted: {'yes' if promo['promoted'] else 'no'})",
             f"accuracy {pct(promo['accuracy'])}{ci(promo['accuracy_ci'], pct)}, bytes "
-            f"{promo['bytes_moved_rel_llm']:.3f}{ci(promo['bytes_ci'], lambda v: f'{v:.3f}')} of LLM-only"
+            + ("–" if b is None else f"{b:.3f}{ci(b_ci, lambda v: f'{v:.3f}')}") + " of LLM-only"
             + (f", {c['llm_token_fraction']:.3f} of tokens from the LLM" if c else ""),
         ])  # fmt: skip
     else:
         rows.append(["promoted point", f"none: {promo.get('reason', '')}"])
+    rows += _router_rows(_load(d, "sweep_claims.json").get("protocol", {}), promo, priced)
     for key, label in (("bytes_at_target", "CITER bytes at the rule's accuracy"),
                        ("oracle_ratio", "CITER / oracle bytes at 99% of LLM accuracy")):  # fmt: skip
         c = claims.get(key)
@@ -92,16 +99,72 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
     return rows, ["models.json", "promotion.json", "sweep_claims.json", "sweep.json"]
 
 
+def _unlabelled(found: Any) -> Any:
+    """Priced claims without their ``Priced at <pair>:`` prefix (the column says where they are priced)."""
+    if isinstance(found, dict):
+        return {k: (v.split(": ", 1)[1] if k == "statement" and v.startswith("Priced at ") else _unlabelled(v))
+                for k, v in found.items()}  # fmt: skip
+    if isinstance(found, list):
+        return [_unlabelled(v) for v in found]
+    return found
+
+
+def _router_rows(protocol: dict[str, Any], promo: dict[str, Any], priced: bool) -> list[list[str]]:
+    """The CITER router's width (chosen on dev when there is a grid) and its reads per step as a share of the SLM's
+    weight read, and the promoted router's."""
+    reads = protocol.get("router_reads") or {}
+    layers = protocol.get("router_layers") or {}
+    key = "priced" if priced else "measured"
+
+    def share(info: dict[str, Any] | None) -> str:
+        got = (info or {}).get(key)
+        return "–" if not got else f"{100 * got['share_of_slm']:.2f}% of the SLM's weight bytes per step"
+
+    rows = []
+    if layers:
+        chosen = layers["chosen"]
+        rows.append([f"CITER router width (chosen on dev among {', '.join(layers['grid'])}): {chosen}",
+                     share(layers["grid"].get(chosen))])  # fmt: skip
+    elif "citer" in reads:
+        rows.append([f"CITER router width {_widths(reads['citer'])}", share(reads["citer"])])
+    router = promo.get("method")
+    if router == "citer_verify":  # the router variant the verified decoder runs on
+        router = (protocol.get("verify") or {}).get("citer_verify_router")
+    if router == "citer" and layers:
+        router = layers["chosen"]
+    info = (layers.get("grid") or {}).get(router) or reads.get(router or "")
+    if router and info:
+        rows.append([f"promoted router's reads ({router}, {_widths(info)})", share(info)])
+    return rows
+
+
+def _widths(info: dict[str, Any]) -> str:
+    w = info.get("widths") or []
+    return "linear probe" if not w else "hidden layers " + " x ".join(f"{x:g}h" for x in w)
+
+
 def headline_block(reports: Path) -> Block:
     rows, files = headline_rows(reports)
+    d = Path(reports)
+    name = (_load(d, "sweep_claims.json").get("priced") or {}).get("priced_at")
+    if name is None:
+        return table(
+            ["", "measured on test (chosen on dev)"], rows
+        ) + f"\n\nFrom {', '.join(f'`reports/{f}`' for f in files)}.", files
+    at, _ = headline_rows(reports, priced=True)
+    both = [[label, value, other if label == other_label else "–"]
+            for (label, value), (other_label, other) in zip(rows, at, strict=True)]  # fmt: skip
     src = ", ".join(f"`reports/{f}`" for f in files)
-    return table(["", "measured on test (chosen on dev)"], rows) + f"\n\nFrom {src}.", files
+    head = ["", "measured on test (chosen on dev)", f"priced at {name}: the same calls (chosen on dev)"]
+    return table(head, both) + f"\n\nFrom {src}.", files
 
 
 def sweep_block(reports: Path) -> Block:
     """Every method at its dev-chosen point (fixed rows: their one point), on test with 95% intervals."""
     rows = []
-    for r in _load(reports, "sweep.json"):
+    sweep = _load(reports, "sweep.json")
+    name = next((r["priced_at"] for r in sweep if r.get("priced_at")), None)
+    for r in sweep:
         if r.get("tau") is not None and not r.get("selected_on_dev"):
             continue
         tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
@@ -110,7 +173,14 @@ def sweep_block(reports: Path) -> Block:
             "–" if r.get("llm_token_fraction") is None else f"{r['llm_token_fraction']:.3f}",
             f"{r['bytes_moved_rel_llm']:.3f}{ci(r.get('bytes_ci'), lambda v: f'{v:.3f}')}",
         ])  # fmt: skip
+        if name is not None:
+            b = r.get("bytes_priced_rel_llm")
+            rows[-1].append(
+                "–" if b is None else f"{b:.3f}{ci(r.get('bytes_priced_ci'), lambda v: f'{v:.3f}')}"
+            )
     head = ["method", "τ (dev)", "test accuracy [95%]", "LLM tokens", "bytes / LLM-only [95%]"]
+    if name is not None:
+        head.append(f"bytes / LLM-only priced at {name} [95%]")
     return table(head, rows) + "\n\nFrom `reports/sweep.json`.", ["sweep.json"]
 
 
