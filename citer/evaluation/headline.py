@@ -184,6 +184,57 @@ def sweep_block(reports: Path) -> Block:
     return table(head, rows) + "\n\nFrom `reports/sweep.json`.", ["sweep.json"]
 
 
+def _claim_value(key: str, v: float | None) -> str:
+    if v is None:
+        return "not reached"
+    if "saving" in key:
+        return f"{100 * v:.0f}%"
+    return f"{v:.2f}x" if "oracle" in key else f"{v:.3f}"
+
+
+def stability_block(reports: Path) -> Block:
+    """``citer eval stability``: each headline claim's value and interval in the main run, its range over the router
+    seeds and in how many seeds it holds at 95%, under both pricings; the promoted point in every seed."""
+    st = _load(reports, "stability.json")
+    seeds = st["seeds"]
+    name = next((c["main"]["statement"].split(": ", 1)[0].removeprefix("Priced at ")
+                 for c in st["claims"]["priced"].values() if c["main"].get("statement")), None)  # fmt: skip
+    rows = []
+    for key in st["claims"]["measured"]:
+        if "not worse than" in key:  # the dominance checks stay in reports/stability.json
+            continue
+        row = [key]
+        for pricing in ("measured", "priced"):
+            got = st["claims"][pricing].get(key)
+            if got is None:
+                row += ["–", "–", "–"]
+                continue
+
+            def fmt(v: float | None, k: str = key) -> str:
+                return _claim_value(k, v)
+
+            main = got["main"]
+            held = sum(got["by_seed"][str(x)]["holds_at_95"] is True for x in seeds)
+            values = [fmt(got["by_seed"][str(x)]["value"]) for x in seeds]
+            row += [fmt(main["value"]) + ci(main.get("ci"), fmt), ", ".join(values), f"{held}/{len(seeds)}"]
+        rows.append(row)
+    pts = st["promoted"]["by_seed"]
+    shown = []
+    for x in seeds:
+        p = pts[str(x)]
+        shown.append(
+            "none" if not p else f"{p['method']} {pct(p['accuracy'])} ({p['accuracy_ratio']:.3f} of LLM)"
+        )
+    rows.append(["promoted point on test (method, accuracy, share of LLM accuracy)", "", "; ".join(shown), "",
+                 "", "", ""])  # fmt: skip
+    width = "; ".join(f"seed {x}: {st['router_width'][str(x)] or '–'}" for x in seeds)
+    head = ["claim (test, chosen on dev)", f"main run (seed {st['main_seed']}) [95%]",
+            f"seeds {', '.join(map(str, seeds))}", "holds at 95%", f"priced at {name}: main run [95%]",
+            "priced: seeds", "priced: holds at 95%"]  # fmt: skip
+    note = f"CITER router width chosen on dev: {width}. From `reports/stability.json`."
+    return table(head, rows) + f"\n\n{note}", ["stability.json"]
+
+
 # The pipeline's own stages, in the order it runs them (label collection and router training run inside iterate).
 PIPELINE_STAGES = ("synth", "validate", "bootstrap", "finetune", "eval_models", "iterate", "sweep", "route")
 
@@ -306,6 +357,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "pipeline": pipeline_block,
     "engine": engine_block,
     "engine_base": engine_base_block,
+    "stability": stability_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
