@@ -82,7 +82,15 @@ class Project:
 
     def method_router_dir(self, method: str) -> Path:
         """The directory of the router a sweep method decodes with: ``citer`` the last iteration's, ``citer_iter1``
-        iteration 1's, ``citer_s`` CITER-S's, ``citer_<name>`` the input ablation ``name``'s."""
+        iteration 1's, ``citer_s`` CITER-S's, ``citer_<name>`` the input ablation ``name``'s, ``citer@<tag>`` the
+        CITER router at a ``router.layers_grid`` width (``router.layers``' own: the last iteration's)."""
+        from citer.routing.architecture import LAYERS_METHOD, layers_tag
+
+        if method.startswith(LAYERS_METHOD):
+            tag = method.removeprefix(LAYERS_METHOD)
+            if tag != layers_tag(self.params.router.layers):
+                return self.router_dir(f"layers_{tag}")
+            method = "citer"
         if method == "citer":
             return self.router_dir(self.params.labels.iterations)
         if method == "citer_iter1":

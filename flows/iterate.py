@@ -1,5 +1,6 @@
 """Stage ``iterate`` (``citer router iterate``): labels and router for k = 1..labels.iterations, plus CITER-S and
-the feature ablations (``router.ablations``: routers on the last iteration's labels at ``routers_dir/ablation_{name}``).
+the feature ablations (``router.ablations``: routers on the last iteration's labels at ``routers_dir/ablation_{name}``)
+and the CITER router at each other width of ``router.layers_grid`` (``routers_dir/layers_{tag}``).
 
 One stage owns every iteration because the count is a param (DVC cannot make stages from an int). Each label set and
 router is kept when its recorded fingerprint matches its inputs (citer.routing.iterations), so a rerun caused by,
@@ -20,6 +21,7 @@ from flows.common import locked
 @flow(name="iterate")
 @locked("iterate")
 def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    from citer.routing.architecture import grid_widths
     from citer.routing.iterations import remove_stale_iterations
     from flows.collect_preferences import labels_flow
     from flows.train_router import router_flow
@@ -36,11 +38,20 @@ def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     ablations = list(p.router.ablations)
     for name in ablations:
         out[f"router_ablation_{name}"] = router_flow(params_path, ablation=name, reuse=True)
+    widths = grid_widths(p.router)
+    for tag, layers in widths.items():
+        out[f"router_layers_{tag}"] = router_flow(params_path, layers=layers, reuse=True)
     removed = [
         *remove_stale_iterations(proj.path(p.paths.labels_dir), n),
         *remove_stale_iterations(proj.path(p.paths.routers_dir), n, ablations=ablations),
         *remove_stale_iterations(
             proj.reports, n, prefix="router_iter", ablations=ablations, ablation_prefix="router_ablation_"
+        ),
+        *remove_stale_iterations(
+            proj.path(p.paths.routers_dir), n, ablations=widths, ablation_prefix="layers_"
+        ),
+        *remove_stale_iterations(
+            proj.reports, n, "router_iter", ablations=widths, ablation_prefix="router_layers_"
         ),
     ]
     for key, res in out.items():

@@ -66,6 +66,39 @@ def sweep_routers(proj, slm, vocab_size: int, pair) -> tuple[dict[str, Any], dic
     return routers, metas["citer"]
 
 
+@task(name="width-routers", cache_policy=NO_CACHE)
+def width_routers(proj, slm, vocab_size: int, citer: Any, pair) -> dict[str, Any]:
+    """The CITER router at each ``router.layers_grid`` width (``citer@<tag>``): ``router.layers``' own is the last
+    iteration's router (``citer``), the others their own directories. Empty without a grid."""
+    from citer.routing.architecture import LAYERS_METHOD, layers_tag
+    from citer.routing.mlp import load_router
+    from citer.routing.pair_check import check_pair
+
+    rp = proj.params.router
+    out: dict[str, Any] = {}
+    for layers in rp.layers_grid:
+        method = LAYERS_METHOD + layers_tag(layers)
+        if [float(m) for m in layers] == [float(m) for m in rp.layers]:
+            out[method] = citer
+            continue
+        d = proj.method_router_dir(method)
+        router, meta = load_router(
+            d,
+            expected_hidden_size=slm.config.hidden_size,
+            expected_slm=proj.slm_name,
+            slm=slm,
+            vocab_size=vocab_size,
+        )
+        check_pair(
+            meta,
+            pair,
+            f"router {proj.portable_ref(d)} ({method})",
+            remedy="run `citer router iterate` (it retrains routers made for another pair), then the sweep",
+        )
+        out[method] = router
+    return out
+
+
 @flow(name="sweep-decode")
 def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, Any], int]:
     """Every decoding pass of the sweep, mapped over the flow's task runner (``runtime``); returns the sweep's
@@ -98,6 +131,7 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
         champion_verify=champion.version.verify_kwargs if champion.version and champion.router else None,
         log=logger.info,
         passes=SweepPasses(p.runtime),
+        layer_routers=width_routers(proj, slm, len(tok), routers["citer"], pair),
     )
     return result, champion, rmeta, int(slm.config.hidden_size)
 

@@ -31,8 +31,8 @@ def router_fingerprint(proj, labels_dir, router_params=None) -> str:
     parts = {
         "labels": recorded_fingerprint(labels_dir / META_FILE),  # covers the SLM whose head the features read
         "labels_files": dir_digest(labels_dir, (HIDDEN_FILE, TOKENS_FILE)),
-        # Which ablations exist changes no router; logit_k matters only to routers that read logit_stats.
-        "router": rp.model_dump(exclude={"ablations", "logit_k"}),
+        # Which ablations and widths exist changes no router; logit_k matters only to routers that read logit_stats.
+        "router": rp.model_dump(exclude={"ablations", "logit_k", "layers_grid"}),
         "code": source_digest(ROUTER_CODE),
     }
     if "logit_stats" in rp.features:
@@ -72,12 +72,15 @@ def router_flow(
     citer_s: bool = False,
     reuse: bool = False,
     ablation: str | None = None,
+    layers: list[float] | None = None,
 ) -> dict[str, Any]:
     """Train one router; with ``reuse``, keep the router on disk when its fingerprint is unchanged.
 
-    ``ablation`` (a ``router.ablations`` name) trains that feature set on the last iteration's labels instead.
+    ``ablation`` (a ``router.ablations`` name) trains that feature set on the last iteration's labels instead;
+    ``layers`` (a ``router.layers_grid`` entry) the CITER router at those widths, at ``routers_dir/layers_{tag}``.
     """
     from citer.io import write_json
+    from citer.routing.architecture import layers_tag
     from citer.routing.features import ABLATIONS, needs_slm
     from citer.routing.iterations import check_provenance, pair_digests, recorded_fingerprint
     from citer.routing.label_store import load_labels
@@ -100,13 +103,17 @@ def router_flow(
         rp = rp.model_copy(update={"features": list(ABLATIONS[ablation])})
         name: int | str = f"ablation_{ablation}"
         labels_dir = proj.labels_dir(p.labels.iterations)
+    elif layers is not None:
+        rp = rp.model_copy(update={"layers": [float(m) for m in layers]})
+        name = f"layers_{layers_tag(layers)}"
+        labels_dir = proj.labels_dir(p.labels.iterations)
     else:
         name = "citer_s" if citer_s else iteration
         labels_dir = proj.labels_dir(1 if citer_s else iteration)
     report_name = f"router_{name if isinstance(name, str) else f'iter{name}'}"
     out = proj.router_dir(name)
     fp = router_fingerprint(proj, labels_dir, rp)
-    last = ablation is None and not citer_s and iteration == p.labels.iterations
+    last = ablation is None and layers is None and not citer_s and iteration == p.labels.iterations
     pair = pair_digests(proj.slm_ref, proj.llm_ref)
     if reuse and recorded_fingerprint(out / META_FILE) == fp:
         from citer.io import read_json
@@ -135,7 +142,7 @@ def router_flow(
     if last:
         router_report(proj, iteration)
     with stage_run(proj, report_name) as run:
-        run.params(rp.model_dump(exclude={"ablations"}), prefix="router.")
+        run.params(rp.model_dump(exclude={"ablations", "layers_grid"}), prefix="router.")
         run.metrics(metrics.scalars())
         for epoch, row in enumerate(metrics.curves):
             run.metrics({f"epoch.{k}": v for k, v in row.items() if k != "epoch"}, step=epoch)

@@ -350,6 +350,7 @@ TINY = {
     # Tiny models on a dozen questions: the guards are exercised by their own tests, not by the smoke runs.
     "router": {"epochs": 3, "min_val_auc": 0.0},
     "registry": {"min_eval_examples": 1},
+    "stability": {"seeds": 2},
     "sweep": {
         "n_examples": 12,
         "llm_fractions": [0.1, 0.3],

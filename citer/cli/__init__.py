@@ -228,6 +228,16 @@ def eval_sweep(params: ParamsOpt = "params.yaml") -> None:
     _show(sweep_flow(params_path=params))
 
 
+@eval_app.command("stability")
+@friendly
+def eval_stability(params: ParamsOpt = "params.yaml") -> None:
+    """Retrain the routers with stability.seeds seeds (labels and models fixed), rerun the sweep for each and report
+    every claim's spread across seeds (reports/stability.json). Run after `citer eval sweep`; not in the pipeline."""
+    from flows.stability import stability_flow
+
+    _show(stability_flow(params_path=params))
+
+
 @app.command("route")
 @friendly
 def route(

@@ -23,9 +23,12 @@ from citer.config.data import DataParams, PathsParams, SynthParams, ValidatePara
 from citer.config.evaluation import (
     IntervalParams,
     LockParams,
+    ModelShapeParams,
+    PriceAtParams,
     QueryRouterParams,
     RegistryParams,
     SelectionRule,
+    StabilityParams,
     SweepParams,
     VerifySweepParams,
 )
@@ -56,16 +59,19 @@ __all__ = [
     "LabelsParams",
     "LockParams",
     "LoraParams",
+    "ModelShapeParams",
     "ModelsParams",
     "Params",
     "PathsParams",
     "PretrainParams",
+    "PriceAtParams",
     "QueryRouterParams",
     "RegistryParams",
     "RouterParams",
     "RuntimeParams",
     "SelectionRule",
     "ServeParams",
+    "StabilityParams",
     "SweepParams",
     "VerifySweepParams",
     "SynthParams",
@@ -91,6 +97,7 @@ class Params(_Block):
     router: RouterParams = RouterParams()
     runtime: RuntimeParams = Field(default_factory=RuntimeParams)  # per load: CITER_RUNTIME is read then
     sweep: SweepParams = SweepParams()
+    stability: StabilityParams = StabilityParams()
     registry: RegistryParams = RegistryParams()
     lock: LockParams = LockParams()
     engine: EngineParams = EngineParams()

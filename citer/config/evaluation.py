@@ -76,6 +76,51 @@ class VerifySweepParams(_Block):
         return v
 
 
+class ModelShapeParams(_Block):
+    """A decoder's shapes as its config names them (a Qwen2/Llama-style model): enough to count the bytes one forward
+    call reads, without the weights (:mod:`citer.evaluation.pricing`)."""
+
+    hidden_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool
+    attention_bias: bool = True  # Qwen2's q/k/v projections have biases; Llama's do not
+
+
+class PriceAtParams(_Block):
+    """The reference pair every sweep row is also priced at (``sweep.price_at``): the same calls, tokens, context
+    lengths, rollbacks and check calls at this pair's weight and KV bytes, and each router at its own width on this
+    SLM's hidden size, in ``dtype_bytes`` per element. Reported beside the measured bytes, labelled with ``name``."""
+
+    name: str = "Qwen2-1.5B/Qwen2-72B bf16"
+    dtype_bytes: int = Field(2, ge=1)
+    # The real configs of Qwen/Qwen2-1.5B and Qwen/Qwen2-72B (config.json on the hub).
+    slm: ModelShapeParams = ModelShapeParams(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
+    llm: ModelShapeParams = ModelShapeParams(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    )
+
+
 class SweepParams(_Block):
     """The evaluation sweep (``citer eval sweep``): every method chosen on ``dev``, reported on ``test``.
 
@@ -104,6 +149,7 @@ class SweepParams(_Block):
     verify: VerifySweepParams = VerifySweepParams()
     intervals: IntervalParams = IntervalParams()
     rule: SelectionRule = SelectionRule()
+    price_at: PriceAtParams | None = PriceAtParams()  # null: no priced column
 
     @field_validator("llm_fractions")
     @classmethod
@@ -119,6 +165,13 @@ class SweepParams(_Block):
     def decoding_batch(self) -> int:
         """Rows per decoding batch: ``decode_batch_size``, else ``batch_size``."""
         return self.decode_batch_size or self.batch_size
+
+
+class StabilityParams(_Block):
+    """``citer eval stability``: the routers retrained with ``seeds`` seeds in all (``router.seed`` and the next
+    ``seeds - 1``; labels and models fixed), each seed through the whole sweep; every claim's spread across them."""
+
+    seeds: int = Field(3, ge=2)
 
 
 class RegistryParams(_Block):

@@ -81,6 +81,28 @@ class RouterParams(_Block):
     features: list[Literal["hidden", "token_embedding", "logit_stats"]] = ["hidden"]
     logit_k: int = Field(4, ge=1)
     ablations: list[Literal["emb", "logits", "emb_logits"]] = []
+    # Hidden layers, each width a multiple of the SLM's hidden size h (rounded, at least 1): [2, 1] is the paper's
+    # h -> 2h -> h -> 1; [] a linear probe. Every router is trained at this width (iterations, CITER-S, ablations).
+    layers: list[float] = [2.0, 1.0]
+    # The CITER router (router.features, the last iteration's labels) at each of these widths too: the sweep picks
+    # one on dev by the rule, its reads counted. [] = no grid (the last iteration's router at ``layers``).
+    layers_grid: list[list[float]] = []
+
+    @field_validator("layers")
+    @classmethod
+    def _widths_positive(cls, v: list[float]) -> list[float]:
+        if any(not w > 0 for w in v):
+            raise ValueError(f"widths are multiples of the hidden size > 0, got {v}")
+        return v
+
+    @field_validator("layers_grid")
+    @classmethod
+    def _grid_widths(cls, v: list[list[float]]) -> list[list[float]]:
+        for layers in v:
+            cls._widths_positive(layers)
+        if len({tuple(x) for x in v}) != len(v):
+            raise ValueError("lists a width twice")
+        return v
 
     @field_validator("features")
     @classmethod

@@ -87,6 +87,10 @@ class RowStats:
     bytes_alone: float = 0.0
     wait_steps: int = 0  # decoding steps this row spent waiting for a shared LLM call
     rolled_back_tokens: int = 0  # provisional SLM tokens a verified catch-up took back (not in new_tokens)
+    # KV token-columns this row's own calls moved (context + new, per call), the counts ``bytes_alone`` multiplies by
+    # each model's ``kv_bytes_per_token``: with the calls they re-price the row at another pair's shapes.
+    slm_kv_tokens: int = 0
+    llm_kv_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -267,6 +271,8 @@ class CostMeter:
                     bytes_alone=float(alone[r]),
                     wait_steps=int(self.wait[r]),
                     rolled_back_tokens=int(self.rolled[r]),
+                    slm_kv_tokens=int(self._row["slm", "kv"][r]),
+                    llm_kv_tokens=int(self._row["llm", "kv"][r]),
                 )
             )
         return out

@@ -47,10 +47,13 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], list[str]]:
-    """(label, value) rows of the run's outcome: the pair, the promoted point, the claims; and the files read."""
+def headline_rows(reports: str | os.PathLike[str], priced: bool = False) -> tuple[list[list[str]], list[str]]:
+    """(label, value) rows of the run's outcome: the pair, the promoted point, the claims; and the files read.
+    ``priced``: the same rows with every byte figure at the reference pair (``sweep_claims.json``'s ``priced``)."""
     d = Path(reports)
     models, promo, claims = _load(d, "models.json"), _load(d, "promotion.json"), _load(d, "sweep_claims.json")
+    if priced:
+        claims = _unlabelled(claims.get("priced") or {})
     sweep = {
         r["method"]: r for r in _load(d, "sweep.json") if r.get("tau") is None or r.get("selected_on_dev")
     }
@@ -67,15 +70,19 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
         if promo.get("verify_rho") is not None:
             how += f", ρ {float(promo['verify_rho']):g}, W {promo['verify_window']}"
             how += ", final check" if str(promo.get("verify_final")).lower() == "true" else ""
+        b, b_ci = promo["bytes_moved_rel_llm"], promo["bytes_ci"]
+        if priced:
+            b, b_ci = c.get("bytes_priced_rel_llm"), c.get("bytes_priced_ci")
         rows.append([
             f"promoted point ({how} chosen on dev; version {promo['version'] or '–'}, "
             f"promoted: {'yes' if promo['promoted'] else 'no'})",
             f"accuracy {pct(promo['accuracy'])}{ci(promo['accuracy_ci'], pct)}, bytes "
-            f"{promo['bytes_moved_rel_llm']:.3f}{ci(promo['bytes_ci'], lambda v: f'{v:.3f}')} of LLM-only"
+            + ("–" if b is None else f"{b:.3f}{ci(b_ci, lambda v: f'{v:.3f}')}") + " of LLM-only"
             + (f", {c['llm_token_fraction']:.3f} of tokens from the LLM" if c else ""),
         ])  # fmt: skip
     else:
         rows.append(["promoted point", f"none: {promo.get('reason', '')}"])
+    rows += _router_rows(_load(d, "sweep_claims.json").get("protocol", {}), promo, priced)
     for key, label in (("bytes_at_target", "CITER bytes at the rule's accuracy"),
                        ("oracle_ratio", "CITER / oracle bytes at 99% of LLM accuracy")):  # fmt: skip
         c = claims.get(key)
@@ -92,16 +99,72 @@ def headline_rows(reports: str | os.PathLike[str]) -> tuple[list[list[str]], lis
     return rows, ["models.json", "promotion.json", "sweep_claims.json", "sweep.json"]
 
 
+def _unlabelled(found: Any) -> Any:
+    """Priced claims without their ``Priced at <pair>:`` prefix (the column says where they are priced)."""
+    if isinstance(found, dict):
+        return {k: (v.split(": ", 1)[1] if k == "statement" and v.startswith("Priced at ") else _unlabelled(v))
+                for k, v in found.items()}  # fmt: skip
+    if isinstance(found, list):
+        return [_unlabelled(v) for v in found]
+    return found
+
+
+def _router_rows(protocol: dict[str, Any], promo: dict[str, Any], priced: bool) -> list[list[str]]:
+    """The CITER router's width (chosen on dev when there is a grid) and its reads per step as a share of the SLM's
+    weight read, and the promoted router's."""
+    reads = protocol.get("router_reads") or {}
+    layers = protocol.get("router_layers") or {}
+    key = "priced" if priced else "measured"
+
+    def share(info: dict[str, Any] | None) -> str:
+        got = (info or {}).get(key)
+        return "–" if not got else f"{100 * got['share_of_slm']:.2f}% of the SLM's weight bytes per step"
+
+    rows = []
+    if layers:
+        chosen = layers["chosen"]
+        rows.append([f"CITER router width (chosen on dev among {', '.join(layers['grid'])}): {chosen}",
+                     share(layers["grid"].get(chosen))])  # fmt: skip
+    elif "citer" in reads:
+        rows.append([f"CITER router width {_widths(reads['citer'])}", share(reads["citer"])])
+    router = promo.get("method")
+    if router == "citer_verify":  # the router variant the verified decoder runs on
+        router = (protocol.get("verify") or {}).get("citer_verify_router")
+    if router == "citer" and layers:
+        router = layers["chosen"]
+    info = (layers.get("grid") or {}).get(router) or reads.get(router or "")
+    if router and info:
+        rows.append([f"promoted router's reads ({router}, {_widths(info)})", share(info)])
+    return rows
+
+
+def _widths(info: dict[str, Any]) -> str:
+    w = info.get("widths") or []
+    return "linear probe" if not w else "hidden layers " + " x ".join(f"{x:g}h" for x in w)
+
+
 def headline_block(reports: Path) -> Block:
     rows, files = headline_rows(reports)
+    d = Path(reports)
+    name = (_load(d, "sweep_claims.json").get("priced") or {}).get("priced_at")
+    if name is None:
+        return table(
+            ["", "measured on test (chosen on dev)"], rows
+        ) + f"\n\nFrom {', '.join(f'`reports/{f}`' for f in files)}.", files
+    at, _ = headline_rows(reports, priced=True)
+    both = [[label, value, other if label == other_label else "–"]
+            for (label, value), (other_label, other) in zip(rows, at, strict=True)]  # fmt: skip
     src = ", ".join(f"`reports/{f}`" for f in files)
-    return table(["", "measured on test (chosen on dev)"], rows) + f"\n\nFrom {src}.", files
+    head = ["", "measured on test (chosen on dev)", f"priced at {name}: the same calls (chosen on dev)"]
+    return table(head, both) + f"\n\nFrom {src}.", files
 
 
 def sweep_block(reports: Path) -> Block:
     """Every method at its dev-chosen point (fixed rows: their one point), on test with 95% intervals."""
     rows = []
-    for r in _load(reports, "sweep.json"):
+    sweep = _load(reports, "sweep.json")
+    name = next((r["priced_at"] for r in sweep if r.get("priced_at")), None)
+    for r in sweep:
         if r.get("tau") is not None and not r.get("selected_on_dev"):
             continue
         tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
@@ -110,8 +173,66 @@ def sweep_block(reports: Path) -> Block:
             "–" if r.get("llm_token_fraction") is None else f"{r['llm_token_fraction']:.3f}",
             f"{r['bytes_moved_rel_llm']:.3f}{ci(r.get('bytes_ci'), lambda v: f'{v:.3f}')}",
         ])  # fmt: skip
+        if name is not None:
+            b = r.get("bytes_priced_rel_llm")
+            rows[-1].append(
+                "–" if b is None else f"{b:.3f}{ci(r.get('bytes_priced_ci'), lambda v: f'{v:.3f}')}"
+            )
     head = ["method", "τ (dev)", "test accuracy [95%]", "LLM tokens", "bytes / LLM-only [95%]"]
+    if name is not None:
+        head.append(f"bytes / LLM-only priced at {name} [95%]")
     return table(head, rows) + "\n\nFrom `reports/sweep.json`.", ["sweep.json"]
+
+
+def _claim_value(key: str, v: float | None) -> str:
+    if v is None:
+        return "not reached"
+    if "saving" in key:
+        return f"{100 * v:.0f}%"
+    return f"{v:.2f}x" if "oracle" in key else f"{v:.3f}"
+
+
+def stability_block(reports: Path) -> Block:
+    """``citer eval stability``: each headline claim's value and interval in the main run, its range over the router
+    seeds and in how many seeds it holds at 95%, under both pricings; the promoted point in every seed."""
+    st = _load(reports, "stability.json")
+    seeds = st["seeds"]
+    name = next((c["main"]["statement"].split(": ", 1)[0].removeprefix("Priced at ")
+                 for c in st["claims"]["priced"].values() if c["main"].get("statement")), None)  # fmt: skip
+    rows = []
+    for key in st["claims"]["measured"]:
+        if "not worse than" in key:  # the dominance checks stay in reports/stability.json
+            continue
+        row = [key]
+        for pricing in ("measured", "priced"):
+            got = st["claims"][pricing].get(key)
+            if got is None:
+                row += ["–", "–", "–"]
+                continue
+
+            def fmt(v: float | None, k: str = key) -> str:
+                return _claim_value(k, v)
+
+            main = got["main"]
+            held = sum(got["by_seed"][str(x)]["holds_at_95"] is True for x in seeds)
+            values = [fmt(got["by_seed"][str(x)]["value"]) for x in seeds]
+            row += [fmt(main["value"]) + ci(main.get("ci"), fmt), ", ".join(values), f"{held}/{len(seeds)}"]
+        rows.append(row)
+    pts = st["promoted"]["by_seed"]
+    shown = []
+    for x in seeds:
+        p = pts[str(x)]
+        shown.append(
+            "none" if not p else f"{p['method']} {pct(p['accuracy'])} ({p['accuracy_ratio']:.3f} of LLM)"
+        )
+    rows.append(["promoted point on test (method, accuracy, share of LLM accuracy)", "", "; ".join(shown), "",
+                 "", "", ""])  # fmt: skip
+    width = "; ".join(f"seed {x}: {st['router_width'][str(x)] or '–'}" for x in seeds)
+    head = ["claim (test, chosen on dev)", f"main run (seed {st['main_seed']}) [95%]",
+            f"seeds {', '.join(map(str, seeds))}", "holds at 95%", f"priced at {name}: main run [95%]",
+            "priced: seeds", "priced: holds at 95%"]  # fmt: skip
+    note = f"CITER router width chosen on dev: {width}. From `reports/stability.json`."
+    return table(head, rows) + f"\n\n{note}", ["stability.json"]
 
 
 # The pipeline's own stages, in the order it runs them (label collection and router training run inside iterate).
@@ -236,6 +357,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "pipeline": pipeline_block,
     "engine": engine_block,
     "engine_base": engine_base_block,
+    "stability": stability_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 

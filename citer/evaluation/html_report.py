@@ -53,6 +53,7 @@ def _fmt(v: Any, ci: list[Any] | None = None, digits: int = 3) -> str:
 def _sweep_table(rows: list[dict[str, Any]], promoted: str | None) -> str:
     """Every method at its dev-chosen point; the promoted method's row in bold (none when nothing was promoted)."""
     body = []
+    priced = next((r["priced_at"] for r in rows if r.get("priced_at")), None)  # the reference pair, if any
     for r in rows:
         if r.get("tau") is not None and not r.get("selected_on_dev"):
             continue
@@ -60,10 +61,14 @@ def _sweep_table(rows: list[dict[str, Any]], promoted: str | None) -> str:
         tau = "–" if r.get("tau") is None else f"{r['tau']:.3f}"
         cells = [_esc(r["method"]), tau, _fmt(r["accuracy"], r.get("accuracy_ci")),
                  _fmt(r.get("llm_token_fraction")), _fmt(r["bytes_moved_rel_llm"], r.get("bytes_ci"))]  # fmt: skip
+        if priced:
+            cells.append(_fmt(r.get("bytes_priced_rel_llm"), r.get("bytes_priced_ci")))
         body.append(f'<tr class="{cls}">' + "".join(
             f'<td class="num">{c}</td>' if i else f"<td>{c}</td>" for i, c in enumerate(cells)) + "</tr>")  # fmt: skip
-    head = "".join(f"<th>{h}</th>" for h in ("method", "τ (dev)", "test accuracy [95%]", "LLM tokens",
-                                            "bytes / LLM-only [95%]"))  # fmt: skip
+    heads = ["method", "τ (dev)", "test accuracy [95%]", "LLM tokens", "bytes / LLM-only [95%]"]
+    if priced:
+        heads.append(f"bytes / LLM-only priced at {_esc(priced)} [95%]")
+    head = "".join(f"<th>{h}</th>" for h in heads)
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 

@@ -19,6 +19,7 @@ from citer.data.prompts import build_prompt
 from citer.data.rows import origin
 from citer.decoding.cost import GPU_BANDWIDTH
 from citer.decoding.speculative import SpeculativeOutput
+from citer.evaluation.pricing import CallCounts, Pricing, RouterShape, check_measured, router_shape
 from citer.evaluation.rows import SweepError, SweepRow
 from citer.progress import progress
 
@@ -39,6 +40,10 @@ class PassResult:
     # in its own columns; every comparison uses ``bytes_moved``, priced as if each question were decoded alone).
     batch_bytes: list[float] = field(default_factory=list)
     rolled_back: list[int] = field(default_factory=list)  # verified routing: SLM tokens a check took back
+    # Per question, the calls ``bytes_moved`` prices (citer.evaluation.pricing), and the same calls priced at the
+    # reference pair (``sweep.price_at``; empty when off).
+    counts: list[CallCounts] = field(default_factory=list)
+    priced_bytes: list[float] = field(default_factory=list)
 
     def subset(self, idx: Sequence[int]) -> PassResult:
         return PassResult(
@@ -52,7 +57,25 @@ class PassResult:
             [self.tokens[i] for i in idx] if self.tokens else [],
             [self.batch_bytes[i] for i in idx] if self.batch_bytes else [],
             [self.rolled_back[i] for i in idx] if self.rolled_back else [],
+            [self.counts[i] for i in idx] if self.counts else [],
+            [self.priced_bytes[i] for i in idx] if self.priced_bytes else [],
         )
+
+    def price(
+        self,
+        counts: Sequence[CallCounts],
+        shape: RouterShape,
+        router_bytes: int,
+        measured: Pricing,
+        reference: Pricing | None,
+        what: str,
+    ) -> PassResult:
+        """Record each question's calls, checked against the measured bytes (priced at the pair that ran with the
+        measured ``router_bytes`` they give them back exactly), and their price at ``reference``."""
+        check_measured(counts, self.bytes_moved, measured, router_bytes, what)
+        self.counts = list(counts)
+        self.priced_bytes = reference.price_all(counts, shape) if reference is not None else []
+        return self
 
 
 def encode_prompts(tokenizer: Any, rows: Sequence[Mapping[str, Any]], fmt: Format) -> list[list[int]]:
@@ -102,16 +125,21 @@ def decode_pass(
     solo_llm: bool = False,
     desc: str = "decode",
     bandwidth: float = GPU_BANDWIDTH["H100"],
+    pricings: tuple[Pricing, Pricing | None] | None = None,
 ) -> PassResult:
     """Decode every prompt greedily through ``engine`` and grade it; time counts decoding only.
 
     ``solo_llm``: the engine is ``RoutedEngine(llm, None, AlwaysSLM())`` (plain LLM decoding, metered alike).
     Bytes are priced as if each question were decoded alone (``RowStats.bytes_alone``: exact, a row's output does not
-    depend on its batch); the batch's share goes to ``batch_bytes``. ``desc`` labels the progress bar.
+    depend on its batch); the batch's share goes to ``batch_bytes``. ``desc`` labels the progress bar. Each
+    question's calls go to ``counts``; with ``pricings`` (the pair that ran, the reference pair or None) they are
+    checked against the bytes and priced at the reference (:meth:`PassResult.price`).
     """
     n = len(prompts)
     res_tokens: list[list[int]] = [[] for _ in range(n)]
     llm_tokens, llm_calls, byts, shared, rolled = [0] * n, [0] * n, [0.0] * n, [0.0] * n, [0] * n
+    counts = [CallCounts()] * n
+    reads_router = getattr(engine, "router_bytes", 0) > 0
     wall = 0.0
     todo = batches(prompts, batch_size)
     for idx in progress(todo, desc=desc, total=len(todo), unit="batch"):
@@ -129,8 +157,9 @@ def decode_pass(
             byts[i] = float(st.bytes_alone)
             shared[i] = float(st.bytes_moved)
             rolled[i] = int(st.rolled_back_tokens)
+            counts[i] = CallCounts.of_row(st, solo_llm, reads_router)
     correct = grade_all(tokenizer, res_tokens, rows, fmt)
-    return PassResult(
+    res = PassResult(
         correct,
         [len(t) for t in res_tokens],
         llm_tokens,
@@ -141,7 +170,12 @@ def decode_pass(
         res_tokens,
         shared,
         rolled,
+        counts,
     )
+    if pricings is None:
+        return res
+    router = getattr(engine, "router", None)
+    return res.price(counts, router_shape(router), int(getattr(engine, "router_bytes", 0)), *pricings, desc)
 
 
 def _batch_columns(res: PassResult, ref: PassResult) -> dict[str, float]:
@@ -162,6 +196,8 @@ def to_row(
     n_tok = sum(res.n_tokens)
     b = sum(res.bytes_moved)
     b_ref = sum(ref.bytes_moved)
+    priced = sum(res.priced_bytes) if res.priced_bytes and ref.priced_bytes else None
+    priced_ref = sum(ref.priced_bytes) if priced is not None else 0.0
     return SweepRow(
         method=method,
         tau=None if tau is None else float(tau),
@@ -179,6 +215,9 @@ def to_row(
         extra=dict(extra) | _batch_columns(res, ref),
         correct=[bool(c) for c in res.correct],
         question_bytes=[float(b) for b in res.bytes_moved],
+        bytes_priced=priced,
+        bytes_priced_rel_llm=None if priced is None or priced_ref <= 0 else priced / priced_ref,
+        question_bytes_priced=[float(b) for b in res.priced_bytes] if priced is not None else [],
     )
 
 

@@ -24,6 +24,7 @@ from citer.decoding.baselines import AlwaysSLM, RandomRouter, Router
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.speculative import speculative_generate
 from citer.evaluation.passes import PassResult, decode_pass, speculative_result
+from citer.evaluation.pricing import Pricing, RouterShape, call_tally
 from citer.evaluation.rows import SweepError
 
 # routed: the pair through ``router``; llm / slm: that model alone (the references); speculative: assisted
@@ -117,6 +118,11 @@ class PassBench:
             **dict(spec.engine),
         )
 
+    def pricings(self) -> tuple[Pricing, Pricing | None]:
+        """The pair that ran (to check a pass's counts against its bytes) and the reference pair (``price_at``)."""
+        ref = self.params.price_at
+        return Pricing.measured(self.slm, self.llm), Pricing.reference(ref) if ref is not None else None
+
     def run(self, spec: PassSpec) -> PassOutcome:
         split = self.splits[spec.split]
         if spec.kind == "speculative":
@@ -132,6 +138,7 @@ class PassBench:
             self.params.max_new_tokens,
             solo_llm=spec.kind == "llm",
             desc=f"sweep {spec.name}",
+            pricings=self.pricings(),
         )
         return PassOutcome(res, time.perf_counter() - t0)
 
@@ -140,21 +147,28 @@ class PassBench:
         n = len(split.rows)
         m = min(p.speculative_examples or n, n)
         t0 = time.perf_counter()
-        outputs = speculative_generate(
-            self.slm,
-            self.llm,
-            split.prompts[:m],
-            max_new_tokens=p.max_new_tokens,
-            draft_tokens=p.speculative_tokens,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            gpu=p.gpu,
-            vocab_size=self.vocab,
-            **dict(spec.engine),
-        )
+        outputs, counts = [], []
+        # One prompt per call: assisted generation decodes each alone anyway, and the tally then holds its calls.
+        with call_tally(self.slm, self.llm) as tally:
+            for prompt in split.prompts[:m]:
+                tally.reset()
+                outputs += speculative_generate(
+                    self.slm,
+                    self.llm,
+                    [prompt],
+                    max_new_tokens=p.max_new_tokens,
+                    draft_tokens=p.speculative_tokens,
+                    eos_token_id=self.eos,
+                    pad_token_id=self.pad,
+                    gpu=p.gpu,
+                    vocab_size=self.vocab,
+                    **dict(spec.engine),
+                )
+                counts.append(tally.counts())
         sp, totals = speculative_result(
             outputs, self.tokenizer, split.rows[:m], self.fmt, p.gpu, min(p.decoding_batch, n)
         )
+        sp.price(counts, RouterShape(), 0, *self.pricings(), f"pass {spec.name!r}")
         return PassOutcome(sp, time.perf_counter() - t0, totals, m)
 
 

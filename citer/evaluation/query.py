@@ -21,6 +21,7 @@ from citer.config import QueryRouterParams
 from citer.decoding.cost import CostMeter, ModelCost
 from citer.decoding.forward import right_padded
 from citer.evaluation.passes import PassResult, batches
+from citer.evaluation.pricing import CallCounts
 
 
 @torch.no_grad()
@@ -123,6 +124,17 @@ def scoring_bytes(
         meter.forward("slm", [i], [len(p)], [len(p)])
     rows, _ = meter.finish(0.0)
     return [r.bytes_alone for r in rows]
+
+
+def query_counts(
+    slm_res: PassResult, llm_res: PassResult, to_llm: Sequence[bool], prompts: Sequence[Sequence[int]]
+) -> list[CallCounts]:
+    """Per question, the calls :func:`combine_query` and :func:`scoring_bytes` charge: the pass it takes, plus for a
+    question sent to the LLM the SLM prefill that scored it (its KV read and written) and the classifier's read."""
+    return [
+        (llm_res if m else slm_res).counts[i] + (CallCounts(1, 2 * len(p), 0, 0, 1) if m else CallCounts())
+        for i, (m, p) in enumerate(zip(to_llm, prompts, strict=True))
+    ]
 
 
 def query_decisions(scores: np.ndarray, tau: float) -> list[bool]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from citer.evaluation.intervals import attach_intervals
 from citer.evaluation.pareto import claims
+from citer.evaluation.pricing import labelled, priced_view
 from citer.evaluation.rows import METHODS, SweepError, SweepRow, rows_of
 from citer.io import atomic_dir, atomic_path, write_json
 
@@ -152,22 +153,23 @@ def write_sweep_reports(reports_dir: str | os.PathLike[str], result: Any, params
     d = Path(reports_dir)
     iv = params.intervals
     attach_intervals(result.test, n_resamples=iv.resamples, seed=params.seed, level=iv.level)
+    priced = priced_view(result.test)  # the same rows at the reference pair: the same intervals and claims
+    if priced is not None:
+        attach_intervals(priced, n_resamples=iv.resamples, seed=params.seed, level=iv.level)
+        for r, v in zip(result.test, priced, strict=True):
+            r.bytes_priced_ci = v.bytes_ci
     write_sweep(d / "sweep.json", result.test, d / "sweep_details.json")
     write_json(
-        d / "sweep_dev.json", [r.to_details() | {"correct": [], "question_bytes": []} for r in result.dev]
+        d / "sweep_dev.json",
+        [
+            r.to_details() | {"correct": [], "question_bytes": [], "question_bytes_priced": []}
+            for r in result.dev
+        ],
     )
     write_pareto_json(d / "pareto.json", result.test)
     write_plot_data(d / "pareto", result.test)
     plot_pareto(result.test, d / "pareto.png", "accuracy vs bytes on test (points chosen on dev)")
-    found = claims(
-        result.test, params.rule.accuracy_ratio, n_resamples=iv.resamples, seed=params.seed, level=iv.level
-    )
-    # The verified decoder's own claims (vs the oracle, speculative decoding, BiLD and the plain router).
-    found["verified"] = {
-        m: claims(result.test, params.rule.accuracy_ratio, iv.resamples, params.seed, iv.level, method=m)
-        for m in ("citer_verify",)
-        if any(r.method == m for r in result.test)
-    }
+    found = claims_both(result.test, params)
     found["protocol"] = {
         "selected_on": "dev",
         "reported_on": "test",
@@ -191,6 +193,32 @@ def write_sweep_reports(reports_dir: str | os.PathLike[str], result: Any, params
     return found
 
 
+def every_claim(rows: Sequence[SweepRow], params: Any) -> dict[str, Any]:
+    """CITER's claims, and the verified decoder's own (vs the oracle, speculative decoding, BiLD and the plain
+    router) under ``verified``."""
+    iv = params.intervals
+    found = claims(
+        rows, params.rule.accuracy_ratio, n_resamples=iv.resamples, seed=params.seed, level=iv.level
+    )
+    found["verified"] = {
+        m: claims(rows, params.rule.accuracy_ratio, iv.resamples, params.seed, iv.level, method=m)
+        for m in ("citer_verify",)
+        if any(r.method == m for r in rows)
+    }
+    return found
+
+
+def claims_both(rows: Sequence[SweepRow], params: Any) -> dict[str, Any]:
+    """:func:`every_claim` on the measured bytes, and under ``priced`` the same claims at the reference pair (each
+    statement labelled with it) when the rows carry priced bytes."""
+    found = every_claim(rows, params)
+    priced = priced_view(rows)
+    if priced is not None:
+        name = rows[0].priced_at
+        found["priced"] = {"priced_at": name, **labelled(every_claim(priced, params), name)}
+    return found
+
+
 def sweep_metrics(rows: Sequence[SweepRow], found: dict[str, Any]) -> dict[str, float]:
     """Flat metrics for a tracking run: each point's accuracy and bytes, and the scalar claims."""
     out: dict[str, float] = {}
@@ -198,6 +226,8 @@ def sweep_metrics(rows: Sequence[SweepRow], found: dict[str, Any]) -> dict[str, 
         tag = r.method if r.tau is None else f"{r.method}.tau_{r.tau:g}"
         out[f"{tag}.accuracy"] = r.accuracy
         out[f"{tag}.bytes_rel_llm"] = r.bytes_moved_rel_llm
+        if r.bytes_priced_rel_llm is not None:
+            out[f"{tag}.bytes_priced_rel_llm"] = r.bytes_priced_rel_llm
     for k, v in found.items():
         if isinstance(v, int | float) and not isinstance(v, bool):
             out[f"claims.{k}"] = v

@@ -54,6 +54,10 @@ SWEEP_KEYS = (
     "accuracy_ci",
     "bytes_ci",
     "selected_on_dev",
+    # The same calls priced at the reference pair named in priced_at (sweep.price_at; citer.evaluation.pricing).
+    "priced_at",
+    "bytes_priced_rel_llm",
+    "bytes_priced_ci",
 )
 
 
@@ -90,6 +94,13 @@ class SweepRow:
     # (batch 1). The paired bootstrap (citer.evaluation.intervals) resamples these; empty on rows read from old files.
     correct: list[bool] = field(default_factory=list)
     question_bytes: list[float] = field(default_factory=list)
+    # The same calls priced at a reference pair (citer.evaluation.pricing), never instead of the measured bytes:
+    # ``priced_at`` names the pair ("" when the sweep priced none), the rest mirror the measured fields.
+    priced_at: str = ""
+    bytes_priced: float | None = None
+    bytes_priced_rel_llm: float | None = None
+    bytes_priced_ci: tuple[float, float] | None = None
+    question_bytes_priced: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """The keys of reports/sweep.json (:data:`SWEEP_KEYS`)."""

@@ -29,7 +29,7 @@ import torch
 
 from citer.config import SweepParams
 from citer.data.formats import Format
-from citer.decoding.baselines import ConfidenceRouter, Router
+from citer.decoding.baselines import ConfidenceRouter, Router, router_read_bytes
 from citer.decoding.cost import GPU_BANDWIDTH
 from citer.evaluation.oracle import OracleRouter, oracle_flags, oracle_summary
 from citer.evaluation.passes import PassResult, encode_prompts, examples_hash, speculative_row, to_row
@@ -42,10 +42,12 @@ from citer.evaluation.plan import (
     Split,
     run_in_order,
 )
+from citer.evaluation.pricing import RouterShape
 from citer.evaluation.promotion import VERIFY_KEYS, best_row, choose_candidate, point_key
 from citer.evaluation.query import (
     combine_query,
     prompt_features,
+    query_counts,
     query_decisions,
     scoring_bytes,
     train_query_router,
@@ -53,6 +55,8 @@ from citer.evaluation.query import (
 from citer.evaluation.rows import SweepError, SweepRow
 from citer.evaluation.thresholds import method_scores, quantile_table, taus_at_fractions
 from citer.evaluation.verify_sweep import VARIANTS, VerifyStages
+from citer.evaluation.widths import as_method, pick_width, read_summary
+from citer.routing.architecture import LAYERS_METHOD
 
 Log = Callable[[str], None]
 ROUTER_KEYS = ("citer", "citer_iter1", "citer_s", "citer_emb", "citer_logits", "citer_emb_logits")
@@ -95,6 +99,8 @@ def _query_rows(
         to_llm = query_decisions(scores, tau)
         charged = [e if m else 0.0 for e, m in zip(extra, to_llm, strict=True)]
         res = combine_query(slm_res, llm_res, to_llm, charged, GPU_BANDWIDTH[bench.params.gpu])
+        counts = query_counts(slm_res, llm_res, to_llm, split.prompts)
+        res.price(counts, RouterShape("query"), weight_bytes, *bench.pricings(), f"query τ={tau:g}")
         row = to_row("query", tau, res, llm_res, split.ex_hash, target_llm_fraction=f)
         row.extra["question_llm_fraction"] = sum(to_llm) / len(to_llm)
         out.append(row)
@@ -177,19 +183,26 @@ def run_sweep(
     champion_verify: Mapping[str, Any] | None = None,
     log: Log | None = None,
     passes: PassMap = run_in_order,
+    layer_routers: Mapping[str, Router] | None = None,
 ) -> SweepResult:
     """Every method on dev (to choose) and test (to report). ``routers``: ``citer`` required, any of
     :data:`ROUTER_KEYS` optional. ``train_rows`` trains the query-level router (omitted: no query method).
     ``champion`` (the registered router holding the alias) is thresholded and chosen on dev like the candidate and
     re-evaluated on the same test examples, with ``champion_verify`` (its version's verification as RoutedEngine
     keyword arguments; None: plain). ``passes`` runs the decoding passes (:mod:`citer.evaluation.plan`; the
-    flow maps them over ``runtime.task_runner``); the rows do not depend on it."""
+    flow maps them over ``runtime.task_runner``); the rows do not depend on it. ``layer_routers``
+    (``citer@<tag>`` -> the CITER router at each ``router.layers_grid`` width, :mod:`citer.evaluation.widths`):
+    each is decoded on dev, the rule picks one, and it is ``citer`` on test (``routers['citer']`` then goes
+    unused)."""
     if "citer" not in routers:
         raise SweepError("routers: key 'citer' missing (the trained router is required)")
     unknown = sorted(set(routers) - set(ROUTER_KEYS))
     if unknown:
         raise SweepError(f"routers: unknown keys {unknown}; expected some of {list(ROUTER_KEYS)}")
-    for r in [*routers.values(), champion]:
+    grid = dict(layer_routers or {})
+    if any(not k.startswith(LAYERS_METHOD) for k in grid):
+        raise SweepError(f"layer_routers: keys {sorted(grid)} must start with {LAYERS_METHOD!r}")
+    for r in [*routers.values(), *grid.values(), champion]:
         if isinstance(r, torch.nn.Module):
             r.eval()
     bench = PassBench(slm, llm, tokenizer, fmt, params)
@@ -210,7 +223,9 @@ def run_sweep(
     llm_dev, slm_dev = outs[0].result, outs[1].result
 
     # Every threshold method's τ from its own dev scores.
-    scored: dict[str, Router] = dict(routers)
+    scored: dict[str, Router] = (
+        {**grid, **{k: v for k, v in routers.items() if k != "citer"}} if grid else dict(routers)
+    )
     scored["confidence"] = ConfidenceRouter.from_model(slm, vocab_size=bench.vocab)
     if champion is not None:
         scored["champion"] = champion
@@ -229,7 +244,7 @@ def run_sweep(
     # 2. dev passes (the rule picks each method's point) and test passes (every point of every method but the
     # champion's, which waits for its dev choice).
     dev_pts = _with_engine(_points("dev", list(scored), thresholds, params), "champion", champion_verify)
-    test_methods = [m for m in scored if m != "champion"]
+    test_methods = [m for m in scored if m != "champion" and m not in grid]
     test_pts = _points("test", test_methods, thresholds, params)
     spec_pass = (
         [PassSpec("test speculative", "test", "speculative", "speculative")] if params.speculative else []
@@ -243,6 +258,17 @@ def run_sweep(
     dev_out += [_point_row(s, o, llm_dev, dev) for s, o in zip(dev_pts, dev_outs, strict=True)]
     if query is not None:
         dev_out += _query_rows(bench, dev, q_dev, thresholds["query"], slm_dev, llm_dev, query.weight_bytes)
+    if grid:  # the width: chosen on dev like τ; the chosen router is citer from here on
+        width = notes.setdefault("router_layers", pick_width(bench, dev_out, grid))["chosen"]
+        dev_out += as_method(dev_out, width, "citer", router=width)
+        scored = {"citer": grid[width], **scored}
+        bench.routers["citer"] = grid[width]
+        for table in (scores, thresholds, quantiles):
+            table["citer"] = table[width]
+    mine = {m: r for m, r in scored.items() if m in ROUTER_KEYS}
+    notes["router_reads"] = read_summary(
+        mine, {m: router_read_bytes(r, slm) for m, r in mine.items()}, *bench.pricings()
+    )
     methods = [*scored, "random"] + (["query"] if query is not None else [])
     chosen = {m: best_row(dev_out, rule, m, feasible_only=True) for m in methods}
     stages = _verify_stages(params, dev_out, scored, scores, llm is not None)
@@ -265,8 +291,9 @@ def run_sweep(
     at_test = dict(thresholds)
     if champ_dev is not None:
         at_test["champion"] = [(champ_dev.extra["target_llm_fraction"], champ_dev.tau)]
-    all_pts = _with_engine(_points("test", list(scored), at_test, params), "champion", champion_verify)
-    last = [s for s in all_pts if s.method == "champion"]
+    on_test = [m for m in scored if m not in grid]
+    all_pts = _with_engine(_points("test", on_test, at_test, params), "champion", champion_verify)
+    last = [s for s in all_pts if s.method == "champion" or (grid and s.method == "citer")]
     verified = []
     if stages is not None:  # each verified method's curve at its dev-chosen ρ and W (or its closest point)
         closest = {m: chosen[m] or best_row(dev_out, rule, m, feasible_only=False) for m in stages.methods}
@@ -298,6 +325,13 @@ def run_sweep(
         for t in test_out:
             if t.method == "champion":
                 t.extra["selected_on_dev"] = True
+    if grid:
+        for t in test_out:
+            if t.method == "citer":
+                t.extra["router"] = notes["router_layers"]["chosen"]
+    for r in [*dev_out, *test_out]:  # the priced columns say which pair they are priced at
+        if r.bytes_priced is not None and params.price_at is not None:
+            r.priced_at = params.price_at.name
     return SweepResult(dev_out, test_out, thresholds, quantiles, chosen, notes)
 
 
@@ -320,7 +354,10 @@ def _verify_stages(
     if not v.enabled or not have_llm:
         return None
     variant = choose_candidate(dev_rows, params.rule, [m for m in VARIANTS if m in scored])
-    routers = {"citer_verify": variant.method if variant is not None else "citer"}
+    # a citer row from the width grid names the router it decodes with
+    routers = {
+        "citer_verify": variant.extra.get("router", variant.method) if variant is not None else "citer"
+    }
     if v.bild:
         routers["bild"] = "confidence"
     taus = {k: taus_at_fractions(scores[k], v.fractions) for k in set(routers.values())}

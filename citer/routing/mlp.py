@@ -5,7 +5,7 @@ sigmoid; h is the SLM's hidden size. The input is the hidden state (D = h) or, w
 state plus features computed from it (:mod:`citer.routing.features`, D > h). Trained with BCE on "SLM preferred"
 labels, validation split by example (tokens of one example are highly correlated, so a token-level split would leak),
 early stopping on validation loss that keeps the best epoch. Metrics and the report live in
-:mod:`citer.routing.metrics` (re-exported here).
+:mod:`citer.routing.metrics` (re-exported here); other widths (``router.layers``) in :mod:`citer.routing.architecture`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from citer.config import RouterParams
 from citer.io import atomic_dir, read_artifact_meta
 from citer.progress import progress
+from citer.routing.architecture import MLPRouter, layer_widths
 from citer.routing.features import (
     DEFAULT_LOGIT_K,
     HIDDEN_ONLY,
@@ -36,7 +37,6 @@ from citer.routing.features import (
     head_vocab,
     input_dim,
     normalize_features,
-    param_bytes,
     slm_parts,
 )
 from citer.routing.label_store import LabelSet, labelset_hash
@@ -68,48 +68,6 @@ __all__ = [
 
 WEIGHTS_FILE = "router.safetensors"
 META_FILE = "router.json"
-
-
-class MLPRouter(nn.Module):
-    """``forward(x (B, D)) -> scores (B,)`` in [0, 1]; with D = H (the default) this is the engine's router interface
-    (docs/contracts.md). A router on more features than the hidden state is a :class:`FeatureRouter` around one."""
-
-    def __init__(self, hidden_size: int, dropout: float = 0.1, input_dim: int | None = None) -> None:
-        super().__init__()
-        h = hidden_size
-        self.hidden_size = h
-        self.input_dim = h if input_dim is None else int(input_dim)
-        self.dropout = dropout
-        self.net = nn.Sequential(
-            nn.Linear(self.input_dim, 2 * h),
-            nn.BatchNorm1d(2 * h),
-            nn.ReLU(),
-            nn.Dropout(dropout),
-            nn.Linear(2 * h, h),
-            nn.BatchNorm1d(h),
-            nn.ReLU(),
-            nn.Dropout(dropout),
-            nn.Linear(h, 1),
-        )
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes read per call: parameters and BatchNorm running statistics (the engine charges them per SLM step)."""
-        return param_bytes(self)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, D) any float dtype/device -> (B,) float32 logits on the module's device."""
-        if hidden.dim() != 2 or hidden.shape[1] != self.input_dim:
-            raise RouterError(
-                f"router input: field hidden has shape {tuple(hidden.shape)}, expected (B, {self.input_dim})"
-            )
-        p = self.net[0].weight
-        return self.net(hidden.to(device=p.device, dtype=p.dtype)).squeeze(-1)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # No autograd graph at inference; scores come back on the caller's device to be compared with τ in place.
-        with torch.set_grad_enabled(self.training and torch.is_grad_enabled()):
-            return torch.sigmoid(self.logits(hidden)).to(hidden.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -217,7 +175,8 @@ def train_router(
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params.seed)
-        model = MLPRouter(ls.hidden_size, params.dropout, input_dim=x_all.shape[1])
+        widths = layer_widths(params.layers, ls.hidden_size)
+        model = MLPRouter(ls.hidden_size, params.dropout, input_dim=x_all.shape[1], widths=widths)
         # foreach (multi-tensor ops; PyTorch's default on CUDA only): bitwise the per-tensor loop's router, faster
         opt = torch.optim.AdamW(model.parameters(), params.lr, weight_decay=params.weight_decay, foreach=True)
         gen = torch.Generator().manual_seed(params.seed)
@@ -289,11 +248,13 @@ def require_quality(metrics: RouterMetrics, min_val_auc: float, what: str) -> No
 def save_router(
     router: MLPRouter | FeatureRouter, path: str | os.PathLike[str], meta: Mapping[str, Any]
 ) -> Path:
-    """``router.safetensors`` (the MLP's weights) + ``router.json`` (hidden_size, dropout, input_dim, features,
-    logit_k, vocab_size for a feature router, and the caller's meta), atomically."""
+    """``router.safetensors`` (the MLP's weights) + ``router.json`` (hidden_size, dropout, input_dim, widths,
+    features, logit_k, vocab_size for a feature router, and the caller's meta), atomically."""
     mlp = router.mlp if isinstance(router, FeatureRouter) else router
     info = dict(meta)
-    info.update(hidden_size=mlp.hidden_size, dropout=mlp.dropout, input_dim=mlp.input_dim)
+    info.update(
+        hidden_size=mlp.hidden_size, dropout=mlp.dropout, input_dim=mlp.input_dim, widths=list(mlp.widths)
+    )
     if isinstance(router, FeatureRouter):
         info.update(router.describe())
     else:
@@ -371,14 +332,19 @@ def load_router(
             f"{d}: router reads features {list(feats)} computed with the SLM's head and embedding; "
             "pass slm= (and vocab_size=) to load_router"
         )
-    model = MLPRouter(h, float(meta["dropout"]), input_dim=d_in)
+    widths = meta.get("widths")  # routers saved before the width grid: the paper's (2h, h)
+    try:
+        model = MLPRouter(h, float(meta["dropout"]), input_dim=d_in, widths=widths)
+    except (TypeError, ValueError) as exc:
+        raise RouterError(f"{d / META_FILE}: field widths={widths!r} is not a list of sizes ({exc})") from exc
     try:
         model.load_state_dict(load_file(str(d / WEIGHTS_FILE)))
     except SafetensorError as exc:  # truncated or overwritten: name the file, not just the reader's complaint
         raise RouterError(f"{d / WEIGHTS_FILE}: not a readable safetensors file ({exc})") from exc
     except RuntimeError as exc:
         raise RouterError(
-            f"{d / WEIGHTS_FILE}: weights do not fit hidden_size={h}, input_dim={d_in} ({exc})"
+            f"{d / WEIGHTS_FILE}: weights do not fit hidden_size={h}, input_dim={d_in}, widths={list(model.widths)} "
+            f"({exc})"
         ) from exc
     if feats == HIDDEN_ONLY:
         return model.eval(), meta

@@ -42,6 +42,14 @@ def test_pipeline_end_to_end(prefect_server, project):
     )  # chosen on dev
     claims = json.loads((rep / "sweep_claims.json").read_text())
     assert claims["protocol"]["selected_on"] == "dev" and "oracle_ratio" in claims and "savings" in claims
+    # every row and claim priced at the reference pair too; the router width chosen on dev among the grid's
+    assert all(r["priced_at"] == "Qwen2-1.5B/Qwen2-72B bf16" and r["bytes_priced_ci"] for r in sweep)
+    assert claims["priced"]["oracle_ratio"]["statement"].startswith("Priced at Qwen2-1.5B/Qwen2-72B bf16: ")
+    widths = claims["protocol"]["router_layers"]
+    assert set(widths["grid"]) == {"citer@w2-1", "citer@w0.5", "citer@w0.25", "citer@linear"}
+    assert widths["chosen"] in widths["grid"] and widths["selected_on"] == "dev"
+    for tag in ("w0.5", "w0.25", "linear"):
+        assert (project / "artifacts" / "routers" / f"layers_{tag}" / "router.json").is_file()
     promotion = json.loads((rep / "promotion.json").read_text())
     assert promotion["selected_on"] == "dev"
 
@@ -66,6 +74,16 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert {"validate", "bootstrap_models", "finetune_slm", "labels_iter2", "router_iter2", "sweep"} <= set(
         nested["tags.citer.stage"]
     )
+
+    # The claims across router seeds (a command of its own, after the sweep): both pricings, both seeds.
+    res = runner.invoke(app, ["eval", "stability"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    stab = json.loads((rep / "stability.json").read_text())
+    assert stab["seeds"] == [0, 1] and stab["passes_reused"] == 0  # one extra seed: nothing to hand back yet
+    assert set(stab["claims"]) == {"measured", "priced"} and stab["claims"]["priced"]
+    assert set(stab["claims"]["measured"]["citer: oracle_ratio"]["by_seed"]) == {"0", "1"}
+    prov = json.loads((rep / "provenance.json").read_text())
+    assert prov["files"]["reports/stability.json"]["stage"] == "stability"
 
     # A rerun of batch inference resumes: nothing left to decode, same file.
     before = (project / "outputs" / "predictions.jsonl").read_bytes()

@@ -238,3 +238,67 @@ def test_router_report(tmp_path):
         write_router_report(
             tmp_path / "r.json", [{"iteration": 1, "n_tokens": 1, "case_counts": {}, "val_loss": 0}]
         )
+
+
+# ------------------------------------------------------------------------------------------------ width and depth
+
+
+def test_widths_build_the_layers_and_the_default_is_the_papers():
+    from citer.routing.architecture import layer_widths, layers_tag
+
+    torch.manual_seed(0)
+    paper = MLPRouter(8)
+    torch.manual_seed(0)
+    same = MLPRouter(8, widths=layer_widths([2.0, 1.0], 8))
+    assert paper.widths == same.widths == (16, 8)
+    assert list(paper.state_dict()) == list(same.state_dict()) and all(
+        torch.equal(a, b)
+        for a, b in zip(paper.state_dict().values(), same.state_dict().values(), strict=True)
+    )  # the same keys and, seeded, the same initial weights as before the width was a param
+    probe = MLPRouter(8, widths=())
+    assert [type(m).__name__ for m in probe.net] == ["Linear"] and probe.weight_bytes == 4 * (8 + 1)
+    narrow = MLPRouter(8, widths=layer_widths([0.25], 8))  # 2 units: Linear, BatchNorm (4 per unit), head
+    assert narrow.widths == (2,) and narrow.weight_bytes == 4 * (8 * 2 + 2 + 4 * 2 + 2 + 1)
+    assert layer_widths([0.01], 8) == (1,)  # never a layer of no units
+    assert [layers_tag(x) for x in ([2.0, 1.0], [0.25], [])] == ["w2-1", "w0.25", "linear"]
+    with pytest.raises(ValueError, match="widths"):
+        MLPRouter(8, widths=(0,))
+
+
+def test_a_narrow_router_and_a_linear_probe_train_and_round_trip(tmp_path):
+    ls = separable()
+    for layers in ([0.5], []):
+        model, m = train_router(ls, RouterParams(lr=1e-2, epochs=15, batch_size=128, layers=layers))
+        assert m.val_auc > 0.9, (layers, m)
+        d = save_router(model, tmp_path / str(layers), {"slm": "models/slm"})
+        assert json.loads((d / "router.json").read_text())["widths"] == list(model.widths)
+        back, _ = load_router(d)
+        assert back.widths == model.widths
+        x = torch.randn(5, 16)
+        assert torch.equal(back(x), model(x))
+
+
+def test_a_router_saved_before_widths_loads_as_the_papers(tmp_path):
+    d = save_router(MLPRouter(8).eval(), tmp_path / "r", {"slm": "s"})
+    meta = json.loads((d / "router.json").read_text())
+    del meta["widths"]
+    (d / "router.json").write_text(json.dumps(meta))
+    assert load_router(d)[0].widths == (16, 8)
+    meta["widths"] = [4]  # the weights are (16, 8): a wrong record is refused, naming the file and the field
+    (d / "router.json").write_text(json.dumps(meta))
+    with pytest.raises(RouterError, match=r"router.safetensors: weights do not fit .*widths=\[4\]"):
+        load_router(d)
+    meta["widths"] = ["a"]
+    (d / "router.json").write_text(json.dumps(meta))
+    with pytest.raises(RouterError, match=r"router.json: field widths"):
+        load_router(d)
+
+
+def test_the_width_params_refuse_what_cannot_be_a_router():
+    assert RouterParams().layers == [2.0, 1.0] and RouterParams().layers_grid == []
+    with pytest.raises(ValueError, match="multiples"):
+        RouterParams(layers=[0.0])
+    with pytest.raises(ValueError, match="twice"):
+        RouterParams(layers_grid=[[0.5], [0.5]])
+    with pytest.raises(ValueError, match="multiples"):
+        RouterParams(layers_grid=[[0.5], [-1.0]])
