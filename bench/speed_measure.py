@@ -178,7 +178,7 @@ _GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_att
 
 
 def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -> Variant:
-    """A peer decoding one model of the pair alone in an environment of its own (``bench/speed_peers.py``), from the
+    """A peer decoding one model of the pair alone in an environment of its own (``bench/speed.py peer``), from the
     same random weights: llama.cpp (``--llama-cpp-python``; the weights as ``.npy`` files it writes into a GGUF file)
     or vLLM's CPU backend (``--vllm-python``; an HF model directory)."""
     import json
@@ -222,10 +222,10 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
                        max_position_embeddings=c.max_position_embeddings, prompt_len=a.prompt_len, new_tokens=n,
                        reps=a.reps, threads=torch.get_num_threads())  # fmt: skip
             (out / "config.json").write_text(json.dumps(cfg))
-            script = Path(__file__).with_name("speed_peers.py")
+            script = Path(__file__).with_name("speed.py")
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
             res = subprocess.run(
-                [python, str(script), peer, tmp], capture_output=True, text=True, cwd=tmp, env=env
+                [python, str(script), "peer", peer, tmp], capture_output=True, text=True, cwd=tmp, env=env
             )
             line = next((x for x in res.stdout.splitlines() if x.startswith('{"reps_s"')), None)
             if res.returncode != 0 or line is None:
