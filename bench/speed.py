@@ -382,9 +382,8 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         "--alphas", type=_floats, default=None, help="assisted generation's forced agreement rates"
     )
     ap.add_argument("--draft-tokens", type=int, default=5, help="assisted: draft length per call")
-    ap.add_argument(
-        "--no-compile", dest="compile", action="store_false", help="skip transformers' static+compile"
-    )
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="transformers' static cache + compile baseline (default: on; off with --quick)")  # fmt: skip
     ap.add_argument("--compile-batches", type=_ints, default=None, help="batches of the compiled HF baseline")
     ap.add_argument(
         "--compile-reserve", type=float, default=None, help="skip a compile with fewer seconds left"
@@ -404,9 +403,10 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}, from the device's name",
     )
     ap.add_argument("--time-budget", type=float, default=None,
-                    help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 330 with --quick)")  # fmt: skip
+                    help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 360 with --quick)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of every path")
-    ap.add_argument("--quick", action="store_true", help="cpu: fewer reps and one dtype (bf16), for a rerun")
+    ap.add_argument("--quick", action="store_true",
+                    help="cpu: two reps, bf16, no transformers compile (a rerun of the headline in <= 6 min)")  # fmt: skip
     ap.add_argument(
         "--plan", action="store_true", help="print what the command will compile and how long it takes"
     )
@@ -433,10 +433,11 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     a.compile_batches = a.compile_batches or a.batches
     a.compile_reserve = a.compile_reserve if a.compile_reserve is not None else (90 if cuda else 150)
     a.engine_eager = (not cuda) if a.engine_eager is None else a.engine_eager
+    a.compile = not a.quick if a.compile is None else a.compile
     if a.quick:
         a.reps = min(a.reps, 2)
     if a.time_budget is None:
-        a.time_budget = 480 if cuda else 330 if a.quick else 3600
+        a.time_budget = 480 if cuda else 360 if a.quick else 3600
     if a.static_steps == "auto":
         a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else "default"
     if a.static_steps in ("none", ""):
