@@ -115,7 +115,7 @@ def test_stage_loads_each_model_as_params_say(prefect_server, project, tiny_pair
         "bootstrap": {"enabled": False},
         "finetune": {"enabled": False},
         "models": {"slm": str(slm), "llm": str(llm), "dtype": "bfloat16", "llm_device_map": {"": "cpu"}},
-        "eval": {"batch_size": 2, "max_new_tokens": 4, "n_examples": 2},
+        "eval": {"batch_size": 2, "max_new_tokens": 4, "n_examples": 2, "llm_chance_margin": None},
     }
     (project / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
     report = eval_models_flow("params.yaml")
