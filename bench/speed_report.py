@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -221,6 +222,7 @@ class BenchRun:
         self.args = args
         self.device = args.device
         self.t_start = time.perf_counter()
+        self.cpu_start = cpu_times()
         bw = read_bandwidth(self.device) if not args.tiny else {"best": 1e10}
         gpu = args.gpu
         self.bandwidth = GPU_BANDWIDTH[gpu] if gpu else bw["best"]
@@ -287,6 +289,7 @@ class BenchRun:
     def save(self) -> None:
         """Writes the report to ``--out`` atomically (a temporary file, then a rename)."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
+        self.report["host"]["others_cpu_share"] = others_cpu_share(self.cpu_start, cpu_times())
         write_report(Path(self.args.out), self.report)
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -342,6 +345,27 @@ def host_probe(device: str) -> dict[str, Any]:
     sync(device)
     out["eager_add_us_per_op"] = (time.perf_counter() - t) / 5000 * 1e6
     return out
+
+
+def cpu_times() -> tuple[float, float, float]:
+    """(wall s, busy CPU s of the whole machine from /proc/stat, CPU s of this process and its children)."""
+    busy = float("nan")
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.time(), busy, own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def others_cpu_share(start: tuple[float, float, float], now: tuple[float, float, float]) -> float | None:
+    """The share of the machine's cores that other processes kept busy between two :func:`cpu_times`: ~0 on a quiet
+    machine, 0.5 with one of two cores taken by a neighbour (what slows torch's threads many times)."""
+    wall = now[0] - start[0]
+    other = (now[1] - start[1]) - (now[2] - start[2])
+    if not wall > 0 or other != other:
+        return None
+    return round(max(0.0, other) / (wall * (os.cpu_count() or 1)), 3)
 
 
 def _cpu_name() -> str:

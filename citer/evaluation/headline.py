@@ -317,6 +317,25 @@ def engine_base_block(reports: Path) -> Block:
     ]
 
 
+def speed_block(reports: Path, name: str = "bench_cpu.json") -> Block:
+    """bench/speed.py: every decoder's tokens/s at real shapes against the bandwidth limit, and the targets."""
+    r = _load(reports, name)
+    rows = [[x["pair"], x["dtype"], str(x["batch"]), x["variant"], f"{x['tokens_per_s']:.2f}",
+             f"{x['ms_per_token']:.1f}", f"{x['ratio_to_bw']:.2f}",
+             "–" if x.get("llm_calls_per_token") is None else f"{x['llm_calls_per_token']:.3f}",
+             f"{len(x['reps_s'])}"] for x in r["rows"] if "tokens_per_s" in x]  # fmt: skip
+    head = ["pair", "dtype", "batch", "decoder", "tokens/s", "ms/token", "÷ bandwidth limit", "LLM calls/token",
+            "reps"]  # fmt: skip
+    found = [f"- {pair} `{k}`: {v:.2f}" if isinstance(v, float) else f"- {pair} `{k}`: {v}"
+             for pair, t in r["targets"].items() for k, v in t.items()]  # fmt: skip
+    host = r.get("host", {})
+    where = (f"{r['device']['name']}, bandwidth limit {r['bandwidth']['limit_bytes_per_s'] / 1e9:.1f} GB/s measured in the run, "
+             f"torch {r.get('torch')}, {r.get('stat', 'median')} of the reps, other processes' share of the cores during the run {host.get('others_cpu_share')}")  # fmt: skip
+    return table(head, rows) + "\n\nTargets:\n" + "\n".join(
+        found
+    ) + f"\n\nFrom `reports/{name}` ({where}).", [name]
+
+
 def labels_block(reports: Path) -> Block:
     """bench/labels.py: teacher-forced label collection against the reference's per-token generate loop."""
     r = _load(reports, "bench_labels.json")
@@ -358,6 +377,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "engine": engine_block,
     "engine_base": engine_base_block,
     "stability": stability_block,
+    "speed_cpu": speed_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
