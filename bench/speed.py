@@ -32,6 +32,7 @@ tokens, no EOS):
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -198,7 +199,11 @@ def run_pairs(args: argparse.Namespace) -> int:
             except Exception as exc:
                 run.error(f"{pair} {dtype}", exc)
             finally:
+                # Compiled code holds its models' weights (guards, constants) until dynamo forgets it: without the
+                # reset the next dtype's pair is built beside this one (an OOM kill here at SmolLM2 fp32).
                 models = None
+                torch._dynamo.reset()
+                gc.collect()
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
             run.save()
