@@ -378,7 +378,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "engine_base": engine_base_block,
     "stability": stability_block,
     "speed_cpu": speed_block,
-    "speed_cpu_fp32": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),
+    "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
