@@ -174,6 +174,6 @@ def as_project(project: Project | str | os.PathLike[str]) -> Project:
 
 def git_commit(root: Path) -> str:
     """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
-    from citer.provenance import git_head
+    from citer.tracking.provenance import git_head
 
     return git_head(root)

@@ -30,11 +30,11 @@ def batch_inference_flow(
     allow_pair_mismatch: bool = False,
 ) -> dict[str, Any]:
     from citer.evaluation.html_report import write_report
-    from citer.io import write_json
     from citer.models.loading import load_tokenizer
-    from citer.registry import verify_router_version
+    from citer.ops.io import write_json
     from citer.serving.batch import route_file, write_without_champion
     from citer.serving.champion import champion_tau, load_champion, no_champion_reason, project_champion
+    from citer.tracking.registry import verify_router_version
 
     proj = load_project(params_path)
     p = proj.params

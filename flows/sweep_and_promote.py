@@ -16,7 +16,7 @@ PENDING_FILE = ".state/promotion_pending.json"  # the intent of a registration +
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
 def find_champion(proj, slm, pair):
-    from citer.registry import champion_to_compare, open_store
+    from citer.tracking.registry import champion_to_compare, open_store
 
     reg = proj.params.registry
     return champion_to_compare(
@@ -104,7 +104,7 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
     """Every decoding pass of the sweep, mapped over the flow's task runner (``runtime``); returns the sweep's
     result, the champion compared, the candidate router's meta and the SLM's hidden size."""
     from citer.evaluation.sweep import run_sweep
-    from flows.runtime import SweepPasses
+    from flows.runners import SweepPasses
 
     logger = get_run_logger()
     proj = load_project(params_path)
@@ -141,10 +141,16 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
     from citer.evaluation.report import sweep_metrics, write_sweep_reports
-    from citer.io import file_digest, write_json
+    from citer.ops.io import file_digest, write_json
     from citer.project import git_commit
-    from citer.registry import AliasMoved, finish_pending, generator_config, open_store, publish_router
-    from flows.runtime import TaskRunners
+    from citer.tracking.registry import (
+        AliasMoved,
+        finish_pending,
+        generator_config,
+        open_store,
+        publish_router,
+    )
+    from flows.runners import TaskRunners
 
     logger = get_run_logger()
     proj = load_project(params_path)

@@ -65,7 +65,7 @@ def validate_flow(
 
     ``models`` (directories or hub ids) set the context the rows must fit; default: see the module docstring.
     """
-    from citer.io import write_json
+    from citer.ops.io import write_json
 
     started = time.time()
     proj = load_project(params_path, optional=files is not None)

@@ -260,8 +260,8 @@ def champion_project(tiny_pair_dirs, tmp_path, monkeypatch):
     import mlflow
 
     from citer.project import load_project
-    from citer.registry import publish_router
     from citer.routing.mlp import MLPRouter, save_router
+    from citer.tracking.registry import publish_router
 
     root = tmp_path / "project"
     for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from citer.registry import (
+from citer.routing.mlp import MLPRouter, save_router
+from citer.tracking.registry import (
     AliasMoved,
     RegistryError,
     finish_pending,
@@ -19,7 +20,6 @@ from citer.registry import (
     set_alias,
     verify_router_version,
 )
-from citer.routing.mlp import MLPRouter, save_router
 
 
 def _register(client, exp, tmp_path, seed=0):

@@ -60,21 +60,37 @@ def test_a_cycle_and_an_upward_import_are_caught(tree):
     )
 
 
-def test_size_tools_unknown_modules_and_plain_flow_functions_are_caught(tree):
-    _append(tree / "citer" / "io.py", "\n" * 400)
+def test_tools_unknown_modules_and_plain_flow_functions_are_caught(tree):
     _append(tree / "citer" / "decoding" / "engine.py", "\nimport mlflow  # noqa\n")
     _append(tree / "citer" / "routing" / "mlp.py", "\n\ndef _f():\n    import prefect  # noqa\n")
     (tree / "citer" / "misc.py").write_text("X = 1\n")
     _append(tree / "flows" / "synth.py", "\n\ndef choose_things(p):\n    return p\n")
     problems = "\n".join(layout.check(tree))
-    assert re.search(r"citer/io\.py: \d+ lines \(more than 400\)", problems)
     assert (
-        "citer/decoding/engine.py: imports mlflow; only citer.mlflow_store, citer.alias, citer.registry, citer.routing.pyfunc, flows may"
+        "citer/decoding/engine.py: imports mlflow; only citer.tracking, citer.routing.pyfunc, flows may"
         in problems
     )
     assert "citer/routing/mlp.py: imports prefect; only flows may" in problems
     assert "citer/misc.py: module citer.misc is in no layer" in problems
     assert "flows/synth.py: function choose_things is neither a @flow nor a @task" in problems
+
+
+def test_a_long_module_is_named_for_review_not_failed(tree):
+    """Split by concept, not size: past REVIEW_LINES a module is a warning, and the layout still holds."""
+    _append(tree / "citer" / "ops" / "io.py", "\n" * layout.REVIEW_LINES)
+    assert layout.check(tree) == []
+    assert any(
+        re.search(r"citer/ops/io\.py: \d+ lines \(more than 500\)", w) for w in layout.long_modules(tree)
+    )
+
+
+def test_a_room_may_span_layers():
+    """The most specific entry places a module: the project-reading threads sit above the rest of citer.ops."""
+    assert layout.layer_of("citer.ops.io") == 0 and layout.layer_of("citer.ops.threads") == 4
+    assert (
+        layout.layer_of("citer.tracking.provenance") == 0 and layout.layer_of("citer.tracking.registry") == 4
+    )
+    assert layout.layer_of("citer.routing.workers") == 4 and layout.layer_of("citer.routing.mlp") == 3
 
 
 def test_dvc_code_dependencies_exist():

@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from citer import provenance
+from citer.tracking import provenance
 
 
 def test_stamp_records_the_run_and_notices_a_later_edit(tmp_path):

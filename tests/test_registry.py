@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from citer.registry import (
+from citer.routing.mlp import MLPRouter, save_router
+from citer.tracking.registry import (
     RegistryError,
     champion_to_compare,
     get_alias,
@@ -14,7 +15,6 @@ from citer.registry import (
     require_champion,
     set_alias,
 )
-from citer.routing.mlp import MLPRouter, save_router
 
 
 def _router_dir(tmp_path, slm, llm, seed=0):
@@ -123,7 +123,7 @@ def test_rebase_store_moves_a_copied_store_onto_its_root(tmp_path):
 
     import mlflow
 
-    from citer.registry import rebase_store
+    from citer.tracking.registry import rebase_store
 
     old = tmp_path / "proj"
     old.mkdir()

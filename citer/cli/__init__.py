@@ -72,7 +72,7 @@ def _check_files(
     files: list[tuple[str, str]], params: str, models: list[str] | None, report: str | None
 ) -> list[dict[str, Any]]:
     from citer.data.validate import validate_file
-    from citer.io import write_json
+    from citer.ops.io import write_json
     from citer.project import load_project
 
     proj = load_project(params, optional=True)
@@ -365,10 +365,10 @@ def main() -> None:  # pragma: no cover - console entry
     # Waiting OpenMP threads sleep instead of spinning on a core other work needs (before torch is imported).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:
-        from citer.reaper import start_reaper
+        from citer.ops.reaper import start_reaper
 
         start_reaper()  # a SIGKILLed command takes its children (Prefect's temporary server) with it
-        from citer.interrupt import install
+        from citer.ops.interrupt import install
 
         install()  # Ctrl-C / SIGTERM: one line and exit 130 / 143 within seconds, runs closed as KILLED
     sys.exit(app())

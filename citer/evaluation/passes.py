@@ -21,7 +21,7 @@ from citer.decoding.cost import GPU_BANDWIDTH
 from citer.decoding.speculative import SpeculativeOutput
 from citer.evaluation.pricing import CallCounts, Pricing, RouterShape, check_measured, router_shape
 from citer.evaluation.rows import SweepError, SweepRow
-from citer.progress import progress
+from citer.ops.progress import progress
 
 
 @dataclass

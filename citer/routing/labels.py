@@ -31,7 +31,7 @@ from citer.data.prompts import build_prompt, build_target
 from citer.data.rows import origin
 from citer.decoding.baselines import Router
 from citer.decoding.pairing import cut_logits, input_device
-from citer.progress import progress
+from citer.ops.progress import progress
 from citer.routing.label_store import LLM_PREFERRED, SLM_PREFERRED, LabelsError, LabelSet, make_tokens_table
 from citer.routing.rollouts import Branch, pad_id, rollout_correct, rollout_engine
 

@@ -2,7 +2,7 @@
 
 Teacher-forced passes batch examples sorted by length and rollouts batch branches sorted by prefix length, in the
 orders :func:`citer.routing.labels.teacher_forced_order` and :func:`citer.routing.rollouts.rollout_order` define for
-those passes. A shard here is a contiguous run of whole batches of exactly that order (:mod:`citer.sharding`); both
+those passes. A shard here is a contiguous run of whole batches of exactly that order (:mod:`citer.routing.sharding`); both
 passes sort stably, so run on a shard's items (already in that order) they rebuild the very same batches, and the
 merged result equals the single-process one bit for bit. ``tests/test_sharding.py`` pins this against the batches the
 functions really form.
@@ -22,7 +22,7 @@ from citer.routing.labels import (
     teacher_forced_order,
 )
 from citer.routing.rollouts import Branch, rollout_order
-from citer.sharding import ShardError, merge_by_index, split_batches
+from citer.routing.sharding import ShardError, merge_by_index, split_batches
 
 # What a teacher-forced shard returns: per target token of its examples, in shard order.
 TF_KEYS = ("slm_token", "llm_token", "hidden")

@@ -13,7 +13,13 @@ from typing import Any, NamedTuple
 from citer.decoding.engine import RoutedEngine
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
-from citer.registry import RegistryError, RouterVersion, load_router_version, open_store, require_champion
+from citer.tracking.registry import (
+    RegistryError,
+    RouterVersion,
+    load_router_version,
+    open_store,
+    require_champion,
+)
 
 
 class ChampionError(RegistryError):
@@ -33,7 +39,7 @@ def project_champion(
 ) -> RouterVersion:
     """The version holding the project's alias, once its pair is checked against params.
 
-    Opens the project's own store (rebased when the project was copied or moved, :func:`citer.registry.open_store`)
+    Opens the project's own store (rebased when the project was copied or moved, :func:`citer.tracking.registry.open_store`)
     and refuses, in one line naming both, a champion trained for another SLM or LLM than params name: routing its
     scores with other models would silently decode with a router that never saw them. The names are not enough (a
     re-finetuned SLM keeps its directory): the digests the version's tags record must be those of the model files
@@ -99,7 +105,7 @@ def refused_promotion(proj: Project) -> str | None:
 
 def no_champion_reason(proj: Project) -> str | None:
     """Why no router holds the project's alias (the last sweep's refusal, else that none ran); None when one does."""
-    from citer.registry import get_alias
+    from citer.tracking.registry import get_alias
 
     reg = proj.params.registry
     if get_alias(reg.model_name, reg.alias, open_store(proj)) is not None:
@@ -138,7 +144,7 @@ def load_champion(
     ``project`` is a :class:`~citer.project.Project` or a project directory (its ``params.yaml`` is read). The
     version's tags name its SLM, LLM and τ; ``tau`` or ``llm_fraction`` (else ``serve.tau`` / ``serve.llm_fraction``
     in params) overrides τ (:func:`champion_tau`). Relative model paths
-    are resolved against the project root. Raises :class:`~citer.registry.RegistryError` when there is no champion
+    are resolved against the project root. Raises :class:`~citer.tracking.registry.RegistryError` when there is no champion
     and :class:`ChampionError` when its router does not fit its SLM or params name another pair, and
     :class:`~citer.routing.pair_check.PairMismatch` when it was trained for other model files under those names
     (``allow_pair_mismatch``: a warning instead; :func:`project_champion`).

@@ -27,8 +27,8 @@ def test_copied_project_uses_its_own_store_models_and_champion(
     import mlflow
 
     from citer.project import load_project
-    from citer.registry import champion_to_compare, get_alias, open_store
     from citer.serving.champion import load_champion
+    from citer.tracking.registry import champion_to_compare, get_alias, open_store
     from flows.common import stage_run
 
     original = str(champion_project)

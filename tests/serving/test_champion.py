@@ -13,10 +13,10 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
 
     from citer.config import Params
     from citer.project import Project
-    from citer.registry import register_router, set_alias
     from citer.routing.iterations import pair_digests
     from citer.routing.mlp import save_router
     from citer.serving.champion import ChampionError, load_champion
+    from citer.tracking.registry import register_router, set_alias
 
     slm_dir, llm_dir = tiny_pair_dirs
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -122,8 +122,8 @@ def test_citer_serve_serves_the_projects_champion(champion_project, tmp_path):
 def test_champion_tau_from_a_target_llm_fraction():
     import json
 
-    from citer.registry import RouterVersion
     from citer.serving.champion import ChampionError, champion_tau
+    from citer.tracking.registry import RouterVersion
 
     table = [round(f**2, 6) for f in [i / 100 for i in range(101)]]  # dev scores' τ at fractions 0..1
     rv = RouterVersion("citer-router", "3", {"tau": "0.25", "dev_score_quantiles": json.dumps(table)}, "")
@@ -147,8 +147,8 @@ def test_no_champion_names_the_gate_that_refused(tmp_path, monkeypatch):
     from conftest import REPO
 
     from citer.project import load_project
-    from citer.registry import RegistryError
     from citer.serving.champion import project_champion
+    from citer.tracking.registry import RegistryError
 
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -32,7 +32,13 @@ from citer.routing.shards import (
     rollout_shards,
     teacher_forced_shards,
 )
-from citer.runtime import ShardContext, configure_worker, gpu_group, rollout_shard, teacher_forced_shard
+from citer.routing.workers import (
+    ShardContext,
+    configure_worker,
+    gpu_group,
+    rollout_shard,
+    teacher_forced_shard,
+)
 
 _INSTALL_RAY = "pip install -c constraints.txt -e '.[ray]'"
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from citer.io import file_digest, write_json
+from citer.ops.io import file_digest, write_json
 
 FILE = "provenance.json"
 

@@ -8,9 +8,9 @@ iteration, the data version and the git commit, plus the sweep metrics at the ch
 (:func:`citer.evaluation.promotion.version_tags`). Whether a version takes the alias is decided by
 :mod:`citer.evaluation.promotion`; this module carries the decision out.
 
-The project's own MLflow store (opening, rebasing a copied project) is :mod:`citer.mlflow_store`; the alias
+The project's own MLflow store (opening, rebasing a copied project) is :mod:`citer.tracking.store`; the alias
 (reading it fail-closed, moving it only from the version compared, finishing an interrupted promotion) is
-:mod:`citer.alias`.
+:mod:`citer.tracking.alias`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.alias import AliasMoved, finish_pending, get_alias, move_alias, set_alias
-from citer.mlflow_store import RegistryError, RouterVersion, _client, open_store, rebase_store
 from citer.project import Project
+from citer.tracking.alias import AliasMoved, finish_pending, get_alias, move_alias, set_alias
+from citer.tracking.store import RegistryError, RouterVersion, _client, open_store, rebase_store
 
 __all__ = [
     "AliasMoved",
@@ -45,7 +45,7 @@ __all__ = [
     "set_alias",
 ]
 
-PYFUNC_CODE = Path(__file__).parent / "routing" / "pyfunc.py"
+PYFUNC_CODE = Path(__file__).parents[1] / "routing" / "pyfunc.py"
 PIP_REQUIREMENTS = ["torch==2.13.0", "safetensors", "mlflow==3.17.2"]
 
 
@@ -66,7 +66,7 @@ def recorded_pair_of(router_dir: str | Path) -> dict[str, str]:
 
 
 def router_digests(router_dir: str | Path) -> dict[str, str]:
-    from citer.io import file_digest
+    from citer.ops.io import file_digest
 
     return {f: file_digest(Path(router_dir) / f) for f in ROUTER_FILES}
 
