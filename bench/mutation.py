@@ -53,7 +53,7 @@ from citer.tracking.provenance import stamp_bench  # noqa: E402
 MODULES: dict[str, tuple[str, list[str], list[str]]] = {
     "promotion": (
         "citer/evaluation/promotion.py",
-        ["tests/evaluation/test_promotion.py", "tests/test_alias.py"],
+        ["tests/evaluation/test_promotion.py", "tests/tracking/test_alias.py"],
         [],
     ),
     "session": (

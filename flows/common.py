@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.project import Project, git_commit, load_project, project_root
+from citer.project import Project, load_project, project_root
+from citer.tracking.provenance import git_head
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -232,7 +233,7 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
     exp_id = ensure_experiment(proj)
     client = mlflow.MlflowClient()
     parent = parent_run_id or os.environ.get("CITER_PARENT_RUN_ID")
-    tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_commit(proj.root)}
+    tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_head(proj.root)}
     tags |= _owner_tags()
     if "torch" in sys.modules:  # what the stage ran on (citer.ops.threads chose it)
         tags["citer.torch_threads"] = str(sys.modules["torch"].get_num_threads())

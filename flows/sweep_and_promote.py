@@ -142,7 +142,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
     from citer.evaluation.report import sweep_metrics, write_sweep_reports
     from citer.ops.io import file_digest, write_json
-    from citer.project import git_commit
+    from citer.tracking.provenance import git_head
     from citer.tracking.registry import (
         AliasMoved,
         finish_pending,
@@ -199,7 +199,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 iteration=k,
                 labels_hash=rmeta.get("data_hash", ""),
                 data_version=file_digest(proj.path(p.data.train), "md5"),  # as DVC records it
-                git_commit=git_commit(proj.root),
+                git_commit=git_head(proj.root),
                 files={
                     "router_dir": proj.portable_ref(router_dir),
                     "data_train": proj.portable_ref(p.data.train),

@@ -9,6 +9,8 @@ Rules (every ``import`` counts, module level or inside a function, since a lazy 
 3. Prefect is imported only by ``flows``; MLflow only by ``citer.tracking``, the router's pyfunc wrapper and ``flows``.
 4. Every top-level function of a stage flow module is a Prefect ``@flow`` or ``@task`` (flows compose, the
    library decides); shared helpers live in ``flows/common.py``.
+5. One name per thing: no two ``citer`` modules share a file name, outside ``citer.config`` (which mirrors the
+   params blocks, as ``flows`` mirrors the stages).
 Modules are split by concept, not by size: one longer than :data:`REVIEW_LINES` lines is named as a warning (a
 review asks whether it holds more than one concept), never a failure.
 """
@@ -180,6 +182,13 @@ def check(root: Path) -> list[str]:
                 problems.append(f"{rel}: imports {tool}; only {', '.join(allowed)} may")
         if _under(name, "flows") and name not in FLOW_HELPERS:
             problems += _plain_flow_functions(m, rel)
+    named: dict[str, list[str]] = {}
+    for m in mods.values():
+        if _under(m.name, "citer") and not _under(m.name, "citer.config") and m.path.stem[:2] != "__":
+            named.setdefault(m.path.name, []).append(str(m.path.relative_to(root)))
+    problems += [
+        f"{n}: one name for {len(ps)} modules ({', '.join(ps)})" for n, ps in named.items() if len(ps) > 1
+    ]
     return problems
 
 

@@ -312,7 +312,7 @@ def project(tmp_path, monkeypatch):
 
 def sweep_row(method, tau, acc, rel, llm_acc=0.80, h="h", n=100):
     """A hand-made sweep row: accuracy ``acc`` at ``rel`` x LLM-only bytes."""
-    from citer.evaluation.rows import SweepRow
+    from citer.evaluation.sweep_rows import SweepRow
 
     return SweepRow(
         method, tau, acc, rel, 0, rel * 1000.0, rel, 1e-3, llm_accuracy=llm_acc, examples_hash=h, n_examples=n

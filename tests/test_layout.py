@@ -51,19 +51,23 @@ def test_a_cycle_and_an_upward_import_are_caught(tree):
     _append(
         tree / "citer" / "data" / "formats.py", "\n\ndef _late():\n    from citer.data import jsonl  # noqa\n"
     )
-    _append(tree / "citer" / "decoding" / "cost.py", "\nfrom citer.evaluation.rows import SweepRow  # noqa\n")
+    _append(
+        tree / "citer" / "decoding" / "cost.py",
+        "\nfrom citer.evaluation.sweep_rows import SweepRow  # noqa\n",
+    )
     problems = layout.check(tree)
     assert "import cycle: citer.data.answers <-> citer.data.formats <-> citer.data.jsonl" in problems
     assert any(
-        "citer.decoding.cost (layer 2) imports citer.evaluation.rows (layer 3), a layer above it" in p
+        "citer.decoding.cost (layer 2) imports citer.evaluation.sweep_rows (layer 3), a layer above it" in p
         for p in problems
     )
 
 
-def test_tools_unknown_modules_and_plain_flow_functions_are_caught(tree):
+def test_tools_unknown_modules_plain_flow_functions_and_shared_names_are_caught(tree):
     _append(tree / "citer" / "decoding" / "engine.py", "\nimport mlflow  # noqa\n")
     _append(tree / "citer" / "routing" / "mlp.py", "\n\ndef _f():\n    import prefect  # noqa\n")
     (tree / "citer" / "misc.py").write_text("X = 1\n")
+    (tree / "citer" / "serving" / "io.py").write_text("X = 1\n")
     _append(tree / "flows" / "synth.py", "\n\ndef choose_things(p):\n    return p\n")
     problems = "\n".join(layout.check(tree))
     assert (
@@ -72,6 +76,7 @@ def test_tools_unknown_modules_and_plain_flow_functions_are_caught(tree):
     )
     assert "citer/routing/mlp.py: imports prefect; only flows may" in problems
     assert "citer/misc.py: module citer.misc is in no layer" in problems
+    assert "io.py: one name for 2 modules (citer/ops/io.py, citer/serving/io.py)" in problems
     assert "flows/synth.py: function choose_things is neither a @flow nor a @task" in problems
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from citer.evaluation.intervals import aligned, bootstrap_values, json_safe, summarise
-from citer.evaluation.rows import METHODS, SweepError, SweepRow, llm_reference, rows_of
 from citer.evaluation.statements import bytes_claim, dominance_claim, oracle_claim, saving_claim
+from citer.evaluation.sweep_rows import METHODS, SweepError, SweepRow, llm_reference, rows_of
 
 
 def frontier(rows: Sequence[SweepRow], method: str, anchor_slm: bool = True) -> list[tuple[float, float]]:

@@ -19,8 +19,8 @@ import numpy as np
 from citer.config import SelectionRule
 from citer.decoding.verify import Verification
 from citer.evaluation.intervals import interval, resample_indices
-from citer.evaluation.rows import SweepError, SweepRow, llm_reference, rows_of
 from citer.evaluation.rule_on_test import misses_rule_on_test
+from citer.evaluation.sweep_rows import SweepError, SweepRow, llm_reference, rows_of
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 from citer.evaluation.intervals import attach_intervals
 from citer.evaluation.pareto import claims
 from citer.evaluation.pricing import labelled, priced_view
-from citer.evaluation.rows import METHODS, SweepError, SweepRow, rows_of
+from citer.evaluation.sweep_rows import METHODS, SweepError, SweepRow, rows_of
 from citer.ops.io import atomic_dir, atomic_path, write_json
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from citer.config import SelectionRule
 from citer.evaluation.intervals import interval, resample_indices
-from citer.evaluation.rows import SweepRow
+from citer.evaluation.sweep_rows import SweepRow
 
 
 def misses_rule_on_test(

@@ -27,8 +27,8 @@ import torch
 
 from citer.config import LabelsParams
 from citer.data.formats import Format
+from citer.data.origin import origin
 from citer.data.prompts import build_prompt, build_target
-from citer.data.rows import origin
 from citer.decoding.baselines import Router
 from citer.decoding.pairing import cut_logits, input_device
 from citer.ops.progress import progress

@@ -4,7 +4,7 @@ Teacher-forced passes batch examples sorted by length and rollouts batch branche
 orders :func:`citer.routing.labels.teacher_forced_order` and :func:`citer.routing.rollouts.rollout_order` define for
 those passes. A shard here is a contiguous run of whole batches of exactly that order (:mod:`citer.routing.sharding`); both
 passes sort stably, so run on a shard's items (already in that order) they rebuild the very same batches, and the
-merged result equals the single-process one bit for bit. ``tests/test_sharding.py`` pins this against the batches the
+merged result equals the single-process one bit for bit. ``tests/routing/test_sharding.py`` pins this against the batches the
 functions really form.
 """
 

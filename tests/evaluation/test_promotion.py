@@ -18,7 +18,7 @@ from citer.evaluation.promotion import (
     promotion_record,
     version_tags,
 )
-from citer.evaluation.rows import SweepError, SweepRow
+from citer.evaluation.sweep_rows import SweepError, SweepRow
 
 NONE_MEETS = SelectionRule(kind="max_accuracy_under_bytes", bytes_budget_rel_llm=0.1)  # citer's least is 0.15
 

@@ -9,7 +9,7 @@ from conftest import answering_rows
 
 from citer.config import RuntimeParams, SweepParams
 from citer.evaluation.plan import PassBench, PassSpec, deal, gather, run_in_order
-from citer.evaluation.rows import SweepError
+from citer.evaluation.sweep_rows import SweepError
 
 
 def test_deal_and_gather_restore_spec_order():
