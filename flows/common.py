@@ -197,11 +197,11 @@ def ensure_experiment(proj: Project) -> str:
     """The project's experiment id, created with its artifacts in the project's own ``mlartifacts``.
 
     MLflow stores that location absolute; a copied or moved project's own store is rebased onto its new root first
-    (:func:`citer.tracking.registry.open_store`), so a copy never logs into the original's artifacts.
+    (:func:`citer.tracking.store.open_store`), so a copy never logs into the original's artifacts.
     """
     import mlflow
 
-    from citer.tracking.registry import open_store
+    from citer.tracking.store import open_store
 
     mlflow.set_tracking_uri(open_store(proj))
     client = mlflow.MlflowClient()
@@ -285,7 +285,7 @@ def close_orphan_runs(proj: Project) -> list[str]:
     import mlflow
 
     from citer.ops.reaper import alive
-    from citer.tracking.registry import open_store
+    from citer.tracking.store import open_store
 
     client = mlflow.MlflowClient(open_store(proj))
     exp = client.get_experiment_by_name(proj.params.registry.experiment)

@@ -16,7 +16,8 @@ PENDING_FILE = ".state/promotion_pending.json"  # the intent of a registration +
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
 def find_champion(proj, slm, pair):
-    from citer.tracking.registry import champion_to_compare, open_store
+    from citer.tracking.registry import champion_to_compare
+    from citer.tracking.store import open_store
 
     reg = proj.params.registry
     return champion_to_compare(
@@ -142,14 +143,10 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
     from citer.evaluation.report import sweep_metrics, write_sweep_reports
     from citer.ops.io import file_digest, write_json
+    from citer.tracking.alias import AliasMoved, finish_pending
     from citer.tracking.provenance import git_head
-    from citer.tracking.registry import (
-        AliasMoved,
-        finish_pending,
-        generator_config,
-        open_store,
-        publish_router,
-    )
+    from citer.tracking.registry import generator_config, publish_router
+    from citer.tracking.store import open_store
     from flows.runners import TaskRunners
 
     logger = get_run_logger()
@@ -205,7 +202,6 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     "data_train": proj.portable_ref(p.data.train),
                     "data_test": proj.portable_ref(p.data.test),
                 },
-                dev_quantiles=result.quantiles[chosen_router],
             ) | {"router_inputs": ",".join(proj.router_inputs(router_dir))}
             expected = champion.version.version if champion.version else None
             intent = {"model": reg.model_name, "alias": reg.alias, "run_id": run.run_id, "expected": expected}
@@ -222,6 +218,9 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     tracking_uri=proj.tracking_uri,
                     model_config=generator_config(proj, plan.best.tau, tags),
                     expected_champion=expected,
+                    quantiles=result.quantiles[
+                        chosen_router
+                    ],  # a file beside the router; its sha256 in a tag
                 ).version
             except AliasMoved as exc:
                 version = exc.version

@@ -307,7 +307,7 @@ def _outcome(proj: Any) -> str | None:
     champion that stays."""
     import json
 
-    from citer.serving.champion import no_champion_reason
+    from citer.tracking.deployed import no_champion_reason
 
     try:
         promo = json.loads((proj.reports / "promotion.json").read_text(encoding="utf-8"))

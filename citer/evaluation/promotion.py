@@ -8,7 +8,6 @@ the same questions in the same sweep. Anything else keeps the alias where it is,
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -329,7 +328,6 @@ def version_tags(
     data_version: str,
     git_commit: str,
     files: dict[str, str] | None = None,
-    dev_quantiles: list[float] | None = None,
 ) -> dict[str, Any]:
     """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics.
 
@@ -358,7 +356,6 @@ def version_tags(
             "method": best.method,
         }
         | (Verification.from_tags(best.extra).tags() if "verify_rho" in best.extra else {})
-        | ({"dev_score_quantiles": json.dumps(dev_quantiles)} if dev_quantiles else {})
     )
 
 
