@@ -27,7 +27,6 @@ LABELS_CODE = (
     "citer.routing.labels",
     "citer.routing.rollouts",
     "citer.routing.shards",  # sharding must not change labels; a change to how shards merge recollects them anyway
-    "citer.routing.sharding",
     "citer.routing.label_store",
     "citer.decoding",
     "citer.data.answers",

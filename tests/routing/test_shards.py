@@ -1,4 +1,4 @@
-"""Shard splitting and merging (citer.routing.sharding, citer.routing.shards), the runtime params block and the worker cache.
+"""Shard splitting and merging (citer.routing.shards), the runtime params block and the worker cache.
 
 The equality tests run the shards in this process on the tiny pair: sharded teacher-forced passes, rollouts and a
 whole iteration-1 collection must give the single process's tensors bit for bit. The Prefect/Dask/Ray path of the same
@@ -14,14 +14,17 @@ from conftest import spread_router
 from citer.config import ConfigError, LabelsParams, RuntimeParams, load_params
 from citer.routing.labels import Branch, InProcessWork, collect_iter1, collect_iter_k, encode_rows
 from citer.routing.rollouts import rollout_correct
-from citer.routing.sharding import ShardError, batches_of, merge_by_index, split_batches
 from citer.routing.shards import (
+    ShardError,
+    batches_of,
     branches_from,
     branches_tensor,
+    merge_by_index,
     merge_rollouts,
     merge_teacher_forced,
     rollout_shards,
     run_teacher_forced_shard,
+    split_batches,
     teacher_forced_shards,
 )
 
