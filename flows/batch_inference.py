@@ -60,7 +60,8 @@ def batch_inference_flow(
                 "default)",
                 file=sys.stderr,
             )
-    try:  # one lookup: the champion (its pair matched to params, its files verified) and τ, or no champion
+    status = None  # one lookup: the champion (its pair matched to params, its files verified) and τ, or none
+    try:
         with open_champion(
             proj, llm_fraction=llm_fraction, settings=inf, allow_pair_mismatch=allow_pair_mismatch
         ) as dep:
@@ -78,22 +79,14 @@ def batch_inference_flow(
                 | {k: v for k, v in rv.tags.items() if k.startswith("verify_")},
                 restart_on_change=True,  # predictions for another input, champion or τ are never resumed
             )
-    except NoChampion as exc:
+        out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+        out |= {"outside_task": outside[0]} if outside is not None else {}
+    except NoChampion as exc:  # the pipeline's own run ends well: an empty predictions file says why
         if side:
             raise
         status = f"no champion: {exc.reason}"
         write_without_champion(src, dst, fmt, status)
-        page = None
-        if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
-            page = write_report(proj.reports, dst, proj.reports / "report.html")
-        with stage_run(proj, "batch_inference") as run:
-            run.params({"input": proj.portable_ref(src), "output": proj.portable_ref(dst)})
-            run.tags({"status": status})
         out = {"status": status, "n": 0, "output": proj.portable_ref(dst)}
-        return out | ({"report": proj.portable_ref(page)} if page is not None else {})
-    out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
-    if outside is not None:
-        out["outside_task"] = outside[0]
     if side:  # its own summary beside its output; nothing of the project's is touched
         write_json(dst.with_name(dst.name + ".summary.json"), out | {"input": str(src)})
         return out
@@ -101,8 +94,12 @@ def batch_inference_flow(
     if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
         page = write_report(proj.reports, dst, proj.reports / "report.html")  # the page to look at
     with stage_run(proj, "batch_inference") as run:
-        run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})
-        run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
+        if status is None:
+            run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})
+            run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
+        else:
+            run.params({"input": proj.portable_ref(src), "output": proj.portable_ref(dst)})
+            run.tags({"status": status})
         if page is not None:
             run.artifact(page)
     return out | ({"report": proj.portable_ref(page)} if page is not None else {})

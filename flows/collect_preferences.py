@@ -110,9 +110,8 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: boo
     labelset, hidden = collect.with_options(task_runner=runner)(params_path, iteration)
     labelset.meta["fingerprint"] = fp
     labelset.meta.update(slm=proj.slm_name, llm=proj.params.models.llm)
-    labelset.meta.update(
-        pair_digests(proj.slm_ref, proj.llm_ref)
-    )  # provenance: a router trains only on its pair
+    # provenance: a router trains only on its pair
+    labelset.meta.update(pair_digests(proj.slm_ref, proj.llm_ref))
     report = validate_labels(labelset, hidden)
     out = save_labels(labelset, out_dir)
     counts = labelset.case_counts()

@@ -269,9 +269,8 @@ def _owner_tags() -> dict[str, str]:
         "citer.pid": str(os.getpid()),
         "citer.pid_start": st[1] if st else "",
     }
-    if os.environ.get(
-        "DVC_STAGE"
-    ):  # one `dvc repro` runs each stage as its own command: its runs share this tag
+    # one `dvc repro` runs each stage as its own command: its runs share this tag
+    if os.environ.get("DVC_STAGE"):
         dvc = ancestor_named("dvc")
         tags["citer.dvc_repro"] = f"{dvc[0]}-{dvc[1]}" if dvc else "?"
     return tags

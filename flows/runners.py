@@ -99,9 +99,8 @@ class WorkerShape:
         if self.pin_local_dask:
             from distributed import get_worker
 
-            gpus = gpu_group(
-                int(get_worker().name), self.gpus_per_worker
-            )  # LocalCluster names workers 0..n-1
+            # LocalCluster names workers 0..n-1
+            gpus = gpu_group(int(get_worker().name), self.gpus_per_worker)
         configure_worker(self.threads, gpus)
 
 
@@ -173,10 +172,8 @@ class ShardedWork:
         self, encoded: Sequence[Encoded], branches: Sequence[Branch], routed: bool, batch: int, max_new: int
     ) -> list[bool]:
         labels = self.ctx.params.labels
-        if (batch, max_new) != (
-            labels.batch_size,
-            labels.max_new_tokens,
-        ):  # workers read them from ctx.params
+        # workers read them from ctx.params
+        if (batch, max_new) != (labels.batch_size, labels.max_new_tokens):
             raise ValueError(
                 f"sharded rollouts: batch {batch}, max_new {max_new} differ from ctx's labels params"
             )

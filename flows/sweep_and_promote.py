@@ -218,9 +218,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     tracking_uri=proj.tracking_uri,
                     model_config=generator_config(proj, plan.best.tau, tags),
                     expected_champion=expected,
-                    quantiles=result.quantiles[
-                        chosen_router
-                    ],  # a file beside the router; its sha256 in a tag
+                    quantiles=result.quantiles[chosen_router],  # a file beside the router
                 ).version
             except AliasMoved as exc:
                 version = exc.version

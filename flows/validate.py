@@ -95,8 +95,7 @@ def validate_flow(
             }
         )
         run.artifact(out)
-    if out.resolve().is_relative_to(
-        proj.reports.resolve()
-    ):  # a report of the project, not a file a user named
+    # a report of the project, not a file a user named
+    if out.resolve().is_relative_to(proj.reports.resolve()):
         record_reports(proj, "validate", started)
     return reports

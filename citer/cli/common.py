@@ -97,9 +97,8 @@ def friendly(fn: F) -> F:
                 from citer.config import load_params
 
                 load_params(params)
-            if params is not None and not kwargs.get(
-                "paths"
-            ):  # a stage: what params point at, before Prefect starts
+            # a stage: what params point at, before Prefect starts
+            if params is not None and not kwargs.get("paths"):
                 from citer.ops.preflight import preflight
                 from citer.project import load_project
 
@@ -112,9 +111,8 @@ def friendly(fn: F) -> F:
         except Exception as exc:
             from citer.ops import interrupt
 
-            if (
-                interrupt.interrupted() is not None
-            ):  # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+            # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+            if interrupt.interrupted() is not None:
                 _interrupted()
             if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
                 traceback.print_exc()

@@ -143,9 +143,8 @@ def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hid
     b_idx = torch.cat([torch.full((len(e.target),), b) for b, e in enumerate(batch)])
     p_idx = torch.cat([torch.arange(len(e.target)) + len(e.prompt) - 1 for e in batch])
     ht = h[b_idx.to(h.device), p_idx.to(h.device)]  # (n, H)
-    logits = cut_logits(
-        model.get_output_embeddings()(ht), vocab_size
-    )  # (n, V): padded embedding rows never win
+    # (n, V): padded embedding rows never win
+    logits = cut_logits(model.get_output_embeddings()(ht), vocab_size)
     return logits.argmax(-1).cpu(), (ht.float().cpu() if want_hidden else None)
 
 

@@ -1,9 +1,6 @@
-"""The deployed decoder: the router holding the registry alias, with the SLM, LLM and τ its version names.
-
-Batch inference, serving and the Python API (:func:`citer.load_champion`) all build their engine here, from the
-champion :func:`citer.tracking.deployed.open_champion` resolved once, so they decode with exactly what the sweep
-promoted.
-"""
+"""The deployed decoder: the champion :func:`citer.tracking.deployed.open_champion` resolved (the router holding the
+registry alias, with the SLM, LLM and τ its version names) as an engine. Batch inference, serving and the Python API
+(:func:`citer.load_champion`) all build it here, so they decode with exactly what the sweep promoted."""
 
 from __future__ import annotations
 
@@ -34,11 +31,11 @@ def load_champion(
 
     ``project`` is a :class:`~citer.project.Project` or a project directory (its ``params.yaml`` is read). The
     version's tags name its SLM, LLM and τ; ``tau`` or ``llm_fraction`` (else ``serve.tau`` / ``serve.llm_fraction``
-    in params) overrides τ (:func:`~citer.tracking.deployed.open_champion`). Relative model paths
-    are resolved against the project root. Raises :class:`~citer.tracking.store.RegistryError` when there is no
-    champion and :class:`~citer.tracking.deployed.ChampionError` when its router does not fit its SLM or params name
-    another pair, and :class:`~citer.routing.pair_check.PairMismatch` when it was trained for other model files under
-    those names (``allow_pair_mismatch``: a warning instead).
+    in params) overrides τ (:func:`~citer.tracking.deployed.open_champion`). Relative model paths are resolved
+    against the project root. Raises :class:`~citer.tracking.store.RegistryError` when there is no champion,
+    :class:`~citer.tracking.deployed.ChampionError` when its router does not fit its SLM or params name another
+    pair, and :class:`~citer.routing.pair_check.PairMismatch` when it was trained for other model files under those
+    names (``allow_pair_mismatch``: a warning instead).
     """
     proj = as_project(project)
     with open_champion(proj, tau, llm_fraction, allow_pair_mismatch=allow_pair_mismatch) as deployment:

@@ -1,2 +1,1 @@
-"""The MLflow side and the records: the registry and its alias, the project's store, the champion a command deploys
-(its τ and quantile table), and the provenance of every report."""
+"""The MLflow side and the records: registry, alias, store, the deployed champion and its τ, report provenance."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from citer.project import Project, as_project
-from citer.tracking.registry import NoChampion, VersionFiles, require_champion, verified_files
+from citer.tracking.registry import NO_SWEEP_YET, NoChampion, VersionFiles, require_champion, verified_files
 from citer.tracking.store import RegistryError, RouterVersion, open_store
 
 
@@ -100,7 +100,7 @@ def no_champion_reason(proj: Project) -> str | None:
     reg = proj.params.registry
     if get_alias(reg.model_name, reg.alias, open_store(proj)) is not None:
         return None
-    return refused_promotion(proj) or NoChampion("").reason
+    return refused_promotion(proj) or NO_SWEEP_YET
 
 
 def champion_tau(

@@ -104,9 +104,8 @@ def _pyfunc_config(tags: dict[str, str], model_config: dict[str, Any] | None) ->
         cfg["tau"] = float(tags["tau"])
     cfg.update(model_config or {})
     cfg.setdefault("project_root", "")  # MLflow lets a loader override only the keys logged: empty = unset
-    cfg.setdefault(
-        "allow_pair_mismatch", False
-    )  # a loader may set it to use the router with other model files
+    # a loader may set it to use the router with other model files
+    cfg.setdefault("allow_pair_mismatch", False)
     return cfg
 
 
@@ -167,12 +166,13 @@ def register_router(
     return RouterVersion(name=model_name, version=str(mv.version), tags=str_tags, source=info.model_uri)
 
 
+NO_SWEEP_YET = "no sweep has promoted a router yet (run `citer eval sweep`)"
+
+
 class NoChampion(RegistryError):
     """No router holds the alias: an outcome a pipeline reports, not a fault; ``reason`` says why."""
 
-    def __init__(
-        self, message: str, reason: str = "no sweep has promoted a router yet (run `citer eval sweep`)"
-    ):
+    def __init__(self, message: str, reason: str = NO_SWEEP_YET):
         super().__init__(message)
         self.reason = reason
 
