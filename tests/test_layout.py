@@ -103,3 +103,23 @@ def test_dvc_code_dependencies_exist():
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
     deps = [d for s in stages.values() for d in s.get("deps", []) if d.startswith(("citer/", "flows/"))]
     assert deps and [d for d in deps if not (REPO / d).exists()] == []
+
+
+def test_the_readme_map_names_the_rooms_as_they_are():
+    """README's Development map: every room of citer/ is there, and every module it names lives in that room."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("## Development") :].split("```")[1]
+    named: dict[str, set[str]] = {}
+    room = None
+    for line in block.splitlines():
+        head = re.match(r"(citer/\w*/?|flows/)", line)
+        if head:
+            room = head.group(1)
+        if room is not None and room.endswith("/"):
+            named.setdefault(room, set()).update(
+                re.findall(r"\b(\w+)\.py\b", line[len(head.group(1)) if head else 0 :])
+            )
+    rooms = {f"citer/{d.name}/" for d in (REPO / "citer").iterdir() if (d / "__init__.py").is_file()}
+    assert rooms <= set(named), rooms - set(named)
+    missing = {f"{r}{m}.py" for r, ms in named.items() for m in ms if not (REPO / r / f"{m}.py").is_file()}
+    assert missing == set()
