@@ -1,9 +1,10 @@
 """The promotion rule, as pure functions: choose τ, compare candidate and champion, build the registry record.
 
-Rows in, decisions and records out; the MLflow side (:mod:`citer.tracking.registry`) only carries them out. A candidate takes the
-alias only when it passes every gate (:func:`decide_promotion`): enough test questions, the rule met on test, fewer
-bytes than LLM-only (by its 95% interval where it has one), and a significant win over the champion re-evaluated on
-the same questions in the same sweep. Anything else keeps the alias where it is, and the reason says which gate held.
+Rows in, decisions and records out; the MLflow side (:mod:`citer.tracking.registry`) only carries them out. A
+candidate takes the alias only when it passes every gate (:func:`decide_promotion`): enough test questions, the rule
+met on test (or missed by less than chance), fewer bytes than LLM-only (by its 95% interval where it has one), and a
+significant win over the champion re-evaluated on the same questions in the same sweep. Anything else keeps the
+alias where it is, and the reason says which gate held.
 """
 
 from __future__ import annotations

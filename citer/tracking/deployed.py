@@ -36,10 +36,10 @@ def project_champion(
 ) -> RouterVersion:
     """The version holding the project's alias, once its pair is checked against params.
 
-    Opens the project's own store (rebased when the project was copied or moved, :func:`citer.tracking.store.open_store`)
-    and refuses, in one line naming both, a champion trained for another SLM or LLM than params name: routing its
-    scores with other models would silently decode with a router that never saw them. The names are not enough (a
-    re-finetuned SLM keeps its directory): the digests the version's tags record must be those of the model files
+    Opens the project's own store (:func:`~citer.tracking.store.open_store`: rebased when the project was copied or
+    moved) and refuses, in one line naming both, a champion trained for another SLM or LLM than params name: routing
+    its scores with other models would silently decode with a router that never saw them. The names are not enough
+    (a re-finetuned SLM keeps its directory): the digests the version's tags record must be those of the model files
     in use (:mod:`citer.routing.pair_check`); ``allow_pair_mismatch`` turns that refusal into a warning.
     """
     proj = as_project(project)

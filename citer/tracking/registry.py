@@ -2,7 +2,8 @@
 
 A router version is a pyfunc model logged *from code* (``citer/routing/pyfunc.py``), so nothing is pickled: its
 artifacts are the router directory (``router.safetensors`` + ``router.json``) and its dev score quantiles (a JSON
-file); its ``model_config`` names the SLM and LLM by reference and τ, so ``mlflow.pyfunc.load_model('models:/<name>@champion').predict(prompts)`` generates text.
+file); its ``model_config`` names the SLM and LLM by reference and τ, so
+``mlflow.pyfunc.load_model('models:/<name>@champion').predict(prompts)`` generates text.
 Version tags carry what a deployment needs to rebuild the decoder: the SLM, the LLM, τ, the hidden size, the label
 iteration, the data version and the git commit, plus the sweep metrics at the chosen τ
 (:func:`citer.evaluation.promotion.version_tags`). Whether a version takes the alias is decided by
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.ops.io import file_digest
+from citer.ops.io import file_digest, write_json
 from citer.project import Project
 from citer.tracking.alias import get_alias, move_alias, set_alias
 from citer.tracking.store import RegistryError, RouterVersion, _client
@@ -128,8 +129,6 @@ def register_router(
     import tempfile
 
     import mlflow
-
-    from citer.ops.io import write_json
 
     router_dir = Path(router_dir)
     for f in ("router.safetensors", "router.json"):
