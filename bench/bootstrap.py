@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from citer.config import Params, load_params  # noqa: E402
 from citer.data.synth import synthesize, write_splits  # noqa: E402
-from citer.io import write_json  # noqa: E402
 from citer.models.bootstrap import bootstrap_models  # noqa: E402
 from citer.models.evaluate import evaluate_model  # noqa: E402
 from citer.models.finetune import finetune_slm  # noqa: E402
 from citer.models.loading import count_params, load_model  # noqa: E402
-from citer.provenance import stamp_bench  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
+from citer.tracking.provenance import stamp_bench  # noqa: E402
 
 
 def run(params: Params, work: Path) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from citer.io import write_json  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
 
 BUDGET_S = 5.0
 

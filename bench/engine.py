@@ -34,8 +34,8 @@ from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter  # noqa:
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.decoding.kv_cache import RaggedKVCache, ragged_append  # noqa: E402
 from citer.decoding.lean import forward_path, set_forward_path  # noqa: E402
-from citer.io import write_json  # noqa: E402
-from citer.provenance import stamp_bench  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
+from citer.tracking.provenance import stamp_bench  # noqa: E402
 
 
 def embedded_pair(quick: bool):

@@ -99,8 +99,8 @@ def time_engine(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from citer.io import write_json
-    from citer.provenance import stamp_bench
+    from citer.ops.io import write_json
+    from citer.tracking.provenance import stamp_bench
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="644bb89", help="the engine to compare with (a git commit)")

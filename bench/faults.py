@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy((args.base or work / "base" / "project") / "reports" / "faults.json", args.out)
-            from citer.provenance import stamp_bench
+            from citer.tracking.provenance import stamp_bench
 
             stamp_bench(args.out, "faults", args, report["seconds"])
         return 0 if report["totals"]["ok"] == report["totals"]["faults"] else 1

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from citer.config import BootstrapParams, LabelsParams, SynthParams, load_params  # noqa: E402
-from citer.io import write_json  # noqa: E402
-from citer.provenance import stamp_bench  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
 from citer.routing.labels import collect_iter1, encode_rows, teacher_forced  # noqa: E402
+from citer.tracking.provenance import stamp_bench  # noqa: E402
 
 
 def load_setup(n: int) -> tuple[Any, Any, Any, list[dict[str, Any]], str, str]:
@@ -193,7 +193,7 @@ def timed_collect(root: Path) -> tuple[float, Any]:
     """Seconds of one iteration-1 collection through the collect-labels flow, and its label set."""
     from citer.project import load_project
     from flows.collect_preferences import collect
-    from flows.runtime import TaskRunners
+    from flows.runners import TaskRunners
 
     runner = TaskRunners.build(load_project(root=root).params.runtime)
     t0 = time.perf_counter()

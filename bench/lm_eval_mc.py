@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from citer.evaluation.loglikelihood import choice_continuations  # noqa: E402
-from citer.io import write_json  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
 
 
 def task_files(root: Path, rows: list[dict], max_gen: int) -> None:

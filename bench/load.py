@@ -27,8 +27,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from citer.io import read_json, write_json  # noqa: E402
-from citer.provenance import git_commit, stamp_bench  # noqa: E402
+from citer.ops.io import read_json, write_json  # noqa: E402
+from citer.tracking.provenance import git_head, stamp_bench  # noqa: E402
 
 BOUND = 1.6  # issue #37: loaded <= 1.6 x quiet
 
@@ -97,7 +97,7 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     out: dict[str, Any] = {
         "command": args.command,
-        "commit": git_commit(ROOT),
+        "commit": git_head(ROOT, dirty=True),
         "cores": len(os.sched_getaffinity(0)),
     }
     out["params_set"] = args.set

@@ -46,14 +46,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.mutation_equivalent import EQUIVALENT  # noqa: E402
-from citer.io import write_json  # noqa: E402
-from citer.provenance import stamp_bench  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
+from citer.tracking.provenance import stamp_bench  # noqa: E402
 
 # module -> (source, the test files that exercise it, tests left out and why they may be)
 MODULES: dict[str, tuple[str, list[str], list[str]]] = {
     "promotion": (
         "citer/evaluation/promotion.py",
-        ["tests/evaluation/test_promotion.py", "tests/test_alias.py"],
+        ["tests/evaluation/test_promotion.py", "tests/tracking/test_alias.py"],
         [],
     ),
     "session": (

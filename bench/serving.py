@@ -41,10 +41,10 @@ from bench.http_load import MODEL, load  # noqa: E402
 from citer.config import BootstrapParams  # noqa: E402
 from citer.decoding.baselines import AlwaysLLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
-from citer.io import write_json  # noqa: E402
-from citer.provenance import stamp_bench  # noqa: E402
+from citer.ops.io import write_json  # noqa: E402
 from citer.serving.local import serving_in_background  # noqa: E402
 from citer.serving.server import build_app  # noqa: E402
+from citer.tracking.provenance import stamp_bench  # noqa: E402
 
 
 def char_tokenizer():

@@ -498,7 +498,7 @@ def _stamp(args: argparse.Namespace) -> None:
     copied back and stamped when merged here)."""
     out = Path(args.out).resolve()
     if out.parent.name == "reports" and out.parent.parent == ROOT:
-        from citer.provenance import stamp_bench
+        from citer.tracking.provenance import stamp_bench
 
         stamp_bench(out, "speed", args, 0.0)
 

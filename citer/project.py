@@ -170,10 +170,3 @@ def load_project(
 def as_project(project: Project | str | os.PathLike[str]) -> Project:
     """``project`` itself, or the project whose directory it names (its ``params.yaml`` is read)."""
     return project if isinstance(project, Project) else load_project(root=project)
-
-
-def git_commit(root: Path) -> str:
-    """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
-    from citer.provenance import git_head
-
-    return git_head(root)

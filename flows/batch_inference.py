@@ -30,11 +30,12 @@ def batch_inference_flow(
     allow_pair_mismatch: bool = False,
 ) -> dict[str, Any]:
     from citer.evaluation.html_report import write_report
-    from citer.io import write_json
     from citer.models.loading import load_tokenizer
-    from citer.registry import verify_router_version
+    from citer.ops.io import write_json
     from citer.serving.batch import route_file, write_without_champion
-    from citer.serving.champion import champion_tau, load_champion, no_champion_reason, project_champion
+    from citer.serving.champion import build_champion
+    from citer.tracking.deployed import open_champion
+    from citer.tracking.registry import NoChampion
 
     proj = load_project(params_path)
     p = proj.params
@@ -47,17 +48,6 @@ def batch_inference_flow(
     fmt = inf.format or p.data.format
     src = proj.path(input or inf.input or p.data.test)
     dst = proj.path(output or inf.output)
-    if not side and (reason := no_champion_reason(proj)) is not None:
-        status = f"no champion: {reason}"
-        write_without_champion(src, dst, fmt, status)
-        page = None
-        if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
-            page = write_report(proj.reports, dst, proj.reports / "report.html")
-        with stage_run(proj, "batch_inference") as run:
-            run.params({"input": proj.portable_ref(src), "output": proj.portable_ref(dst)})
-            run.tags({"status": status})
-        out = {"status": status, "n": 0, "output": proj.portable_ref(dst)}
-        return out | ({"report": proj.portable_ref(page)} if page is not None else {})
     outside = None
     if p.bootstrap.enabled:  # the embedded pair knows its own task only: say when questions leave it
         from citer.data.task_vocab import questions_outside_task
@@ -70,33 +60,33 @@ def batch_inference_flow(
                 "default)",
                 file=sys.stderr,
             )
-    # Its own store, and a pair that matches params by name and by the model files' digests, or one line.
-    rv = project_champion(proj, allow_pair_mismatch)
-    # Fail closed even when the output is finished and nothing will be decoded: a tampered champion stops here.
-    verify_router_version(rv)
-    if llm_fraction is None and inf.tau is None:
-        llm_fraction = inf.llm_fraction
-    tau = champion_tau(rv, inf.tau if llm_fraction is None else None, llm_fraction)
-
-    def engine():
-        return load_champion(proj, tau=tau, allow_pair_mismatch=allow_pair_mismatch).engine
-
-    summary = route_file(
-        engine,
-        load_tokenizer(proj.model_ref(rv.tags["slm"])),
-        src,
-        dst,
-        fmt,
-        batch_size=inf.batch_size,
-        max_new_tokens=inf.max_new_tokens,
-        # the version's verification (rho, W, final) is part of what it writes: another one restarts the file
-        meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")}
-        | {k: v for k, v in rv.tags.items() if k.startswith("verify_")},
-        restart_on_change=True,  # predictions for another input, champion or τ are never resumed
-    )
-    out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
-    if outside is not None:
-        out["outside_task"] = outside[0]
+    status = None  # one lookup: the champion (its pair matched to params, its files verified) and τ, or none
+    try:
+        with open_champion(
+            proj, llm_fraction=llm_fraction, settings=inf, allow_pair_mismatch=allow_pair_mismatch
+        ) as dep:
+            rv, tau = dep.version, dep.tau
+            summary = route_file(  # a finished output decodes nothing: the engine is built only when needed
+                lambda: build_champion(proj, dep).engine,
+                load_tokenizer(proj.model_ref(rv.tags["slm"])),
+                src,
+                dst,
+                fmt,
+                batch_size=inf.batch_size,
+                max_new_tokens=inf.max_new_tokens,
+                # the version's verification (rho, W, final) is part of what it writes: another one restarts it
+                meta={"router_version": rv.version, "tau": tau, "slm": rv.tags.get("slm", "")}
+                | {k: v for k, v in rv.tags.items() if k.startswith("verify_")},
+                restart_on_change=True,  # predictions for another input, champion or τ are never resumed
+            )
+        out = summary.to_dict() | {"output": str(dst), "router_version": rv.version, "tau": tau}
+        out |= {"outside_task": outside[0]} if outside is not None else {}
+    except NoChampion as exc:  # the pipeline's own run ends well: an empty predictions file says why
+        if side:
+            raise
+        status = f"no champion: {exc.reason}"
+        write_without_champion(src, dst, fmt, status)
+        out = {"status": status, "n": 0, "output": proj.portable_ref(dst)}
     if side:  # its own summary beside its output; nothing of the project's is touched
         write_json(dst.with_name(dst.name + ".summary.json"), out | {"input": str(src)})
         return out
@@ -104,8 +94,12 @@ def batch_inference_flow(
     if (proj.reports / "sweep.json").is_file() and (proj.reports / "promotion.json").is_file():
         page = write_report(proj.reports, dst, proj.reports / "report.html")  # the page to look at
     with stage_run(proj, "batch_inference") as run:
-        run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})
-        run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
+        if status is None:
+            run.params({"input": str(src), "output": str(dst), "router_version": rv.version, "tau": tau})
+            run.metrics({k: v for k, v in summary.to_dict().items() if v is not None})
+        else:
+            run.params({"input": proj.portable_ref(src), "output": proj.portable_ref(dst)})
+            run.tags({"status": status})
         if page is not None:
             run.artifact(page)
     return out | ({"report": proj.portable_ref(page)} if page is not None else {})

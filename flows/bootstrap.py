@@ -14,8 +14,8 @@ from flows.common import locked, stage_run
 @flow(name="bootstrap-models")
 @locked("bootstrap")
 def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.io import write_json
     from citer.models.bootstrap import bootstrap_models
+    from citer.ops.io import write_json
 
     proj = load_project(params_path)
     p = proj.params

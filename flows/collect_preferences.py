@@ -18,8 +18,8 @@ def collect(params_path: str, iteration: int) -> tuple[Any, int]:
     from citer.routing.iterations import pair_digests
     from citer.routing.label_store import load_labels
     from citer.routing.labels import collect_iter1, collect_iter_k, encode_rows, rows_hash
-    from citer.runtime import ShardContext, release, slm_hidden_size
-    from flows.runtime import ShardedWork
+    from citer.routing.workers import ShardContext, release, slm_hidden_size
+    from flows.runners import ShardedWork
 
     proj = load_project(params_path)
     p = proj.params
@@ -56,7 +56,7 @@ def collect(params_path: str, iteration: int) -> tuple[Any, int]:
 @task(name="labels-fingerprint")
 def labels_fingerprint(proj, iteration: int) -> str:
     """What iteration ``iteration``'s labels are made from (see citer.routing.iterations)."""
-    from citer.io import file_digest
+    from citer.ops.io import file_digest
     from citer.routing.iterations import (
         LABELS_CODE,
         dir_digest,
@@ -104,15 +104,14 @@ def labels_flow(params_path: str = "params.yaml", iteration: int = 1, reuse: boo
     out_dir = proj.labels_dir(iteration)
     if reuse and recorded_fingerprint(out_dir / META_FILE) == fp:
         return {"dir": str(out_dir), "reused": True, "fingerprint": fp}
-    from flows.runtime import TaskRunners
+    from flows.runners import TaskRunners
 
     runner = TaskRunners.build(proj.params.runtime)
     labelset, hidden = collect.with_options(task_runner=runner)(params_path, iteration)
     labelset.meta["fingerprint"] = fp
     labelset.meta.update(slm=proj.slm_name, llm=proj.params.models.llm)
-    labelset.meta.update(
-        pair_digests(proj.slm_ref, proj.llm_ref)
-    )  # provenance: a router trains only on its pair
+    # provenance: a router trains only on its pair
+    labelset.meta.update(pair_digests(proj.slm_ref, proj.llm_ref))
     report = validate_labels(labelset, hidden)
     out = save_labels(labelset, out_dir)
     counts = labelset.case_counts()

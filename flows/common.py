@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.project import Project, git_commit, load_project, project_root
+from citer.project import Project, load_project, project_root
+from citer.tracking.provenance import git_head
 
 QUIET_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -196,11 +197,11 @@ def ensure_experiment(proj: Project) -> str:
     """The project's experiment id, created with its artifacts in the project's own ``mlartifacts``.
 
     MLflow stores that location absolute; a copied or moved project's own store is rebased onto its new root first
-    (:func:`citer.registry.open_store`), so a copy never logs into the original's artifacts.
+    (:func:`citer.tracking.store.open_store`), so a copy never logs into the original's artifacts.
     """
     import mlflow
 
-    from citer.registry import open_store
+    from citer.tracking.store import open_store
 
     mlflow.set_tracking_uri(open_store(proj))
     client = mlflow.MlflowClient()
@@ -227,20 +228,20 @@ def stage_run(proj: Project, stage: str, parent_run_id: str | None = None) -> It
     import mlflow
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
-    from citer import interrupt
+    from citer.ops import interrupt
 
     exp_id = ensure_experiment(proj)
     client = mlflow.MlflowClient()
     parent = parent_run_id or os.environ.get("CITER_PARENT_RUN_ID")
-    tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_commit(proj.root)}
+    tags = {MLFLOW_RUN_NAME: stage, "citer.stage": stage, "git_commit": git_head(proj.root)}
     tags |= _owner_tags()
-    if "torch" in sys.modules:  # what the stage ran on (citer.threads chose it)
+    if "torch" in sys.modules:  # what the stage ran on (citer.ops.threads chose it)
         tags["citer.torch_threads"] = str(sys.modules["torch"].get_num_threads())
     if parent:
         tags[MLFLOW_PARENT_RUN_ID] = parent
     run = client.create_run(exp_id, tags=tags, run_name=stage)
     sr = StageRun(client=client, run_id=run.info.run_id, experiment_id=exp_id)
-    # Ctrl-C whose unwinding hangs (citer.interrupt) still closes the run: no stage leaves it RUNNING.
+    # Ctrl-C whose unwinding hangs (citer.ops.interrupt) still closes the run: no stage leaves it RUNNING.
     token = interrupt.on_interrupt(lambda: client.set_terminated(sr.run_id, status="KILLED"))
     try:
         yield sr
@@ -260,7 +261,7 @@ def _owner_tags() -> dict[str, str]:
     """Which process holds a run open: a run still RUNNING whose process is gone was left by a SIGKILL."""
     import socket
 
-    from citer.reaper import ancestor_named, stat
+    from citer.ops.reaper import ancestor_named, stat
 
     st = stat(os.getpid())
     tags = {
@@ -268,9 +269,8 @@ def _owner_tags() -> dict[str, str]:
         "citer.pid": str(os.getpid()),
         "citer.pid_start": st[1] if st else "",
     }
-    if os.environ.get(
-        "DVC_STAGE"
-    ):  # one `dvc repro` runs each stage as its own command: its runs share this tag
+    # one `dvc repro` runs each stage as its own command: its runs share this tag
+    if os.environ.get("DVC_STAGE"):
         dvc = ancestor_named("dvc")
         tags["citer.dvc_repro"] = f"{dvc[0]}-{dvc[1]}" if dvc else "?"
     return tags
@@ -283,8 +283,8 @@ def close_orphan_runs(proj: Project) -> list[str]:
 
     import mlflow
 
-    from citer.reaper import alive
-    from citer.registry import open_store
+    from citer.ops.reaper import alive
+    from citer.tracking.store import open_store
 
     client = mlflow.MlflowClient(open_store(proj))
     exp = client.get_experiment_by_name(proj.params.registry.experiment)
@@ -326,8 +326,8 @@ def owned_dirs(proj: Project) -> list[Path]:
 
 def record_reports(proj: Project, stage: str, started: float) -> None:
     """Stamp the report files ``stage`` wrote since ``started`` in ``reports/provenance.json`` (what ran, where,
-    from which commit and params, how long: :mod:`citer.provenance`)."""
-    from citer.provenance import stamp_written
+    from which commit and params, how long: :mod:`citer.tracking.provenance`)."""
+    from citer.tracking.provenance import stamp_written
 
     stamp_written(
         proj.reports, started, stage=stage, root=proj.root, wall_s=time.time() - started, params=proj.params
@@ -349,7 +349,7 @@ def locked(
     files the body wrote are stamped in ``reports/provenance.json``, unless ``side_run`` (called with the flow's
     arguments by name) says this call is not the project's own stage (``citer route --output mine.jsonl``).
     """
-    from citer.locking import project_lock, remove_leftovers
+    from citer.ops.locking import project_lock, remove_leftovers
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -357,7 +357,7 @@ def locked(
             params_path = kwargs.get("params_path", args[0] if args else "params.yaml")
             proj = load_project(params_path)
             if _DEPTH[0] == 0:  # a command's first stage: devices, dtypes, models and data before any work
-                from citer.preflight import preflight
+                from citer.ops.preflight import preflight
 
                 preflight(proj, params_path)
             lk = proj.params.lock
@@ -369,7 +369,7 @@ def locked(
                     for run_id in close_orphan_runs(proj):
                         say(f"marked MLflow run {run_id} KILLED: its process was killed while it ran")
                 if what in TORCH_STAGES:
-                    from citer.threads import set_stage_threads
+                    from citer.ops.threads import set_stage_threads
 
                     set_stage_threads(proj)
                 started = time.time()

@@ -39,9 +39,9 @@ def evaluate_one(
 @flow(name="eval-models")
 @locked("eval_models")
 def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.io import read_json
     from citer.models.chance import chance_accuracy, check_llm_above_chance
     from citer.models.evaluate import write_models_report
+    from citer.ops.io import read_json
 
     proj = load_project(params_path)
     p = proj.params

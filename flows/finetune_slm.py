@@ -13,7 +13,7 @@ from flows.common import locked, stage_run
 @task(name="finetune-disabled")
 def finetune_disabled(proj) -> dict[str, Any]:
     """finetune.enabled false: routing uses models.slm as is; nothing is trained and nothing is removed."""
-    from citer.io import write_json
+    from citer.ops.io import write_json
 
     m = proj.params.models
     if not proj.path(m.slm).is_dir():
@@ -32,8 +32,8 @@ def finetune_disabled(proj) -> dict[str, Any]:
 @flow(name="finetune-slm")
 @locked("finetune")
 def finetune_flow(params_path: str = "params.yaml") -> dict[str, Any]:
-    from citer.io import write_json
     from citer.models.finetune import finetune_slm
+    from citer.ops.io import write_json
 
     proj = load_project(params_path)
     p = proj.params

@@ -66,8 +66,8 @@ def stability_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.report import claims_both, read_sweep
     from citer.evaluation.stability import ReusePasses, outcome, spread
     from citer.evaluation.sweep import run_sweep
-    from citer.io import file_digest, read_json, write_json
-    from flows.runtime import SweepPasses
+    from citer.ops.io import file_digest, read_json, write_json
+    from flows.runners import SweepPasses
 
     logger = get_run_logger()
     proj = load_project(params_path)

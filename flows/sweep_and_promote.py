@@ -16,7 +16,8 @@ PENDING_FILE = ".state/promotion_pending.json"  # the intent of a registration +
 
 @task(name="find-champion", retries=2, retry_delay_seconds=2)
 def find_champion(proj, slm, pair):
-    from citer.registry import champion_to_compare, open_store
+    from citer.tracking.registry import champion_to_compare
+    from citer.tracking.store import open_store
 
     reg = proj.params.registry
     return champion_to_compare(
@@ -104,7 +105,7 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
     """Every decoding pass of the sweep, mapped over the flow's task runner (``runtime``); returns the sweep's
     result, the champion compared, the candidate router's meta and the SLM's hidden size."""
     from citer.evaluation.sweep import run_sweep
-    from flows.runtime import SweepPasses
+    from flows.runners import SweepPasses
 
     logger = get_run_logger()
     proj = load_project(params_path)
@@ -141,10 +142,12 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
     from citer.evaluation.report import sweep_metrics, write_sweep_reports
-    from citer.io import file_digest, write_json
-    from citer.project import git_commit
-    from citer.registry import AliasMoved, finish_pending, generator_config, open_store, publish_router
-    from flows.runtime import TaskRunners
+    from citer.ops.io import file_digest, write_json
+    from citer.tracking.alias import AliasMoved, finish_pending
+    from citer.tracking.provenance import git_head
+    from citer.tracking.registry import generator_config, publish_router
+    from citer.tracking.store import open_store
+    from flows.runners import TaskRunners
 
     logger = get_run_logger()
     proj = load_project(params_path)
@@ -193,13 +196,12 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 iteration=k,
                 labels_hash=rmeta.get("data_hash", ""),
                 data_version=file_digest(proj.path(p.data.train), "md5"),  # as DVC records it
-                git_commit=git_commit(proj.root),
+                git_commit=git_head(proj.root),
                 files={
                     "router_dir": proj.portable_ref(router_dir),
                     "data_train": proj.portable_ref(p.data.train),
                     "data_test": proj.portable_ref(p.data.test),
                 },
-                dev_quantiles=result.quantiles[chosen_router],
             ) | {"router_inputs": ",".join(proj.router_inputs(router_dir))}
             expected = champion.version.version if champion.version else None
             intent = {"model": reg.model_name, "alias": reg.alias, "run_id": run.run_id, "expected": expected}
@@ -216,6 +218,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                     tracking_uri=proj.tracking_uri,
                     model_config=generator_config(proj, plan.best.tau, tags),
                     expected_champion=expected,
+                    quantiles=result.quantiles[chosen_router],  # a file beside the router
                 ).version
             except AliasMoved as exc:
                 version = exc.version

@@ -17,7 +17,7 @@ from flows.common import locked, stage_run
 @locked("synth")
 def synth_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.data.synth import split_paths, synthesize, write_splits
-    from citer.io import file_digest, write_json
+    from citer.ops.io import file_digest, write_json
 
     proj = load_project(params_path)
     p = proj.params

@@ -43,7 +43,7 @@ def router_fingerprint(proj, labels_dir, router_params=None) -> str:
 @task(name="router-report")
 def router_report(proj, iterations: int) -> None:
     """``reports/router.json`` from the summaries the routers of iterations 1..K record in their meta."""
-    from citer.io import read_json
+    from citer.ops.io import read_json
     from citer.routing.mlp import META_FILE, write_router_report
 
     done = []
@@ -79,7 +79,7 @@ def router_flow(
     ``ablation`` (a ``router.ablations`` name) trains that feature set on the last iteration's labels instead;
     ``layers`` (a ``router.layers_grid`` entry) the CITER router at those widths, at ``routers_dir/layers_{tag}``.
     """
-    from citer.io import write_json
+    from citer.ops.io import write_json
     from citer.routing.architecture import layers_tag
     from citer.routing.features import ABLATIONS, needs_slm
     from citer.routing.iterations import check_provenance, pair_digests, recorded_fingerprint
@@ -116,7 +116,7 @@ def router_flow(
     last = ablation is None and layers is None and not citer_s and iteration == p.labels.iterations
     pair = pair_digests(proj.slm_ref, proj.llm_ref)
     if reuse and recorded_fingerprint(out / META_FILE) == fp:
-        from citer.io import read_json
+        from citer.ops.io import read_json
         from citer.routing.pair_check import pair_problem
 
         kept = read_json(out / META_FILE)

@@ -65,7 +65,7 @@ def validate_flow(
 
     ``models`` (directories or hub ids) set the context the rows must fit; default: see the module docstring.
     """
-    from citer.io import write_json
+    from citer.ops.io import write_json
 
     started = time.time()
     proj = load_project(params_path, optional=files is not None)
@@ -95,8 +95,7 @@ def validate_flow(
             }
         )
         run.artifact(out)
-    if out.resolve().is_relative_to(
-        proj.reports.resolve()
-    ):  # a report of the project, not a file a user named
+    # a report of the project, not a file a user named
+    if out.resolve().is_relative_to(proj.reports.resolve()):
         record_reports(proj, "validate", started)
     return reports

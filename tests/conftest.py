@@ -260,8 +260,8 @@ def champion_project(tiny_pair_dirs, tmp_path, monkeypatch):
     import mlflow
 
     from citer.project import load_project
-    from citer.registry import publish_router
     from citer.routing.mlp import MLPRouter, save_router
+    from citer.tracking.registry import publish_router
 
     root = tmp_path / "project"
     for role, src in zip(("slm", "llm"), tiny_pair_dirs, strict=True):
@@ -312,7 +312,7 @@ def project(tmp_path, monkeypatch):
 
 def sweep_row(method, tau, acc, rel, llm_acc=0.80, h="h", n=100):
     """A hand-made sweep row: accuracy ``acc`` at ``rel`` x LLM-only bytes."""
-    from citer.evaluation.rows import SweepRow
+    from citer.evaluation.sweep_rows import SweepRow
 
     return SweepRow(
         method, tau, acc, rel, 0, rel * 1000.0, rel, 1e-3, llm_accuracy=llm_acc, examples_hash=h, n_examples=n

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from conftest import REPO
 
-from citer import provenance
 from citer.evaluation.headline import BLOCKS, blocks_in, render_blocks, rewrite
-from citer.io import file_digest
+from citer.ops.io import file_digest
+from citer.tracking import provenance
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from citer.config import ConfigError, Params
-from citer.project import Project, as_project, git_commit, load_project, project_root
+from citer.project import Project, as_project, load_project, project_root
 
 
 def _project(root, **blocks) -> Project:
@@ -67,17 +65,6 @@ def test_load_project_root_and_params(tmp_path, monkeypatch):
     (other / "params.yaml").write_text("router:\n  lr: fast\n")
     with pytest.raises(ConfigError, match="router.lr"):
         load_project(optional=True)  # a malformed file is never replaced by the defaults
-
-
-def test_git_commit(tmp_path):
-    assert git_commit(tmp_path) == "unknown"
-    run = {"cwd": tmp_path, "check": True, "capture_output": True}
-    subprocess.run(["git", "init", "-q"], **run)
-    (tmp_path / "f").write_text("x")
-    subprocess.run(["git", "add", "f"], **run)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], **run)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], text=True, **run).stdout.strip()
-    assert git_commit(tmp_path) == head and len(head) == 40
 
 
 def test_as_project_takes_a_project_or_its_directory(tmp_path):

@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import typer
 
-from citer.cli import report as _report  # noqa: F401  (registers the ``citer report`` commands)
 from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used by tests)
     _OUTPUT,
     AllowPairMismatch,
@@ -26,6 +25,7 @@ from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used b
     friendly,
     labels_app,
     models_app,
+    report_app,
     router_app,
 )
 
@@ -72,7 +72,7 @@ def _check_files(
     files: list[tuple[str, str]], params: str, models: list[str] | None, report: str | None
 ) -> list[dict[str, Any]]:
     from citer.data.validate import validate_file
-    from citer.io import write_json
+    from citer.ops.io import write_json
     from citer.project import load_project
 
     proj = load_project(params, optional=True)
@@ -307,7 +307,7 @@ def _outcome(proj: Any) -> str | None:
     champion that stays."""
     import json
 
-    from citer.serving.champion import no_champion_reason
+    from citer.tracking.deployed import no_champion_reason
 
     try:
         promo = json.loads((proj.reports / "promotion.json").read_text(encoding="utf-8"))
@@ -361,14 +361,56 @@ def serve_cmd(
     )
 
 
+@report_app.command("html")
+@friendly
+def report_html(
+    reports: Annotated[Path, typer.Option(help="the reports directory")] = Path("reports"),
+    predictions: Annotated[Path, typer.Option(help="batch-inference output with token spans")] = Path(
+        "outputs/predictions.jsonl"
+    ),
+    out: Annotated[Path | None, typer.Option(help="default: REPORTS/report.html")] = None,
+) -> None:
+    """Rebuild reports/report.html (headline, every method with intervals, the plot, who wrote which token)."""
+    from citer.evaluation.html_report import write_report
+
+    typer.echo(f"wrote {write_report(reports, predictions, out or reports / 'report.html')}")
+
+
+@report_app.command("docs")
+@friendly
+def report_docs(
+    docs: Annotated[list[Path] | None, typer.Argument(help="documents with citer blocks")] = None,
+    reports: Annotated[Path, typer.Option(help="the reports directory the blocks are rendered from")] = Path(
+        "reports"
+    ),
+    check: Annotated[
+        bool, typer.Option(help="change nothing; exit 1 if a block differs from its reports")
+    ] = False,
+) -> None:
+    """Re-render the measured tables in README.md and docs/results.md from the report files."""
+    from citer.evaluation.headline import blocks_in, render_blocks, rewrite
+
+    stale = []
+    for doc in docs or [Path("README.md"), Path("docs/results.md")]:
+        if check:
+            held = blocks_in(doc.read_text(encoding="utf-8"))
+            fresh = render_blocks(reports, list(held))
+            stale += [f"{doc}: {n}" for n, body in held.items() if body != fresh[n][0]]
+        else:
+            typer.echo(f"{doc}: {', '.join(rewrite(doc, reports)) or 'no citer blocks'}")
+    if stale:
+        typer.echo("blocks that differ from the reports: " + "; ".join(stale), err=True)
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry
     # Waiting OpenMP threads sleep instead of spinning on a core other work needs (before torch is imported).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:
-        from citer.reaper import start_reaper
+        from citer.ops.reaper import start_reaper
 
         start_reaper()  # a SIGKILLed command takes its children (Prefect's temporary server) with it
-        from citer.interrupt import install
+        from citer.ops.interrupt import install
 
         install()  # Ctrl-C / SIGTERM: one line and exit 130 / 143 within seconds, runs closed as KILLED
     sys.exit(app())

@@ -84,7 +84,7 @@ def friendly(fn: F) -> F:
     """Every error a command raises ends here: one line on stderr and exit code 1 (130 on Ctrl-C).
 
     With ``--debug`` (or ``CITER_DEBUG=1``) the traceback comes first. A command's params file, and the devices,
-    models and data it points at (:mod:`citer.preflight`), are checked before any flow starts, so a bad key or a
+    models and data it points at (:mod:`citer.ops.preflight`), are checked before any flow starts, so a bad key or a
     missing device fails fast and quietly.
     """
 
@@ -97,10 +97,9 @@ def friendly(fn: F) -> F:
                 from citer.config import load_params
 
                 load_params(params)
-            if params is not None and not kwargs.get(
-                "paths"
-            ):  # a stage: what params point at, before Prefect starts
-                from citer.preflight import preflight
+            # a stage: what params point at, before Prefect starts
+            if params is not None and not kwargs.get("paths"):
+                from citer.ops.preflight import preflight
                 from citer.project import load_project
 
                 preflight(load_project(params), params)
@@ -110,11 +109,10 @@ def friendly(fn: F) -> F:
         except KeyboardInterrupt:
             _interrupted()
         except Exception as exc:
-            from citer import interrupt
+            from citer.ops import interrupt
 
-            if (
-                interrupt.interrupted() is not None
-            ):  # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+            # what fell over while a Ctrl-C unwound: the Ctrl-C is the story
+            if interrupt.interrupted() is not None:
                 _interrupted()
             if os.environ.get("CITER_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}:
                 traceback.print_exc()
@@ -127,7 +125,7 @@ def friendly(fn: F) -> F:
 
 def _interrupted() -> None:
     """Ctrl-C (or SIGTERM): close the runs still open, one line, exit 130 (143)."""
-    from citer import interrupt
+    from citer.ops import interrupt
 
     interrupt.run_callbacks()
     interrupt.say_once()

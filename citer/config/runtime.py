@@ -37,7 +37,7 @@ class RuntimeParams(_Block):
         1, ge=0, le=1024
     )  # torch intra-op threads in a dask/ray worker; 0 = default
     shards_per_worker: int = Field(1, ge=1, le=64)  # more, smaller shards even out long and short examples
-    # torch threads of each stage in the command's own process: 0 = auto (citer.threads: one for models under
+    # torch threads of each stage in the command's own process: 0 = auto (citer.ops.threads: one for models under
     # 64 MB of weights, else the cores free when the stage starts)
     stage_threads: int = Field(0, ge=0, le=1024)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from citer.data.answers import box_problem, empty_box_problem, extract_answer
 from citer.data.formats import Format, Problem, check_format, structural_problems
-from citer.data.rows import Row
+from citer.data.origin import Row
 
 # A JSONL line longer than this is refused (and skipped in chunks of this size, never held whole).
 MAX_LINE_BYTES = 8 * 1024 * 1024
@@ -246,7 +246,7 @@ def iter_lines(
 def read_jsonl(path: str | os.PathLike[str], fmt: Format) -> list[Row]:
     """All rows of a JSONL dataset in format ``fmt``; raises :class:`DataError` at the first bad line or field.
 
-    Each row remembers its file and 1-based line (:func:`citer.data.rows.origin`) for later error messages.
+    Each row remembers its file and 1-based line (:func:`citer.data.origin.origin`) for later error messages.
     """
     rows: list[Row] = []
     for parsed in iter_lines(path, fmt):

@@ -16,7 +16,7 @@ from typing import Any
 
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt, build_target
-from citer.progress import progress
+from citer.ops.progress import progress
 
 # A tokenizer's model_max_length at or above this is the library's "no limit" placeholder, not a context size.
 _NO_LIMIT = 10**8

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from citer.config import SynthParams
-from citer.io import atomic_dir, write_jsonl
+from citer.ops.io import atomic_dir, write_jsonl
 
 NAMES = ["Ann", "Ben", "Cal", "Dan", "Eve", "Max", "Mia", "Sam", "Tom", "Zoe"]
 ITEMS = ["apples", "books", "cards", "coins", "pens", "shells", "stamps", "eggs"]

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from citer.data.formats import Format
 from citer.data.jsonl import RULES, DataError, ParsedLine, iter_lines, rule_problems
 from citer.data.lengths import ContextBudget, over_limit, sequence_lengths
-from citer.io import write_json
+from citer.ops.io import write_json
 
 Severity = Literal["error", "warning"]
 

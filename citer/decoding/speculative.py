@@ -20,7 +20,7 @@ import torch
 
 from citer.decoding.cost import CostMeter, ModelCost
 from citer.decoding.pairing import VocabCut, embedding_rows, input_device
-from citer.progress import progress
+from citer.ops.progress import progress
 
 
 @dataclass(frozen=True)

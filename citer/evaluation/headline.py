@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from citer.io import write_text
+from citer.ops.io import write_text
 
 Block = tuple[str, list[str]]  # (markdown, the report files it read, relative to the reports dir)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from citer.evaluation.headline import headline_rows
-from citer.io import write_text
+from citer.ops.io import write_text
 
 _STYLE = """
 body { font: 15px/1.5 system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #1b1b1b; padding: 0 1rem; }
@@ -111,7 +111,7 @@ def _status(reports: Path, predictions: str | os.PathLike[str] | None) -> str:
 
 def _run_line(reports: Path) -> str:
     """When and from which commit the sweep wrote its reports, and its MLflow run (``provenance.json``)."""
-    from citer.provenance import read
+    from citer.tracking.provenance import read
 
     files = read(reports)["files"]
     entry = next((v for k, v in files.items() if Path(k).name == "sweep.json"), None)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from citer.evaluation.rows import SweepRow, rows_of
+from citer.evaluation.sweep_rows import SweepRow, rows_of
 
 Stat = Callable[[list[SweepRow]], float | None]
 MultiStat = Callable[[list[SweepRow]], Mapping[str, float | None]]

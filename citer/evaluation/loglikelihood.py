@@ -14,7 +14,7 @@ from typing import Any
 
 from citer.data.prompts import build_prompt, build_target
 from citer.decoding.scoring import routed_loglikelihood_batch
-from citer.progress import progress
+from citer.ops.progress import progress
 
 
 def choice_continuations(row: Mapping[str, Any]) -> list[str]:

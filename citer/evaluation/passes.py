@@ -15,13 +15,13 @@ from typing import Any
 
 from citer.data.answers import grade
 from citer.data.formats import Format
+from citer.data.origin import origin
 from citer.data.prompts import build_prompt
-from citer.data.rows import origin
 from citer.decoding.cost import GPU_BANDWIDTH
 from citer.decoding.speculative import SpeculativeOutput
 from citer.evaluation.pricing import CallCounts, Pricing, RouterShape, check_measured, router_shape
-from citer.evaluation.rows import SweepError, SweepRow
-from citer.progress import progress
+from citer.evaluation.sweep_rows import SweepError, SweepRow
+from citer.ops.progress import progress
 
 
 @dataclass

@@ -25,7 +25,7 @@ from citer.decoding.engine import RoutedEngine
 from citer.decoding.speculative import speculative_generate
 from citer.evaluation.passes import PassResult, decode_pass, speculative_result
 from citer.evaluation.pricing import Pricing, RouterShape, call_tally
-from citer.evaluation.rows import SweepError
+from citer.evaluation.sweep_rows import SweepError
 
 # routed: the pair through ``router``; llm / slm: that model alone (the references); speculative: assisted
 # generation on the first ``sweep.speculative_examples`` questions.

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from citer.config import ModelShapeParams, PriceAtParams
 from citer.decoding.cost import ModelCost, RowStats
-from citer.evaluation.rows import SweepRow
+from citer.evaluation.sweep_rows import SweepRow
 from citer.routing.architecture import MLPRouter
 from citer.routing.features import DEFAULT_LOGIT_K, FeatureRouter, input_dim, normalize_features
 

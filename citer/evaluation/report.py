@@ -1,6 +1,6 @@
 """The sweep's files: reports/sweep.json (exactly the contract keys), the details, the claims, plot data and the PNG.
 
-Every file is written atomically (``citer.io``).
+Every file is written atomically (``citer.ops.io``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 from citer.evaluation.intervals import attach_intervals
 from citer.evaluation.pareto import claims
 from citer.evaluation.pricing import labelled, priced_view
-from citer.evaluation.rows import METHODS, SweepError, SweepRow, rows_of
-from citer.io import atomic_dir, atomic_path, write_json
+from citer.evaluation.sweep_rows import METHODS, SweepError, SweepRow, rows_of
+from citer.ops.io import atomic_dir, atomic_path, write_json
 
 
 def write_sweep(

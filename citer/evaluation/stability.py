@@ -20,7 +20,7 @@ from typing import Any
 from citer.config import SelectionRule
 from citer.evaluation.plan import RANDOM, PassBench, PassMap, PassOutcome, PassSpec
 from citer.evaluation.promotion import VERIFY_KEYS, plan_promotion
-from citer.evaluation.rows import SweepRow
+from citer.evaluation.sweep_rows import SweepRow
 
 SEED_FREE = (RANDOM, "confidence", "oracle")  # router keys that no router training touches
 

@@ -52,7 +52,7 @@ from citer.evaluation.query import (
     scoring_bytes,
     train_query_router,
 )
-from citer.evaluation.rows import SweepError, SweepRow
+from citer.evaluation.sweep_rows import SweepError, SweepRow
 from citer.evaluation.thresholds import method_scores, quantile_table, taus_at_fractions
 from citer.evaluation.verify_sweep import VARIANTS, VerifyStages
 from citer.evaluation.widths import as_method, pick_width, read_summary

@@ -6,8 +6,8 @@ fractions of tokens sent to the LLM: τ_f is the f-quantile of the router's scor
 on dev. Those positions are taken from the SLM's own greedy answers (what the router reads while the SLM writes);
 a routed answer visits slightly different positions, so the realised fraction on test is reported beside the target.
 
-A version's quantile table (:func:`quantile_table`) travels with it to the registry, so ``route``/``serve`` can be
-asked for a fraction instead of a raw τ (:func:`tau_for_fraction`).
+A version's quantile table (:func:`quantile_table`) is a file logged with it in the registry, so ``route``/``serve``
+can be asked for a fraction instead of a raw τ (:func:`tau_for_fraction`, via :mod:`citer.tracking.deployed`).
 """
 
 from __future__ import annotations

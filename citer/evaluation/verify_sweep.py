@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from citer.config import SelectionRule, VerifySweepParams
 from citer.evaluation.plan import PassSpec
 from citer.evaluation.promotion import best_row
-from citer.evaluation.rows import SweepRow
+from citer.evaluation.sweep_rows import SweepRow
 
 VARIANTS = ("citer", "citer_emb", "citer_logits", "citer_emb_logits")  # the router-input choices made on dev
 

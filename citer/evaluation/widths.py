@@ -16,7 +16,7 @@ from citer.decoding.baselines import Router, router_read_bytes
 from citer.evaluation.plan import PassBench
 from citer.evaluation.pricing import Pricing, router_shape, router_share
 from citer.evaluation.promotion import best_row, choose_candidate, objective
-from citer.evaluation.rows import SweepError, SweepRow, llm_reference
+from citer.evaluation.sweep_rows import SweepError, SweepRow, llm_reference
 
 
 def choose_width(dev_rows: Sequence[SweepRow], rule: SelectionRule, methods: Sequence[str]) -> str:

@@ -23,9 +23,9 @@ from citer.data.formats import Format
 from citer.data.jsonl import read_jsonl
 from citer.data.prompts import CHAT_TEMPLATE, build_prompt, build_target
 from citer.decoding.forward import right_padded
-from citer.io import atomic_dir
 from citer.models.loading import count_params
-from citer.progress import progress
+from citer.ops.io import atomic_dir
+from citer.ops.progress import progress
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -18,8 +18,8 @@ from citer.data.answers import extract_answer, grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt
 from citer.decoding.pairing import VocabCut, input_device
-from citer.io import write_json
-from citer.progress import progress
+from citer.ops.io import write_json
+from citer.ops.progress import progress
 
 
 class EvalError(ValueError):

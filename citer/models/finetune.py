@@ -24,11 +24,11 @@ import torch
 
 from citer.config import FinetuneParams
 from citer.data.formats import Format
+from citer.data.origin import Row, source
 from citer.data.prompts import build_prompt, build_target
-from citer.data.rows import Row, source
-from citer.io import atomic_dir
 from citer.models.evaluate import evaluate_model
 from citer.models.loading import count_params, load_model
+from citer.ops.io import atomic_dir
 
 
 class FinetuneError(ValueError):

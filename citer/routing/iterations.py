@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from citer.io import file_digest
+from citer.ops.io import file_digest
 
 # Model files above this size are sampled (head, tail, size) instead of read whole: a 144 GB LLM is not rehashed.
 _WHOLE_FILE_BYTES = 1 << 20
@@ -27,7 +27,6 @@ LABELS_CODE = (
     "citer.routing.labels",
     "citer.routing.rollouts",
     "citer.routing.shards",  # sharding must not change labels; a change to how shards merge recollects them anyway
-    "citer.sharding",
     "citer.routing.label_store",
     "citer.decoding",
     "citer.data.answers",

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file, save_file
 
-from citer.io import atomic_dir, read_artifact_meta
+from citer.ops.io import atomic_dir, read_artifact_meta
 
 CASES: tuple[str, ...] = ("slm_correct", "llm_correct", "both_wrong")
 SLM_PREFERRED = 1

@@ -27,11 +27,11 @@ import torch
 
 from citer.config import LabelsParams
 from citer.data.formats import Format
+from citer.data.origin import origin
 from citer.data.prompts import build_prompt, build_target
-from citer.data.rows import origin
 from citer.decoding.baselines import Router
 from citer.decoding.pairing import cut_logits, input_device
-from citer.progress import progress
+from citer.ops.progress import progress
 from citer.routing.label_store import LLM_PREFERRED, SLM_PREFERRED, LabelsError, LabelSet, make_tokens_table
 from citer.routing.rollouts import Branch, pad_id, rollout_correct, rollout_engine
 
@@ -143,9 +143,8 @@ def _targets_forward(model: Any, batch: Sequence[Encoded], pad_id: int, want_hid
     b_idx = torch.cat([torch.full((len(e.target),), b) for b, e in enumerate(batch)])
     p_idx = torch.cat([torch.arange(len(e.target)) + len(e.prompt) - 1 for e in batch])
     ht = h[b_idx.to(h.device), p_idx.to(h.device)]  # (n, H)
-    logits = cut_logits(
-        model.get_output_embeddings()(ht), vocab_size
-    )  # (n, V): padded embedding rows never win
+    # (n, V): padded embedding rows never win
+    logits = cut_logits(model.get_output_embeddings()(ht), vocab_size)
     return logits.argmax(-1).cpu(), (ht.float().cpu() if want_hidden else None)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from citer.io import write_json
+from citer.ops.io import write_json
 from citer.routing.features import RouterError
 from citer.routing.label_store import CASES, LabelSet
 

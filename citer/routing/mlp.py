@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from citer.config import RouterParams
-from citer.io import atomic_dir, read_artifact_meta
-from citer.progress import progress
+from citer.ops.io import atomic_dir, read_artifact_meta
+from citer.ops.progress import progress
 from citer.routing.architecture import MLPRouter, layer_widths
 from citer.routing.features import (
     DEFAULT_LOGIT_K,

@@ -5,8 +5,8 @@ one row per prompt: ``text`` (the continuation), ``answer`` (extracted when the 
 and the routing stats ``n_tokens``, ``llm_tokens``, ``llm_token_fraction``, ``llm_calls``, ``bytes_moved``.
 Params (optional): ``max_new_tokens``, ``tau`` (a negative τ means the config's).
 
-The model's config (``model_config`` at registration, :func:`citer.registry.register_router`) names the pair by
-reference and the decoding settings: ``slm``, ``llm`` (hub ids or paths relative to the project root), ``tau``,
+The model's config (``model_config`` at registration, :func:`citer.tracking.registry.register_router`) names the
+pair by reference and the decoding settings: ``slm``, ``llm`` (hub ids or paths relative to the project root), ``tau``,
 ``prompt_format`` (``raw``: the prompt is continued as given; ``math``/``mc``: it is the question, wrapped in the
 training template), ``answer_format`` (``math``/``mc``/``none``), ``max_new_tokens``, ``dtype``, ``device``.
 

@@ -13,7 +13,7 @@ from citer.data.answers import grade
 from citer.data.formats import Format
 from citer.decoding.baselines import AlwaysSLM, Router
 from citer.decoding.engine import RoutedEngine
-from citer.progress import progress
+from citer.ops.progress import progress
 from citer.routing.label_store import LabelsError
 
 

@@ -1,16 +1,18 @@
 """Label collection cut into shards: which examples / branches each shard holds, one shard's passes, the merge.
 
-Teacher-forced passes batch examples sorted by length and rollouts batch branches sorted by prefix length, in the
-orders :func:`citer.routing.labels.teacher_forced_order` and :func:`citer.routing.rollouts.rollout_order` define for
-those passes. A shard here is a contiguous run of whole batches of exactly that order (:mod:`citer.sharding`); both
-passes sort stably, so run on a shard's items (already in that order) they rebuild the very same batches, and the
-merged result equals the single-process one bit for bit. ``tests/test_sharding.py`` pins this against the batches the
-functions really form.
+A shard is a contiguous run of *whole batches* of the order the single-process run uses: teacher-forced passes batch
+examples sorted by length and rollouts batch branches sorted by prefix length, in the orders
+:func:`citer.routing.labels.teacher_forced_order` and :func:`citer.routing.rollouts.rollout_order` define. Both passes
+sort stably, so run on a shard's items (already in that order) they rebuild the very same batches, with the same
+padding, and a model's outputs for them are the same bits (same device, dtype and thread count); merging the shards
+by item index then gives exactly the single-process result. ``tests/routing/test_shards.py`` pins this against the
+batches the functions really form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -22,7 +24,58 @@ from citer.routing.labels import (
     teacher_forced_order,
 )
 from citer.routing.rollouts import Branch, rollout_order
-from citer.sharding import ShardError, merge_by_index, split_batches
+
+T = TypeVar("T")
+
+
+class ShardError(ValueError):
+    """Shards that do not cover the work exactly once, or a shard result of the wrong length."""
+
+
+def batches_of(order: Sequence[int], batch_size: int) -> list[list[int]]:
+    """``order`` cut into consecutive batches of ``batch_size`` (the last one may be shorter)."""
+    if batch_size < 1:
+        raise ShardError(f"batch_size: {batch_size} is not allowed (must be >= 1)")
+    return [list(order[s : s + batch_size]) for s in range(0, len(order), batch_size)]
+
+
+def split_batches(order: Sequence[int], batch_size: int, n_shards: int) -> list[list[int]]:
+    """Item indices per shard: ``order``'s batches dealt into at most ``n_shards`` contiguous runs whose batch
+    counts differ by at most one (earlier shards take the extra batch). No shard is empty."""
+    if n_shards < 1:
+        raise ShardError(f"n_shards: {n_shards} is not allowed (must be >= 1)")
+    batches = batches_of(order, batch_size)
+    n = min(n_shards, len(batches))
+    if n == 0:
+        return []
+    base, extra = divmod(len(batches), n)
+    shards, start = [], 0
+    for s in range(n):
+        stop = start + base + (1 if s < extra else 0)
+        shards.append([i for b in batches[start:stop] for i in b])
+        start = stop
+    return shards
+
+
+def merge_by_index(n: int, shards: Sequence[Sequence[int]], parts: Sequence[Sequence[T]]) -> list[T]:
+    """``parts[s][j]`` placed at index ``shards[s][j]``; every index in ``0..n-1`` must be covered exactly once."""
+    if len(parts) != len(shards):
+        raise ShardError(f"merge: {len(parts)} shard results for {len(shards)} shards")
+    out: list[T | None] = [None] * n
+    seen = [False] * n
+    for s, (idx, part) in enumerate(zip(shards, parts, strict=True)):
+        if len(idx) != len(part):
+            raise ShardError(f"merge: shard {s} returned {len(part)} results for {len(idx)} items")
+        for i, value in zip(idx, part, strict=True):
+            if not 0 <= i < n or seen[i]:
+                raise ShardError(f"merge: shard {s} holds index {i} outside 0..{n - 1} or twice")
+            seen[i] = True
+            out[i] = value
+    missing = [i for i, hit in enumerate(seen) if not hit]
+    if missing:
+        raise ShardError(f"merge: indices {missing[:5]} (of {len(missing)}) in no shard")
+    return out  # type: ignore[return-value]  # every slot was filled above
+
 
 # What a teacher-forced shard returns: per target token of its examples, in shard order.
 TF_KEYS = ("slm_token", "llm_token", "hidden")

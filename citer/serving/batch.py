@@ -32,7 +32,7 @@ from citer.data.formats import FORMATS, Format, question_text, structural_proble
 from citer.data.jsonl import iter_raw_lines
 from citer.data.prompts import build_prompt
 from citer.decoding.engine import EngineInputError
-from citer.io import file_digest, write_json
+from citer.ops.io import file_digest, write_json
 
 # Input lines per durable write, in batches: a chunk keeps its rows' batch full as rows finish (continuous batching).
 CHUNK_BATCHES = 4
@@ -301,7 +301,7 @@ def write_without_champion(
 ) -> None:
     """What batch inference leaves when no router holds the alias: an empty (valid) output and a sidecar whose
     ``status`` says why. A later run with a champion starts the file over (no rows to resume)."""
-    from citer.io import write_text
+    from citer.ops.io import write_text
 
     inp, output = Path(input_path), Path(output_path)
     write_text(output, "")
@@ -374,7 +374,7 @@ def route_file(
     todo = [ch for ch in chunks if ch[0].index not in done]
     n_processed = 0
     if todo:
-        from citer.progress import bar as progress_bar
+        from citer.ops.progress import bar as progress_bar
 
         if eng is None:
             eng = engine if hasattr(engine, "generate_batch") else engine()

@@ -10,7 +10,7 @@ from conftest import FIXTURES, SHARED_DATA, needs_shared_data
 
 from citer.data import jsonl
 from citer.data.jsonl import DataError, iter_lines, iter_raw_lines, read_jsonl
-from citer.io import write_jsonl
+from citer.ops.io import write_jsonl
 
 BAD_DIR = FIXTURES / "bad"
 EXPECTED = json.loads((BAD_DIR / "expected.json").read_text(encoding="utf-8"))["files"]

@@ -50,7 +50,7 @@ def own_project(dvc_project, tiny_pair_dirs):  # noqa: F811
     be (models/slm_base, models/llm): synth, bootstrap and finetune off."""
     from citer.config import SynthParams
     from citer.data.synth import synthesize
-    from citer.io import write_jsonl
+    from citer.ops.io import write_jsonl
 
     root, env = dvc_project
     rows = synthesize(SynthParams(seed=3, n_train=40, n_dev=8, n_test=12))

@@ -28,7 +28,7 @@ def test_pipeline_end_to_end(prefect_server, project):
     for it in router["iterations"]:
         assert {"iteration", "n_tokens", "case_counts", "val_auc", "val_loss"} <= set(it)
     sweep = json.loads((rep / "sweep.json").read_text())
-    from citer.evaluation.rows import SWEEP_KEYS
+    from citer.evaluation.sweep_rows import SWEEP_KEYS
 
     assert all(list(r) == list(SWEEP_KEYS) for r in sweep)
     methods = {"citer", "citer_iter1", "citer_s", "oracle", "slm", "llm", "random", "confidence", "query"}

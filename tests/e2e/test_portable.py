@@ -27,8 +27,10 @@ def test_copied_project_uses_its_own_store_models_and_champion(
     import mlflow
 
     from citer.project import load_project
-    from citer.registry import champion_to_compare, get_alias, open_store
     from citer.serving.champion import load_champion
+    from citer.tracking.alias import get_alias
+    from citer.tracking.registry import champion_to_compare
+    from citer.tracking.store import open_store
     from flows.common import stage_run
 
     original = str(champion_project)
@@ -93,7 +95,8 @@ def test_params_naming_another_pair_are_refused_in_one_line(champion_project, tm
     import yaml
 
     from citer.project import load_project
-    from citer.serving.champion import ChampionError, load_champion
+    from citer.serving.champion import load_champion
+    from citer.tracking.deployed import ChampionError
 
     shutil.copytree(champion_project / "models" / "llm", champion_project / "models" / "llm_other")
     params = yaml.safe_load((champion_project / "params.yaml").read_text())

@@ -78,7 +78,7 @@ def collect_sharded(
     from citer.project import load_project
     from citer.routing.label_store import save_labels
     from flows.collect_preferences import collect
-    from flows.runtime import TaskRunners
+    from flows.runners import TaskRunners
 
     t0 = time.perf_counter()
     for k in iterations:
@@ -130,7 +130,7 @@ def test_dask_two_workers_equal_in_process(reference, scale_project, dask_cluste
     from distributed import Client
 
     with Client(dask_cluster.scheduler_address) as client:
-        held = client.run(lambda: [k for k in __import__("citer.runtime").runtime._SLOTS])
+        held = client.run(lambda: [k for k in __import__("citer.routing.workers").routing.workers._SLOTS])
     assert all(slots and "pair" in slots for slots in held.values()), held
 
 

@@ -16,7 +16,7 @@ from citer.evaluation.intervals import (
     resampled,
 )
 from citer.evaluation.pareto import claims
-from citer.evaluation.rows import SweepRow
+from citer.evaluation.sweep_rows import SweepRow
 
 
 def row(method, tau, correct, qbytes, llm_bytes, llm_acc=None) -> SweepRow:

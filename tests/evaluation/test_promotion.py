@@ -18,7 +18,7 @@ from citer.evaluation.promotion import (
     promotion_record,
     version_tags,
 )
-from citer.evaluation.rows import SweepError, SweepRow
+from citer.evaluation.sweep_rows import SweepError, SweepRow
 
 NONE_MEETS = SelectionRule(kind="max_accuracy_under_bytes", bytes_budget_rel_llm=0.1)  # citer's least is 0.15
 
@@ -450,7 +450,7 @@ def test_version_tags_and_record_carry_every_field(sweep_rows):
         data_version="d41d",
         git_commit="deadbeef",
     )
-    tags = version_tags(best, rule, **common, files={"router_dir": "models/router"}, dev_quantiles=[0.1, 0.9])
+    tags = version_tags(best, rule, **common, files={"router_dir": "models/router"})
     assert tags == {
         "router_dir": "models/router",
         **common,
@@ -464,9 +464,7 @@ def test_version_tags_and_record_carry_every_field(sweep_rows):
         "selected_on": "dev",
         "target_llm_fraction": 0.25,
         "method": "citer",
-        "dev_score_quantiles": "[0.1, 0.9]",
-    }
-    assert "dev_score_quantiles" not in version_tags(best, rule, **common)
+    }  # the dev score quantiles are a file logged with the version (citer.tracking.registry), not a tag
     dev = R("citer", 0.6, 0.78, 0.34)
     dev.extra["target_llm_fraction"] = 0.2
     plan = PromotionPlan(best, Decision(False, "kept", "3"), dev)

@@ -16,7 +16,7 @@ from citer.evaluation.report import (
     write_sweep,
     write_sweep_reports,
 )
-from citer.evaluation.rows import METHODS, SWEEP_KEYS, SweepError
+from citer.evaluation.sweep_rows import METHODS, SWEEP_KEYS, SweepError
 
 
 def test_write_and_plot(sweep_rows, tmp_path):

@@ -12,7 +12,7 @@ from conftest import answering_rows
 from citer.config import RouterParams, SweepParams
 from citer.evaluation.promotion import plan_promotion
 from citer.evaluation.report import write_sweep
-from citer.evaluation.rows import SWEEP_KEYS, SweepError
+from citer.evaluation.sweep_rows import SWEEP_KEYS, SweepError
 from citer.evaluation.thresholds import quantile_table, tau_at_fraction, tau_for_fraction, taus_at_fractions
 
 

@@ -9,7 +9,7 @@ from conftest import answering_rows
 
 from citer.config import RuntimeParams, SweepParams
 from citer.evaluation.plan import PassBench, PassSpec, deal, gather, run_in_order
-from citer.evaluation.rows import SweepError
+from citer.evaluation.sweep_rows import SweepError
 
 
 def test_deal_and_gather_restore_spec_order():
@@ -84,7 +84,7 @@ def test_two_workers_give_the_rows_of_one(tiny_pair, prefect_server, runner):
     workers (threads, or two Dask worker processes with one torch thread each): byte-identical rows."""
     from prefect import flow
 
-    from flows.runtime import SweepPasses, TaskRunners
+    from flows.runners import SweepPasses, TaskRunners
 
     rt = RuntimeParams(task_runner=runner, workers=2)
 
@@ -108,7 +108,7 @@ def test_one_worker_runs_here_with_its_torch_threads_then_restores_them(tiny_pai
 
     from citer.evaluation import plan
     from citer.evaluation.sweep import _split
-    from flows.runtime import SweepPasses
+    from flows.runners import SweepPasses
 
     slm, llm, tok = tiny_pair
     bench = PassBench(slm, llm, tok, "math", SweepParams(batch_size=2, max_new_tokens=3))

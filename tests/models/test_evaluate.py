@@ -11,8 +11,8 @@ import yaml
 from conftest import make_qwen2
 
 from citer.data.prompts import build_prompt, build_target
-from citer.io import read_json
 from citer.models.evaluate import EvalError, evaluate_model, generate_greedy, write_models_report
+from citer.ops.io import read_json
 
 ROWS = [
     {"id": "a", "problem": "2 + 2?", "solution": "2 + 2 = 4. So the answer is \\boxed{4}."},

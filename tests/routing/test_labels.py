@@ -361,7 +361,7 @@ def test_encode_rows_adds_no_special_tokens_and_one_eos(char_tokenizer):
 
 
 def test_encode_rows_names_the_row_at_fault(char_tokenizer):
-    from citer.data.rows import Row
+    from citer.data.origin import Row
 
     with pytest.raises(LabelsError, match="^train.jsonl:7: field 'solution' missing for format 'math'$"):
         encode_rows(char_tokenizer, [Row({"problem": "1+1"}, "train.jsonl", 7)], "math")

@@ -13,10 +13,12 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
 
     from citer.config import Params
     from citer.project import Project
-    from citer.registry import register_router, set_alias
     from citer.routing.iterations import pair_digests
     from citer.routing.mlp import save_router
-    from citer.serving.champion import ChampionError, load_champion
+    from citer.serving.champion import load_champion
+    from citer.tracking.alias import set_alias
+    from citer.tracking.deployed import ChampionError
+    from citer.tracking.registry import register_router
 
     slm_dir, llm_dir = tiny_pair_dirs
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -117,49 +119,3 @@ def test_citer_serve_serves_the_projects_champion(champion_project, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-
-
-def test_champion_tau_from_a_target_llm_fraction():
-    import json
-
-    from citer.registry import RouterVersion
-    from citer.serving.champion import ChampionError, champion_tau
-
-    table = [round(f**2, 6) for f in [i / 100 for i in range(101)]]  # dev scores' τ at fractions 0..1
-    rv = RouterVersion("citer-router", "3", {"tau": "0.25", "dev_score_quantiles": json.dumps(table)}, "")
-    assert champion_tau(rv) == 0.25  # the τ chosen on dev
-    assert champion_tau(rv, tau=0.7) == 0.7
-    assert champion_tau(rv, llm_fraction=0.1) == pytest.approx(0.01)
-    assert champion_tau(rv, llm_fraction=0.105) == pytest.approx((0.01 + 0.0121) / 2)
-    with pytest.raises(ChampionError, match="not both"):
-        champion_tau(rv, tau=0.5, llm_fraction=0.1)
-    old = RouterVersion("citer-router", "1", {"tau": "0.5"}, "")
-    with pytest.raises(ChampionError, match="no dev score quantiles"):
-        champion_tau(old, llm_fraction=0.1)
-
-
-def test_no_champion_names_the_gate_that_refused(tmp_path, monkeypatch):
-    """A project whose sweep ran and promoted nothing says why, not 'run the sweep first'."""
-    import json
-    import shutil
-
-    import pytest
-    from conftest import REPO
-
-    from citer.project import load_project
-    from citer.registry import RegistryError
-    from citer.serving.champion import project_champion
-
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("CITER_ROOT", raising=False)
-    monkeypatch.chdir(tmp_path)
-    proj = load_project("params.yaml")
-    assert proj.root.resolve() == tmp_path.resolve()
-    with pytest.raises(RegistryError, match="run the sweep stage first"):
-        project_champion(proj)  # no sweep yet
-    proj.reports.mkdir(parents=True, exist_ok=True)
-    reason = "only 12 test questions; registry.min_eval_examples is 200"
-    (proj.reports / "promotion.json").write_text(json.dumps({"promoted": 0, "reason": reason}))
-    with pytest.raises(RegistryError, match=f"promoted nothing: {reason} \\(reports/promotion.json\\)"):
-        project_champion(proj)

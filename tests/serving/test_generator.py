@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from citer.registry import OUTPUT_COLUMNS
+from citer.tracking.registry import OUTPUT_COLUMNS
 
 PROMPTS = ["Question: 1+2\nAnswer:", "Question: 7\nAnswer:"]
 

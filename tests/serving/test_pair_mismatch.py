@@ -153,7 +153,7 @@ def test_a_stale_champion_is_replaced_not_kept(champion_project, sweep_rows):
     from citer.config import SelectionRule
     from citer.evaluation.promotion import plan_promotion
     from citer.project import load_project
-    from citer.registry import champion_to_compare
+    from citer.tracking.registry import champion_to_compare
 
     proj = load_project()
     reg = proj.params.registry

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from citer.io import atomic_dir, atomic_path, read_json, write_json, write_jsonl
+from citer.ops.io import atomic_dir, atomic_path, read_json, write_json, write_jsonl
 
 
 def test_atomic_path_keeps_old_file_on_failure(tmp_path):

@@ -8,18 +8,10 @@ import json
 import pytest
 import torch
 
-from citer.registry import (
-    AliasMoved,
-    RegistryError,
-    finish_pending,
-    get_alias,
-    load_router_version,
-    move_alias,
-    register_router,
-    set_alias,
-    verify_router_version,
-)
 from citer.routing.mlp import MLPRouter, save_router
+from citer.tracking.alias import AliasMoved, finish_pending, get_alias, move_alias, set_alias
+from citer.tracking.registry import load_router_version, register_router, verified_files
+from citer.tracking.store import RegistryError
 
 
 def _register(client, exp, tmp_path, seed=0):
@@ -65,7 +57,8 @@ def test_a_tampered_router_is_refused(store, tmp_path):
     v1, _ = _register(client, exp, tmp_path)
     assert set(json.loads(v1.tags["router_sha256"])) == {"router.safetensors", "router.json"}
     load_router_version(v1)  # untouched: loads
-    verify_router_version(v1)
+    with verified_files(v1) as files:
+        assert files.quantiles is None  # registered without a quantile table
     art = next((tmp_path / "art").rglob("router.json"))  # the copy in the artifact store
     meta = json.loads(art.read_text())
     meta["dropout"] = 0.5
@@ -73,7 +66,8 @@ def test_a_tampered_router_is_refused(store, tmp_path):
     with pytest.raises(RegistryError, match="router.json .* does not match the sha256 recorded"):
         load_router_version(v1)
     with pytest.raises(RegistryError, match="router.json .* does not match the sha256 recorded"):
-        verify_router_version(v1)  # what `citer route` checks before it looks at its output
+        with verified_files(v1):  # what `citer route` checks before it looks at its output
+            pass
 
 
 def test_an_interrupted_promotion_is_completed_or_retired(store, tmp_path):

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from citer.io import file_digest, write_json
+from citer.ops.io import file_digest, write_json
 
 FILE = "provenance.json"
 
@@ -57,16 +57,14 @@ def _git(root: Path, *args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def git_head(root: str | os.PathLike[str]) -> str:
-    """The checked-out commit of ``root``, or ``unknown`` outside a git checkout."""
-    return _git(Path(root), "rev-parse", "HEAD") or "unknown"
-
-
-def git_commit(root: str | os.PathLike[str], outputs: Iterable[str] = ("reports", "dvc.lock")) -> str:
-    """:func:`git_head`, with ``+dirty`` when tracked files differ from it (the numbers may not be the commit's).
-    ``outputs`` (paths relative to ``root``) are what runs rewrite, the reports themselves: they do not count."""
-    head = git_head(root)
-    if head == "unknown":
+def git_head(
+    root: str | os.PathLike[str], *, dirty: bool = False, outputs: Iterable[str] = ("reports", "dvc.lock")
+) -> str:
+    """The checked-out commit of ``root``, or ``unknown`` outside a git checkout. With ``dirty``, ``+dirty`` is
+    appended when tracked files differ from it (the numbers may not be the commit's); ``outputs`` (paths relative to
+    ``root``) are what runs rewrite, the reports themselves: they do not count."""
+    head = _git(Path(root), "rev-parse", "HEAD") or "unknown"
+    if not dirty or head == "unknown":
         return head
     spec = ["."] + [f":(exclude){o}" for o in outputs]
     dirty = bool(_git(Path(root), "status", "--porcelain", "--untracked-files=no", "--", *spec))
@@ -99,7 +97,7 @@ def stamp(
     rel = os.path.relpath(reports.resolve(), root.resolve())
     common = {
         "stage": stage,
-        "commit": git_commit(root, (rel, "dvc.lock")),
+        "commit": git_head(root, dirty=True, outputs=(rel, "dvc.lock")),
         "params_digest": None if params is None else params_digest(params),
         "machine": machine(),
         "stage_wall_s": round(float(wall_s), 2),
@@ -167,7 +165,7 @@ def record_run(
     data.setdefault("runs", {})[stage] = {
         "started_at": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
         "wall_s": round(float(wall_s), 2),
-        "commit": git_commit(root, (rel, "dvc.lock")),
+        "commit": git_head(root, dirty=True, outputs=(rel, "dvc.lock")),
         "params_digest": None if params is None else params_digest(params),
         "machine": machine(),
     }

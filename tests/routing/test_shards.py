@@ -1,4 +1,4 @@
-"""Shard splitting and merging (citer.sharding, citer.routing.shards), the runtime params block and the worker cache.
+"""Shard splitting and merging (citer.routing.shards), the runtime params block and the worker cache.
 
 The equality tests run the shards in this process on the tiny pair: sharded teacher-forced passes, rollouts and a
 whole iteration-1 collection must give the single process's tensors bit for bit. The Prefect/Dask/Ray path of the same
@@ -15,15 +15,18 @@ from citer.config import ConfigError, LabelsParams, RuntimeParams, load_params
 from citer.routing.labels import Branch, InProcessWork, collect_iter1, collect_iter_k, encode_rows
 from citer.routing.rollouts import rollout_correct
 from citer.routing.shards import (
+    ShardError,
+    batches_of,
     branches_from,
     branches_tensor,
+    merge_by_index,
     merge_rollouts,
     merge_teacher_forced,
     rollout_shards,
     run_teacher_forced_shard,
+    split_batches,
     teacher_forced_shards,
 )
-from citer.sharding import ShardError, batches_of, merge_by_index, split_batches
 
 ROWS = [
     {"problem": f"{a}+{b}", "solution": f"{a}+{b}={a + b}. \\boxed{{{a + b}}}"}
@@ -154,7 +157,7 @@ def test_sharded_routed_rollouts_equal_the_single_process(work):
 
 
 class ShardedInProcess:
-    """ShardedWork (flows/runtime.py) without Prefect: the same plan and merge, shards run here, last first."""
+    """ShardedWork (flows/runners.py) without Prefect: the same plan and merge, shards run here, last first."""
 
     def __init__(self, work, n_shards):
         self.work, self.n = work, n_shards
@@ -253,18 +256,18 @@ def test_runtime_addresses_accepted(tmp_path, monkeypatch):
 
 
 def test_worker_cache_loads_once_and_keeps_one_value():
-    from citer import runtime
+    from citer.routing import workers
 
     calls = []
-    runtime.release()
+    workers.release()
     try:
-        assert runtime._cached("t", "a", lambda: calls.append("a") or 1) == 1
-        assert runtime._cached("t", "a", lambda: calls.append("a2") or 2) == 1
-        assert runtime._cached("t", "b", lambda: calls.append("b") or 3) == 3
-        assert calls == ["a", "b"] and [k for k, _ in runtime._SLOTS.values()] == ["b"]
+        assert workers._cached("t", "a", lambda: calls.append("a") or 1) == 1
+        assert workers._cached("t", "a", lambda: calls.append("a2") or 2) == 1
+        assert workers._cached("t", "b", lambda: calls.append("b") or 3) == 3
+        assert calls == ["a", "b"] and [k for k, _ in workers._SLOTS.values()] == ["b"]
     finally:
-        runtime.release()
-    assert runtime.gpu_group(1, 2) == "2,3" and runtime.gpu_group(0, 1) == "0"
+        workers.release()
+    assert workers.gpu_group(1, 2) == "2,3" and workers.gpu_group(0, 1) == "0"
 
 
 def test_task_runner_factory():
@@ -272,7 +275,7 @@ def test_task_runner_factory():
     from prefect_dask import DaskTaskRunner
     from prefect_ray import RayTaskRunner
 
-    from flows.runtime import TaskRunners, WorkerShape
+    from flows.runners import TaskRunners, WorkerShape
 
     local = TaskRunners.build(RuntimeParams(workers=3))
     # prefect 3 (pinned) keeps the pool size only in a private attribute.

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from citer.reaper import alive, descendants, stat
+from citer.ops.reaper import alive, descendants, stat
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the reaper reads /proc (Linux)")
 
 PARENT = textwrap.dedent(
     """
     import subprocess, sys, time
-    from citer.reaper import start_reaper
+    from citer.ops.reaper import start_reaper
     start_reaper()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands in for a server
     print(child.pid, flush=True)
@@ -111,9 +111,7 @@ def test_ancestor_named_finds_the_program_that_runs_this_one():
     import subprocess
     import sys
 
-    code = (
-        "from citer.reaper import ancestor_named; print(ancestor_named('sh'), ancestor_named('no-such-prog'))"
-    )
+    code = "from citer.ops.reaper import ancestor_named; print(ancestor_named('sh'), ancestor_named('no-such-prog'))"
     out = subprocess.run(
         ["sh", "-c", f'"{sys.executable}" -c "{code}"; true'], capture_output=True, text=True
     )

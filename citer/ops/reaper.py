@@ -111,7 +111,7 @@ def start_reaper(target: int | None = None) -> subprocess.Popen | None:
         return None
     target = os.getpid() if target is None else target
     return subprocess.Popen(
-        [sys.executable, "-m", "citer.reaper", str(target)],
+        [sys.executable, "-m", "citer.ops.reaper", str(target)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

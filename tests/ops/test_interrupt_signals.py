@@ -1,4 +1,4 @@
-"""Ctrl-C within seconds (citer.interrupt): the deadline that ends a hung unwinding, the runs it closes, and the
+"""Ctrl-C within seconds (citer.ops.interrupt): the deadline that ends a hung unwinding, the runs it closes, and the
 runs a SIGKILL left RUNNING, closed at the next start."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ HUNG = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from citer import interrupt
+    from citer.ops import interrupt
     interrupt.install(grace_s=1.0)
     interrupt.on_interrupt(lambda: Path(sys.argv[1]).write_text("closed"))
     ready = False
@@ -85,8 +85,8 @@ def test_runs_a_sigkill_left_running_are_closed_at_the_next_start(project):
     leaves alone a run whose process is alive."""
     import mlflow
 
+    from citer.ops.reaper import stat
     from citer.project import load_project
-    from citer.reaper import stat
     from flows.common import _owner_tags, close_orphan_runs, ensure_experiment
 
     proj = load_project(optional=True)

@@ -1,16 +1,17 @@
 """The MLflow Model Registry side of the router: register a version, read the champion, move the alias.
 
-A router version is a pyfunc model logged *from code* (``citer/routing/pyfunc.py``), so nothing is pickled: its only
-artifact is the router directory (``router.safetensors`` + ``router.json``); its ``model_config`` names the SLM and
-LLM by reference and τ, so ``mlflow.pyfunc.load_model('models:/<name>@champion').predict(prompts)`` generates text.
+A router version is a pyfunc model logged *from code* (``citer/routing/pyfunc.py``), so nothing is pickled: its
+artifacts are the router directory (``router.safetensors`` + ``router.json``) and its dev score quantiles (a JSON
+file); its ``model_config`` names the SLM and LLM by reference and τ, so
+``mlflow.pyfunc.load_model('models:/<name>@champion').predict(prompts)`` generates text.
 Version tags carry what a deployment needs to rebuild the decoder: the SLM, the LLM, τ, the hidden size, the label
 iteration, the data version and the git commit, plus the sweep metrics at the chosen τ
 (:func:`citer.evaluation.promotion.version_tags`). Whether a version takes the alias is decided by
 :mod:`citer.evaluation.promotion`; this module carries the decision out.
 
-The project's own MLflow store (opening, rebasing a copied project) is :mod:`citer.mlflow_store`; the alias
+The project's own MLflow store (opening, rebasing a copied project) is :mod:`citer.tracking.store`; the alias
 (reading it fail-closed, moving it only from the version compared, finishing an interrupted promotion) is
-:mod:`citer.alias`.
+:mod:`citer.tracking.alias`; the champion a command deploys, with its τ, is :mod:`citer.tracking.deployed`.
 """
 
 from __future__ import annotations
@@ -18,40 +19,26 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from citer.alias import AliasMoved, finish_pending, get_alias, move_alias, set_alias
-from citer.mlflow_store import RegistryError, RouterVersion, _client, open_store, rebase_store
+from citer.ops.io import file_digest, write_json
 from citer.project import Project
+from citer.tracking.alias import get_alias, move_alias, set_alias
+from citer.tracking.store import RegistryError, RouterVersion, _client
 
-__all__ = [
-    "AliasMoved",
-    "RegistryError",
-    "RouterVersion",
-    "champion_to_compare",
-    "finish_pending",
-    "get_alias",
-    "load_router_version",
-    "verify_router_version",
-    "move_alias",
-    "open_store",
-    "publish_router",
-    "rebase_store",
-    "register_router",
-    "require_champion",
-    "set_alias",
-]
-
-PYFUNC_CODE = Path(__file__).parent / "routing" / "pyfunc.py"
+PYFUNC_CODE = Path(__file__).parents[1] / "routing" / "pyfunc.py"
 PIP_REQUIREMENTS = ["torch==2.13.0", "safetensors", "mlflow==3.17.2"]
 
 
 # Version tag: sha256 of each router file at registration; a load whose bytes differ is refused.
 DIGEST_TAG = "router_sha256"
 ROUTER_FILES = ("router.safetensors", "router.json")
+# The router's dev score quantiles (τ at LLM fractions 0, 0.01, ..., 1: citer.evaluation.thresholds.quantile_table),
+# a file logged with the version beside its router directory; the tag holds its sha256.
+QUANTILES, QUANTILES_TAG = "dev_score_quantiles", "dev_score_quantiles_sha256"
 
 
 def recorded_pair_of(router_dir: str | Path) -> dict[str, str]:
@@ -66,8 +53,6 @@ def recorded_pair_of(router_dir: str | Path) -> dict[str, str]:
 
 
 def router_digests(router_dir: str | Path) -> dict[str, str]:
-    from citer.io import file_digest
-
     return {f: file_digest(Path(router_dir) / f) for f in ROUTER_FILES}
 
 
@@ -120,9 +105,8 @@ def _pyfunc_config(tags: dict[str, str], model_config: dict[str, Any] | None) ->
         cfg["tau"] = float(tags["tau"])
     cfg.update(model_config or {})
     cfg.setdefault("project_root", "")  # MLflow lets a loader override only the keys logged: empty = unset
-    cfg.setdefault(
-        "allow_pair_mismatch", False
-    )  # a loader may set it to use the router with other model files
+    # a loader may set it to use the router with other model files
+    cfg.setdefault("allow_pair_mismatch", False)
     return cfg
 
 
@@ -134,12 +118,16 @@ def register_router(
     tags: dict[str, Any],
     tracking_uri: str | None = None,
     model_config: dict[str, Any] | None = None,
+    quantiles: Sequence[float] | None = None,
 ) -> RouterVersion:
     """Log ``router_dir`` as a generating pyfunc model in ``run_id`` and register it as a new version of ``model_name``.
 
     ``model_config`` (see ``citer/routing/pyfunc.py``) defaults to the tags' slm, llm and tau; model refs in it should
-    be hub ids or project-relative paths, never absolute paths inside the project.
+    be hub ids or project-relative paths, never absolute paths inside the project. ``quantiles`` (the router's dev
+    score quantiles) are logged as the file ``dev_score_quantiles.json`` beside it, their sha256 in a tag.
     """
+    import tempfile
+
     import mlflow
 
     router_dir = Path(router_dir)
@@ -150,14 +138,19 @@ def register_router(
     # The pair the router was trained with travels in the tags, so every loader can refuse another pair
     # (citer.routing.pair_check); tags given by the caller win.
     tags = {**recorded_pair_of(router_dir), **tags, DIGEST_TAG: router_digests(router_dir)}
-    str_tags = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in tags.items()}
-    with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+    artifacts = {"router_dir": str(router_dir)}
+    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+        if quantiles is not None:
+            artifacts[QUANTILES] = str(Path(tmp) / f"{QUANTILES}.json")
+            write_json(artifacts[QUANTILES], [float(q) for q in quantiles])
+            tags[QUANTILES_TAG] = file_digest(artifacts[QUANTILES])
+        str_tags = {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in tags.items()}
         # An input example would make MLflow load the SLM and LLM to validate it; the signature says the schema.
         warnings.filterwarnings("ignore", message=".*(input example|input_example|type hints).*")
         info = mlflow.pyfunc.log_model(
             name="router",
             python_model=str(PYFUNC_CODE),
-            artifacts={"router_dir": str(router_dir)},
+            artifacts=artifacts,
             model_config=_pyfunc_config(str_tags, model_config),
             signature=generator_signature(),
             pip_requirements=PIP_REQUIREMENTS,
@@ -172,16 +165,27 @@ def register_router(
     return RouterVersion(name=model_name, version=str(mv.version), tags=str_tags, source=info.model_uri)
 
 
+NO_SWEEP_YET = "no sweep has promoted a router yet (run `citer eval sweep`)"
+
+
+class NoChampion(RegistryError):
+    """No router holds the alias: an outcome a pipeline reports, not a fault; ``reason`` says why."""
+
+    def __init__(self, message: str, reason: str = NO_SWEEP_YET):
+        super().__init__(message)
+        self.reason = reason
+
+
 def require_champion(
     model_name: str, alias: str, tracking_uri: str | None = None, root: Path | None = None
 ) -> RouterVersion:
-    """The champion, or a RegistryError telling which stage to run; also checks that its models still exist.
+    """The champion, or :class:`NoChampion` telling which stage to run; also checks that its models still exist.
 
     Relative model paths in its tags resolve against ``root`` (the project root; default the current directory).
     """
     rv = get_alias(model_name, alias, tracking_uri)
     if rv is None:
-        raise RegistryError(
+        raise NoChampion(
             f"no router holds the alias '{alias}' of registered model '{model_name}': run the sweep stage "
             "first (`citer eval sweep` or `dvc repro sweep`)"
         )
@@ -206,27 +210,33 @@ def _local_dir_expected(ref: str, root: Path | None) -> bool:
     return (root / Path(ref).parts[0]).is_dir()
 
 
+@dataclass(frozen=True)
+class VersionFiles:
+    router_dir: Path  # the router's files, as registered
+    quantiles: list[float] | None  # its dev score quantiles; None: registered without them
+
+
 @contextlib.contextmanager
-def verified_router_dir(rv: RouterVersion) -> Iterator[Path]:
-    """A version's ``router_dir`` artifact in a temporary directory, once its files match the sha256 recorded at
-    registration (:func:`check_digests`); nothing is loaded."""
+def verified_files(rv: RouterVersion) -> Iterator[VersionFiles]:
+    """A version's artifacts in a temporary directory, once they match the sha256 its tags recorded at registration
+    (:func:`check_digests`): the router directory and the quantile table. Nothing is loaded, so a command that ends up
+    decoding nothing (a finished output) still fails closed on a tampered champion."""
     import tempfile
 
     import mlflow
 
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(mlflow.artifacts.download_artifacts(f"models:/{rv.name}/{rv.version}", dst_path=tmp))
-        spec = mlflow.models.Model.load(str(local)).flavors["python_function"]["artifacts"]["router_dir"]
-        router_dir = local / spec["path"]
+        arts = mlflow.models.Model.load(str(local)).flavors["python_function"]["artifacts"]
+        router_dir = local / arts["router_dir"]["path"]
         check_digests(rv, router_dir)
-        yield router_dir
-
-
-def verify_router_version(rv: RouterVersion) -> None:
-    """Refuse a version whose stored router files were changed since registration, without loading any model: a
-    command that ends up decoding nothing (a finished output) still fails closed on a tampered champion."""
-    with verified_router_dir(rv):
-        pass
+        table, want = local / arts.get(QUANTILES, {}).get("path", ""), rv.tags.get(QUANTILES_TAG)
+        if want and (not table.is_file() or file_digest(table) != want):
+            raise RegistryError(
+                f"router '{rv.name}' v{rv.version}: {QUANTILES}.json is missing or does not match the sha256 "
+                "recorded at registration (tampered or corrupted); refusing to use it"
+            )
+        yield VersionFiles(router_dir, json.loads(table.read_text(encoding="utf-8")) if want else None)
 
 
 def load_router_version(rv: RouterVersion, slm: Any = None):
@@ -234,8 +244,8 @@ def load_router_version(rv: RouterVersion, slm: Any = None):
     or, for a router on more inputs, a FeatureRouter that shares ``slm``'s head and embedding (``slm`` required)."""
     from citer.routing.mlp import load_router
 
-    with verified_router_dir(rv) as router_dir:
-        router, _ = load_router(router_dir, slm=slm)
+    with verified_files(rv) as files:
+        router, _ = load_router(files.router_dir, slm=slm)
     return router
 
 
@@ -334,6 +344,7 @@ def publish_router(
     tracking_uri: str | None = None,
     model_config: dict[str, Any] | None = None,
     expected_champion: str | None | bool = False,
+    quantiles: Sequence[float] | None = None,
 ) -> RouterVersion:
     """Register ``router_dir`` as a new version and, when ``promote``, move ``alias`` to it.
 
@@ -347,6 +358,7 @@ def publish_router(
         tags=tags,
         tracking_uri=tracking_uri,
         model_config=model_config,
+        quantiles=quantiles,
     )
     if promote and expected_champion is False:
         set_alias(model_name, alias, rv.version, tracking_uri)

@@ -1,4 +1,4 @@
-"""Torch threads per stage (citer.threads): one for small models, the free cores for large ones, a fixed count
+"""Torch threads per stage (citer.ops.threads): one for small models, the free cores for large ones, a fixed count
 when params say so; the stage's MLflow run records what it ran on."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import torch
 import yaml
 from conftest import REPO
 
+from citer.ops.threads import (
+    SMALL_WEIGHT_BYTES,
+    choose_threads,
+    set_stage_threads,
+    stage_weights,
+    weight_bytes,
+)
 from citer.project import load_project
-from citer.threads import SMALL_WEIGHT_BYTES, choose_threads, set_stage_threads, stage_weights, weight_bytes
 
 
 def test_small_models_get_one_thread_large_ones_the_free_cores():

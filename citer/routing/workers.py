@@ -1,5 +1,5 @@
 """A shard worker's side of label collection: the pair, the train examples and the previous router, loaded once per
-worker process and kept, and one shard's passes on them. No Prefect here: ``flows/runtime.py`` wraps these as tasks.
+worker process and kept, and one shard's passes on them. No Prefect here: ``flows/runners.py`` wraps these as tasks.
 
 A worker is sent a small :class:`ShardContext` (the project root, the params, the pair's digests and the examples'
 hash), never models or rows: it loads them itself the first time and refuses files that differ from the driver's.

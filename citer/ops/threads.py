@@ -94,7 +94,7 @@ def stage_weights(proj: Project) -> list[int]:
 
 
 def set_stage_threads(proj: Project) -> int:
-    """Torch threads for the stage about to run (:mod:`citer.threads`, ``runtime.stage_threads``)."""
+    """Torch threads for the stage about to run (:mod:`citer.ops.threads`, ``runtime.stage_threads``)."""
     import torch
 
     n = stage_threads(stage_weights(proj), proj.params.runtime.stage_threads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from citer.mlflow_store import RegistryError, RouterVersion, _client
+from citer.tracking.store import RegistryError, RouterVersion, _client
 
 
 class AliasMoved(RegistryError):
@@ -100,7 +100,7 @@ def finish_pending(pending: Path, record_path: Path, tracking_uri: str | None = 
     """Complete or retire what an interrupted sweep left between registering a version, moving the alias and writing
     ``promotion.json`` (``pending`` holds its intent, written before registering). Returns what was done, or None
     when nothing was pending. Call it holding the project lock."""
-    from citer.io import read_json, write_json
+    from citer.ops.io import read_json, write_json
 
     if not pending.exists():
         return None

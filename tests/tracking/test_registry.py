@@ -4,17 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from citer.registry import (
-    RegistryError,
+from citer.routing.mlp import MLPRouter, save_router
+from citer.tracking.alias import get_alias, set_alias
+from citer.tracking.registry import (
     champion_to_compare,
-    get_alias,
     load_router_version,
     publish_router,
     register_router,
     require_champion,
-    set_alias,
 )
-from citer.routing.mlp import MLPRouter, save_router
+from citer.tracking.store import RegistryError
 
 
 def _router_dir(tmp_path, slm, llm, seed=0):
@@ -123,7 +122,7 @@ def test_rebase_store_moves_a_copied_store_onto_its_root(tmp_path):
 
     import mlflow
 
-    from citer.registry import rebase_store
+    from citer.tracking.store import rebase_store
 
     old = tmp_path / "proj"
     old.mkdir()

@@ -100,7 +100,7 @@ def run_callbacks() -> None:
 
 def stop_children(grace_s: float = 1.0) -> None:
     """SIGTERM this process's descendants, then SIGKILL those still alive after ``grace_s`` (Linux; else none)."""
-    from citer.reaper import PROC, alive, descendants, with_signal
+    from citer.ops.reaper import PROC, alive, descendants, with_signal
 
     if not PROC.is_dir():
         return

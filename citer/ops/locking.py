@@ -5,7 +5,7 @@ Every stage that writes shared state (the registry and its alias, ``reports/``, 
 so a SIGKILL never leaves a stale lock). A second run waits, saying for whom, or refuses at once (``lock.wait``).
 The lock is re-entrant within a process, so ``citer pipeline`` holds it once across its stages.
 
-Atomic writers (:mod:`citer.io`) write ``.{name}.*.tmp`` siblings and rename them; a killed writer leaves those
+Atomic writers (:mod:`citer.ops.io`) write ``.{name}.*.tmp`` siblings and rename them; a killed writer leaves those
 behind, and :func:`remove_leftovers` deletes them at the next start, under the lock.
 """
 

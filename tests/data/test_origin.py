@@ -9,9 +9,9 @@ import re
 import pytest
 
 from citer.data.jsonl import read_jsonl
-from citer.data.rows import Row, origin, source
+from citer.data.origin import Row, origin, source
 from citer.evaluation.passes import encode_prompts, examples_hash
-from citer.evaluation.rows import SweepError
+from citer.evaluation.sweep_rows import SweepError
 from citer.routing.label_store import LabelsError
 from citer.routing.labels import collect_iter1, encode_rows
 

@@ -32,7 +32,13 @@ from citer.routing.shards import (
     rollout_shards,
     teacher_forced_shards,
 )
-from citer.runtime import ShardContext, configure_worker, gpu_group, rollout_shard, teacher_forced_shard
+from citer.routing.workers import (
+    ShardContext,
+    configure_worker,
+    gpu_group,
+    rollout_shard,
+    teacher_forced_shard,
+)
 
 _INSTALL_RAY = "pip install -c constraints.txt -e '.[ray]'"
 
@@ -93,9 +99,8 @@ class WorkerShape:
         if self.pin_local_dask:
             from distributed import get_worker
 
-            gpus = gpu_group(
-                int(get_worker().name), self.gpus_per_worker
-            )  # LocalCluster names workers 0..n-1
+            # LocalCluster names workers 0..n-1
+            gpus = gpu_group(int(get_worker().name), self.gpus_per_worker)
         configure_worker(self.threads, gpus)
 
 
@@ -167,10 +172,8 @@ class ShardedWork:
         self, encoded: Sequence[Encoded], branches: Sequence[Branch], routed: bool, batch: int, max_new: int
     ) -> list[bool]:
         labels = self.ctx.params.labels
-        if (batch, max_new) != (
-            labels.batch_size,
-            labels.max_new_tokens,
-        ):  # workers read them from ctx.params
+        # workers read them from ctx.params
+        if (batch, max_new) != (labels.batch_size, labels.max_new_tokens):
             raise ValueError(
                 f"sharded rollouts: batch {batch}, max_new {max_new} differ from ctx's labels params"
             )

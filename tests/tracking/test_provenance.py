@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from citer import provenance
+from citer.tracking import provenance
 
 
 def test_stamp_records_the_run_and_notices_a_later_edit(tmp_path):
@@ -48,7 +48,18 @@ def test_stamp_written_leaves_inner_stages_their_entries(tmp_path):
     assert "reports/old.json" not in files  # written before this run: not this run's
 
 
-def test_git_commit_says_dirty(tmp_path):
+def test_git_head(tmp_path):
+    assert provenance.git_head(tmp_path) == "unknown"
+    run = {"cwd": tmp_path, "check": True, "capture_output": True}
+    subprocess.run(["git", "init", "-q"], **run)
+    (tmp_path / "f").write_text("x")
+    subprocess.run(["git", "add", "f"], **run)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"], **run)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], text=True, **run).stdout.strip()
+    assert provenance.git_head(tmp_path) == head and len(head) == 40
+
+
+def test_git_head_says_dirty_when_asked(tmp_path):
     def git(*a):
         subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
 
@@ -57,16 +68,16 @@ def test_git_commit_says_dirty(tmp_path):
     git("add", "f")
     git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "x")
     head = provenance.git_head(tmp_path)
-    assert len(head) == 40 and provenance.git_commit(tmp_path) == head
+    assert len(head) == 40 and provenance.git_head(tmp_path, dirty=True) == head
     (tmp_path / "reports").mkdir()
     (tmp_path / "reports" / "r.json").write_text("1")
     git("add", "reports/r.json")
     git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "y")
     head = provenance.git_head(tmp_path)
     (tmp_path / "reports" / "r.json").write_text("2")  # a run rewriting its own tracked report: still clean
-    assert provenance.git_commit(tmp_path) == head
+    assert provenance.git_head(tmp_path, dirty=True) == head
     (tmp_path / "f").write_text("2")
-    assert provenance.git_commit(tmp_path) == f"{head}+dirty"
+    assert provenance.git_head(tmp_path, dirty=True) == f"{head}+dirty"
 
 
 def test_bench_stamp_keeps_its_arguments(tmp_path):

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from citer.io import atomic_dir, atomic_path
-from citer.locking import HOLDER_FILE, ProjectLocked, project_lock, remove_leftovers
+from citer.ops.io import atomic_dir, atomic_path
+from citer.ops.locking import HOLDER_FILE, ProjectLocked, project_lock, remove_leftovers
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from citer.locking import project_lock
+    from citer.ops.locking import project_lock
     with project_lock(sys.argv[1], "holder"):
         print("held", flush=True)
         time.sleep(float(sys.argv[2]))

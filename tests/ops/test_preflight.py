@@ -10,7 +10,7 @@ import torch
 import yaml
 from conftest import REPO
 
-from citer.preflight import PreflightError, preflight
+from citer.ops.preflight import PreflightError, preflight
 from citer.project import load_project
 
 

@@ -1,0 +1,1 @@
+"""Safe to run and to stop: atomic writes, the project lock, no orphans, Ctrl-C, progress, threads, preflight."""
