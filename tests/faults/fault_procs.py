@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fault_harness import Proc, Proj
+from fault_harness import Proc, Proj
+
 from citer.reaper import alive, descendants, pids, stat
 
 GRACE_S = 5.0  # a process of a killed command may outlive it this long (the reaper's poll + SIGTERM grace)
