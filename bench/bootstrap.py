@@ -10,10 +10,13 @@ Timings on a shared 2-core machine are noisy; the report records the CPU count a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,65 +33,41 @@ from citer.provenance import stamp_bench  # noqa: E402
 
 
 def run(params: Params, work: Path) -> dict:
-    fmt = "math"
+    fmt, models = "math", work / "models"
     phases: dict[str, float] = {}
-    # Process CPU seconds: less sensitive than wall time to other jobs on the cores.
-    cpu: dict[str, float] = {}
+    cpu: dict[
+        str, float
+    ] = {}  # process CPU seconds: less sensitive than wall time to other jobs on the cores
 
-    def mark(name: str, t: float, c: float) -> None:
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        t, c = time.perf_counter(), time.process_time()
+        yield
         phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
 
-    t, c = time.perf_counter(), time.process_time()
-    splits = synthesize(params.synth)
-    write_splits(work / "data", splits)
-    mark("synth", t, c)
-
-    t, c = time.perf_counter(), time.process_time()
-    boot = bootstrap_models(
-        params.bootstrap, work / "data", work / "models" / "slm_base", work / "models" / "llm"
-    )
-    mark("bootstrap", t, c)
-
-    t, c = time.perf_counter(), time.process_time()
-    ft = finetune_slm(
-        work / "models" / "slm_base",
-        splits[f"{fmt}_train"],
-        fmt,
-        params.finetune,
-        work / "models" / "slm",
-        eval_rows=None,
-    )
-    mark("finetune", t, c)
-
-    t, c = time.perf_counter(), time.process_time()
-    test = splits[f"{fmt}_test"]
-    if params.eval.n_examples:
-        test = test[: params.eval.n_examples]
+    with phase("synth"):
+        splits = synthesize(params.synth)
+        write_splits(work / "data", splits)
+    with phase("bootstrap"):
+        boot = bootstrap_models(params.bootstrap, work / "data", models / "slm_base", models / "llm")
+    with phase("finetune"):
+        ft = finetune_slm(
+            models / "slm_base", splits[f"{fmt}_train"], fmt, params.finetune, models / "slm", eval_rows=None
+        )
+    test = splits[f"{fmt}_test"][: params.eval.n_examples or None]
     acc, n_params = {}, {}
-    for name in ("slm_base", "slm", "llm"):
-        model, tok = load_model(work / "models" / name)
-        ev = evaluate_model(model, tok, test, fmt, params.eval.batch_size, params.eval.max_new_tokens)
-        acc[name], n_params[name] = ev.accuracy, count_params(model)
-    mark("eval", t, c)
-    phases["bootstrap_plus_finetune"] = phases["bootstrap"] + phases["finetune"]
-    cpu["bootstrap_plus_finetune"] = cpu["bootstrap"] + cpu["finetune"]
-    return {
-        "seconds": phases,
-        "cpu_seconds": cpu,
-        "params": {
-            "slm": n_params["slm"],
-            "llm": n_params["llm"],
-            "ratio": n_params["llm"] / n_params["slm"],
-        },
-        "test_accuracy": acc,
-        "n_test": len(test),
-        "slm_pretrain_seconds": boot["slm_pretrain_seconds"],
-        "llm_pretrain_seconds": boot["llm_pretrain_seconds"],
-        "finetune_steps": ft.steps,
-        "finetune_loss": ft.train_loss,
-        "cpu_count": os.cpu_count(),
-        "loadavg_1m_at_end": os.getloadavg()[0],
-    }
+    with phase("eval"):
+        for name in ("slm_base", "slm", "llm"):
+            model, tok = load_model(models / name)
+            ev = evaluate_model(model, tok, test, fmt, params.eval.batch_size, params.eval.max_new_tokens)
+            acc[name], n_params[name] = ev.accuracy, count_params(model)
+    for d in (phases, cpu):
+        d["bootstrap_plus_finetune"] = d["bootstrap"] + d["finetune"]
+    ratio = n_params["llm"] / n_params["slm"]
+    return {"seconds": phases, "cpu_seconds": cpu, "params": {"slm": n_params["slm"], "llm": n_params["llm"], "ratio": ratio},
+            "test_accuracy": acc, "n_test": len(test), "slm_pretrain_seconds": boot["slm_pretrain_seconds"],
+            "llm_pretrain_seconds": boot["llm_pretrain_seconds"], "finetune_steps": ft.steps,
+            "finetune_loss": ft.train_loss, "cpu_count": os.cpu_count(), "loadavg_1m_at_end": os.getloadavg()[0]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
             report = run(params, Path(tmp))
     write_json(a.out, report)
     stamp_bench(a.out, "bootstrap", a, time.perf_counter() - started)
-    import json
-
     print(json.dumps(report, indent=2))
     return 0
 
