@@ -9,12 +9,11 @@ mode's wall time and its stages' (the clone's ``reports/provenance.json``), and 
 keys, YAML values; repeatable) shrinks the run for a quick check of the bench itself; ``--nice N`` runs the command
 and the busy process at that niceness (a check beside other work).
 
-``quick``: quick commands against the 5 s budget, each ``--repeat`` times (default 3) in a fresh temporary project,
-the median seconds and its ratio to the budget: ``citer --help``; ``citer data validate FILE -f math`` on a 10-row file
-(an ad-hoc check: no flow, no tracking); ``citer data validate`` as the project's stage (a Prefect flow run and an
-MLflow run) on 10-row splits, for the record: its floor is Prefect's temporary server, which starts in every process
-unless ``PREFECT_API_URL`` names a running one. The 10 rows come from ``$CITER_SHARED_DATA/math/gsm8k_test.jsonl``
-when present, else are synthesised. Writes ``reports/bench_cli.json``.
+``quick``: median seconds of quick commands over ``--repeat`` runs in a temporary project, against the 5 s budget:
+``citer --help``, ``citer data validate FILE -f math`` on 10 rows (no flow, no tracking), and for the record the
+``validate`` stage (a Prefect flow run and an MLflow run; its floor is Prefect's temporary server, unless
+``PREFECT_API_URL`` names a running one). The rows: ``$CITER_SHARED_DATA/math/gsm8k_test.jsonl``'s first 10, else
+synthesised. Writes ``reports/bench_cli.json``.
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
 The per-token loop is the reference implementation's method: for every position t of every reference chain of thought,
 one ``generate(max_new_tokens=1)`` call per model on prompt + target[:t] (the SLM's call also returns its last hidden
 state, which the router needs). ``citer_seconds`` is the same work done citer's way (one teacher-forced pass per model
-per batch), and ``speedup`` their ratio. The whole of iteration 1 adds the both-wrong rollouts: citer batches them
-through the engine (``citer_collect_iter1_seconds``); the reference runs one ``generate`` per token, estimated from a
-sample of 20 (``reference_iter1_estimated_seconds``, ``speedup_iter1_estimated``).
-
-Models: the embedded pair in ``models/`` (finetuned SLM when present, else ``slm_base``; ``llm``) and the first
-``--n`` rows of the train split when they exist; otherwise untrained models of the embedded architecture on freshly
-synthesised rows (untrained models get nearly every token wrong, so rollouts dominate citer's time there).
-Writes ``reports/bench_labels.json`` atomically. Timings on a shared 2-core machine are noisy.
+per batch), and ``speedup`` their ratio. The whole of iteration 1 adds the both-wrong rollouts, which citer batches
+through the engine and the reference runs one ``generate`` per token (estimated from a sample of 20). Models: the
+pair in ``models/`` and the first ``--n`` train rows when they exist, else untrained models of the embedded
+architecture on synthesised rows (rollouts dominate there). Writes ``reports/bench_labels.json`` atomically.
 
 ``--scale-out`` measures the shard overhead instead (docs/scale_out.md): the same iteration-1 collection through the
 ``collect-labels`` flow in one process with ``--workers`` torch threads, then sharded on a local Dask cluster of

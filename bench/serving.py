@@ -1,25 +1,17 @@
 """Serving throughput and latency of `citer serve` under concurrent clients: ``python bench/serving.py``.
 
-The server is the real app on 127.0.0.1 (uvicorn in this process), the pair the pipeline's embedded architectures
-(random weights over a character tokenizer: throughput does not depend on what the weights say) or ``--models DIR``
-(a trained pair with ``slm``/``llm`` subdirectories). The clients run in a child process (this file with ``--load``,
-which imports nothing heavy), so they do not take the server's interpreter lock; each streams its requests one after
-another with aiohttp, whose C parser keeps up with 32 streams where httpx's pure-Python one could not. Five servers,
-each measured at 1, 8 and 32 concurrent clients:
+The real app on 127.0.0.1 (uvicorn in this process) serves the embedded architectures with random weights over a
+character tokenizer (throughput does not depend on what the weights say) or ``--models DIR`` (``slm``/``llm``). The
+clients stream from a child process (this file with ``--load``: no heavy import, the server's interpreter lock stays
+the server's; aiohttp, whose C parser keeps up with 32 streams). Servers: ``continuous`` (the default),
+``continuous_shared`` (shared LLM calls), ``one_at_a_time`` (``continuous_batching=False``), ``llm_only``,
+``continuous_verified`` (verified routing: a token streams once no check can take it back, so its time to first
+token shows what verification adds; random weights disagree often, a pessimistic case), each at 1, 8 and 32 clients.
 
-- ``continuous``: requests join the running batch (the default);
-- ``continuous_shared``: the same with shared LLM calls (``engine.llm_min_rows``/``llm_max_wait_steps``, 4 and 4);
-- ``one_at_a_time``: ``continuous_batching=False``, the old behaviour;
-- ``llm_only``: continuous batching with every token routed to the LLM;
-- ``continuous_verified``: continuous batching with verified routing (``--verify-rho``, ``--verify-window``, final
-  check on): a token streams only once a check can no longer take it back, so its time to first token shows the
-  latency verification adds (random weights disagree often, so this is a pessimistic case).
-
-Per level: throughput (completion tokens/s), p50/p99 latency, p50 time to first token and its ratio to the full
-answer's time, requests lost (not 200), and answers that differ from the same request served alone. The servers run
-side by side and each level is measured server after server, in alternating order over ``--rounds`` rounds (each
-server's best round kept, every round's headline numbers listed under ``rounds``), so ratios between servers are
-taken under the same load. Writes ``reports/bench_serving.json`` atomically. ``--quick``: a smoke run.
+Per level: tokens/s, p50/p99 latency, p50 time to first token and its share of the answer's time, requests lost, and
+answers that differ from the request served alone. Each level is measured server after server, in alternating order
+over ``--rounds`` rounds, each server's best round kept (every round under ``rounds``), so the ratios are taken under
+the same load. Writes ``reports/bench_serving.json`` atomically. ``--quick``: a smoke run (docs/results.md#serving).
 """
 
 from __future__ import annotations
