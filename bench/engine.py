@@ -15,9 +15,7 @@ the families it covers); lean routed rows carry ``vs_hf_forward``, their tokens/
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -83,9 +81,7 @@ def memory_bound_pair(quick: bool):
     return slm, llm, f"random Qwen2 {n[0]:.0f}M / {n[1]:.0f}M parameters, float32"
 
 
-def bench_scale(
-    scale, slm, llm, batches, new_tokens, repeats, speculative, profile, forwards=("lean",)
-) -> list[dict]:
+def bench_scale(scale, slm, llm, batches, new_tokens, repeats, speculative, forwards=("lean",)) -> list[dict]:
     """All methods at each batch size and forward path (``hf``: the HF modules; ``lean``: citer.decoding.lean);
     repeats are interleaved (round-robin over methods and paths) and the best kept, so drifting load on a shared
     machine biases every method alike."""  # fmt: skip
@@ -129,13 +125,7 @@ def bench_scale(
                                    vs_llm_throughput=t["llm", fw] / t[k],
                                    **({"vs_hf_forward": t[(p, shared, "hf")] / t[k]}
                                       if fw != "hf" and (p, shared, "hf") in t else {})))  # fmt: skip
-            if profile and batch == 1 and p == 0.3 and fw == forwards[-1]:
-                use_forward((slm, llm), fw)
-                prof = cProfile.Profile()
-                prof.runcall(engines[k].generate_batch, prompts, new_tokens)
-                print(f"--- cProfile, {scale}, routed p=0.3, batch 1 (sorted by own time) ---")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-        if speculative and batch == 1:
+        if speculative and batch == 1:  # HF assisted generation takes one row at a time
             ids = torch.tensor(prompts)
             kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
             llm.generate(ids, assistant_model=slm, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
@@ -172,19 +162,9 @@ def chunk_costs(model, context: int = 24, sizes=(1, 4, 10, 16)) -> dict[int, flo
     return out
 
 
-def check_speculative_batch(slm, llm) -> str:
-    try:
-        llm.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), assistant_model=slm, max_new_tokens=2, do_sample=False,
-                     pad_token_id=0)  # fmt: skip
-        return "batch > 1 accepted"
-    except Exception as exc:  # the reason HF gives, reported as is
-        return f"batch > 1 refused: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="< 1 minute smoke version")
-    ap.add_argument("--profile", action="store_true", help="cProfile a routed run at batch 1 per scale")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_engine.json"))
     # One thread by default: with 2 OpenMP threads on a shared 2-core machine, barrier waits swamp small ops.
     ap.add_argument("--threads", type=int, default=1, help="torch threads (2 on an idle machine)")
@@ -197,16 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         slm, llm, desc = embedded_pair(args.quick)
         print(f"embedded: {desc}")
-        print(f"speculative (HF assisted generation): {check_speculative_batch(slm, llm)}; reporting batch 1")
         emb = bench_scale("embedded", slm, llm, [1, 8, 32], 8 if args.quick else 48, 1 if args.quick else 3,
-                          True, args.profile, forwards=("hf", "lean"))  # fmt: skip
+                          True, forwards=("hf", "lean"))  # fmt: skip
         rows += [r | {"pair": desc} for r in emb]  # which pair each row ran on, never a silent fallback
         slm, llm, desc = memory_bound_pair(args.quick)
         print(f"memory_bound: {desc}")
         print("memory_bound LLM, one call feeding q tokens (ms): "
               + ", ".join(f"q={q}: {1000 * v:.1f}" for q, v in chunk_costs(llm).items()))  # fmt: skip
         mem = bench_scale("memory_bound", slm, llm, [1, 8, 32], 4 if args.quick else 32, 1 if args.quick else 2,
-                          False, args.profile, forwards=("hf", "lean"))  # fmt: skip
+                          False, forwards=("hf", "lean"))  # fmt: skip
         rows += [r | {"pair": desc} for r in mem]
     cols = {"llm_fraction": ("llm_frac", 9, 1), "sec_per_token": ("ms/token", 10, 1000), "ratio_to_ideal": ("ratio", 8, 1),
             "llm_calls_per_step": ("llm/step", 9, 1), "wait_steps_per_llm_token": ("wait/llm", 9, 1),
