@@ -1,4 +1,4 @@
-"""Wall time of ``citer`` commands: ``python bench/commands.py repro`` and ``python bench/commands.py quick``.
+"""How long the pipeline takes: ``python bench/pipeline.py repro``, ``... models`` and ``... quick``.
 
 ``repro``: the pipeline from a fresh clone, quiet and with one core kept busy by another process. Each mode clones
 HEAD into a temporary directory (no data, models, reports or MLflow store of an earlier run), runs ``dvc repro`` there
@@ -8,6 +8,11 @@ mode's wall time and its stages' (the clone's ``reports/provenance.json``), and 
 (1.6); writes ``reports/bench_load.json``. Measure on an otherwise quiet machine. ``--set KEY=VALUE`` (dotted params
 keys, YAML values; repeatable) shrinks the run for a quick check of the bench itself; ``--nice N`` runs the command
 and the busy process at that niceness (a check beside other work).
+
+``models``: the embedded model stages in this process, in a scratch directory (``--work`` to keep it): synth,
+bootstrap (tokenizer, SLM base, LLM), SLM finetune and eval, each phase's wall and CPU seconds (less sensitive to
+other jobs on the cores), the pair's sizes and accuracies, the CPU count and load average. ``--params`` another
+project's params. Writes ``reports/bench_models.json``.
 
 ``quick``: median seconds of quick commands over ``--repeat`` runs in a temporary project, against the 5 s budget:
 ``citer --help``, ``citer data validate FILE -f math`` on 10 rows (no flow, no tracking), and for the record the
@@ -19,6 +24,7 @@ synthesised. Writes ``reports/bench_cli.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +152,50 @@ def quick(args: argparse.Namespace) -> dict[str, Any]:
     return {"budget_s": BUDGET_S, "cpu_count": os.cpu_count(), "results": results}
 
 
+def models(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from citer.config import load_params
+    from citer.data.synth import synthesize, write_splits
+    from citer.models.bootstrap import bootstrap_models
+    from citer.models.evaluate import evaluate_model
+    from citer.models.finetune import finetune_slm
+    from citer.models.loading import count_params, load_model
+
+    params, fmt, phases, cpu = load_params(args.params), "math", {}, {}
+
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        t, c = time.perf_counter(), time.process_time()
+        yield
+        phases[name], cpu[name] = time.perf_counter() - t, time.process_time() - c
+
+    with contextlib.ExitStack() as stack:
+        work = Path(args.work or stack.enter_context(tempfile.TemporaryDirectory(prefix="citer-bench-")))
+        with phase("synth"):
+            splits = synthesize(params.synth)
+            write_splits(work / "data", splits)
+        with phase("bootstrap"):
+            boot = bootstrap_models(
+                params.bootstrap, work / "data", work / "models/slm_base", work / "models/llm"
+            )
+        with phase("finetune"):
+            ft = finetune_slm(work / "models/slm_base", splits[f"{fmt}_train"], fmt, params.finetune, work / "models/slm",
+                              eval_rows=None)  # fmt: skip
+        test = splits[f"{fmt}_test"][: params.eval.n_examples or None]
+        acc, n = {}, {}
+        with phase("eval"):
+            for name in ("slm_base", "slm", "llm"):
+                model, tok = load_model(work / "models" / name)
+                ev = evaluate_model(model, tok, test, fmt, params.eval.batch_size, params.eval.max_new_tokens)
+                acc[name], n[name] = ev.accuracy, count_params(model)
+    for d in (phases, cpu):
+        d["bootstrap_plus_finetune"] = d["bootstrap"] + d["finetune"]
+    return {"seconds": phases, "cpu_seconds": cpu, "params": {"slm": n["slm"], "llm": n["llm"], "ratio": n["llm"] / n["slm"]},
+            "test_accuracy": acc, "n_test": len(test), "slm_pretrain_seconds": boot["slm_pretrain_seconds"],
+            "llm_pretrain_seconds": boot["llm_pretrain_seconds"], "finetune_steps": ft.steps,
+            "finetune_loss": ft.train_loss, "cpu_count": os.cpu_count(), "loadavg_1m_at_end": os.getloadavg()[0]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="bench", required=True)
@@ -154,14 +205,21 @@ def main() -> None:
     rp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params override")
     rp.add_argument("--nice", type=int, default=0)
     rp.add_argument("--out", default=str(ROOT / "reports" / "bench_load.json"))
+    mp = sub.add_parser("models", help="the embedded model stages in this process")
+    mp.add_argument("--params", default=str(ROOT / "params.yaml"))
+    mp.add_argument("--work", help="directory for data/ and models/ (default: a temporary one)")
+    mp.add_argument("--out", default=str(ROOT / "reports" / "bench_models.json"))
     qp = sub.add_parser("quick", help="quick commands against the 5 s budget")
     qp.add_argument("--repeat", type=int, default=3)
     qp.add_argument("--out", default=str(ROOT / "reports" / "bench_cli.json"))
     args = ap.parse_args()
     started = time.perf_counter()
-    out = repro(args) if args.bench == "repro" else quick(args)
+    out = {"repro": repro, "models": models, "quick": quick}[args.bench](args)
     write_json(Path(args.out), out)
-    stamp_bench(args.out, "load" if args.bench == "repro" else "cli", args, time.perf_counter() - started)
+    name = {"repro": "load", "models": "bootstrap", "quick": "cli"}[args.bench]  # the names their reports had
+    stamp_bench(args.out, name, args, time.perf_counter() - started)
+    if args.bench == "models":
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
