@@ -71,6 +71,8 @@ from fault_harness import Ctx, entry
 
 from citer.io import write_text
 
+pytestmark = pytest.mark.slow
+
 Fault = Callable[[Ctx], list[dict[str, Any]]]
 KINDS = {"kill", "concurrent", "bad_params", "corrupt", "tampered", "registry"}
 # Heaviest first, so two workers finish close together.
@@ -136,6 +138,8 @@ def matrix(request, prefect_server, tmp_path_factory):
         if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})
     }
     faults = [f for name, f in CASES.items() if name in chosen]
+    if not faults:
+        pytest.skip("no fault selected")
     work = tmp_path_factory.mktemp("faults")
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("CITER_ROOT", raising=False)
@@ -153,9 +157,6 @@ def matrix(request, prefect_server, tmp_path_factory):
             out, "faults", {"jobs": report["jobs"], "faults": sorted(chosen)}, report["seconds"]["total"]
         )
     return work, report, by_case
-
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("case", CASES)
