@@ -261,18 +261,17 @@ def _owner_tags() -> dict[str, str]:
     """Which process holds a run open: a run still RUNNING whose process is gone was left by a SIGKILL."""
     import socket
 
-    from citer.ops.reaper import ancestor_named, stat
+    from citer.ops.reaper import ancestor_named, start_time
 
-    st = stat(os.getpid())
     tags = {
         "citer.host": socket.gethostname(),
         "citer.pid": str(os.getpid()),
-        "citer.pid_start": st[1] if st else "",
+        "citer.pid_start": start_time(),
     }
     # one `dvc repro` runs each stage as its own command: its runs share this tag
     if os.environ.get("DVC_STAGE"):
         dvc = ancestor_named("dvc")
-        tags["citer.dvc_repro"] = f"{dvc[0]}-{dvc[1]}" if dvc else "?"
+        tags["citer.dvc_repro"] = f"{dvc.pid}-{start_time(dvc.pid)}" if dvc else "?"
     return tags
 
 

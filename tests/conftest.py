@@ -37,6 +37,16 @@ def _on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def pytest_addoption(parser):
+    group = parser.getgroup("citer fault matrix (tests/faults)")
+    group.addoption(
+        "--faults-report", metavar="PATH", help="also write the fault report here (reports/faults.json)"
+    )
+    group.addoption(
+        "--faults-jobs", type=int, default=2, metavar="N", help="faults run at a time (default 2)"
+    )
+
+
 def pytest_configure(config):
     # On CI a skip would look like a pass: there the tests on the real benchmark files must run.
     if _on_ci() and not SHARED_DATA.is_dir():

@@ -5,7 +5,7 @@ Why: a decode step of a small model is bound by its op count, not its arithmetic
 of decode steps into a few C++ loops, calls the library kernels for the matrix products and multi-token attention,
 and (CPU) calls it all from a C++ wrapper instead of a Python one. Compiled, a catch-up packs its rows whenever their
 chunks differ in length (``kv_cache.ragged_append``): packing's scatter and gather fuse away, padding is wasted work.
-Measured on the embedded pair: docs/results.md (``python bench/engine_v0.py``, row ``today_compiled``).
+Measured on the embedded pair: docs/results.md (the committed ``reports/bench_engine_v0.json``, row ``today_compiled``).
 
 How: each model gets its own compiled copy of ``LeanDecoder.eager_hidden`` (:mod:`citer.decoding.lean`) per call
 kind: no cache, decode step, padded or packed catch-up, with or without a mask, named slots or the prefix.

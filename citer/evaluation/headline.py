@@ -289,34 +289,6 @@ def engine_block(reports: Path) -> Block:
     ]
 
 
-def engine_base_block(reports: Path) -> Block:
-    """bench/engine_v0.py: routed (p = 0.1) tokens/s of this engine, eager and compiled, over an earlier commit's."""
-    r = _load(reports, "bench_engine_v0.json")
-    by = {(x["engine"], x["batch"]): x for x in r["rows"]}
-    compiled = any(e == "today_compiled" for e, _ in by)
-    overlap = any(e == "today_overlap" for e, _ in by)
-    rows = []
-    for b in sorted({b for _, b in by}):
-        row = [str(b), f"{1000 * by['base', b]['sec_per_token']:.4f}", f"{1000 * by['today', b]['sec_per_token']:.4f}",
-               f"{r['ratios'][f'b{b}_today_over_base_tokens_per_s']:.2f}×"]  # fmt: skip
-        if compiled:
-            row += [f"{1000 * by['today_compiled', b]['sec_per_token']:.4f}",
-                    f"{r['ratios'][f'b{b}_compiled_over_base_tokens_per_s']:.2f}×"]  # fmt: skip
-        if overlap:
-            row += [f"{1000 * by['today_overlap', b]['sec_per_token']:.4f}",
-                    f"{r['ratios'][f'b{b}_overlap_over_today_tokens_per_s']:.2f}×"]  # fmt: skip
-        rows.append(row)
-    head = ["batch", f"ms/token, engine at {r['base']}", "ms/token, today", "today / then (tokens/s)"]
-    if compiled:
-        head += ["ms/token, today compiled", "compiled / then (tokens/s)"]
-    if overlap:
-        head += ["ms/token, today overlapped", "overlapped / today (tokens/s)"]
-    pair = r["rows"][0]["pair"]
-    return table(head, rows) + f"\n\nFrom `reports/bench_engine_v0.json` ({pair}, alternating processes).", [
-        "bench_engine_v0.json"
-    ]
-
-
 def speed_block(reports: Path, name: str = "bench_cpu.json") -> Block:
     """bench/speed.py: every decoder's tokens/s at real shapes against the bandwidth limit, and the targets."""
     r = _load(reports, name)
@@ -375,7 +347,6 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "sweep": sweep_block,
     "pipeline": pipeline_block,
     "engine": engine_block,
-    "engine_base": engine_base_block,
     "stability": stability_block,
     "speed_cpu": speed_block,
     "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),

@@ -99,20 +99,10 @@ def run_callbacks() -> None:
 
 
 def stop_children(grace_s: float = 1.0) -> None:
-    """SIGTERM this process's descendants, then SIGKILL those still alive after ``grace_s`` (Linux; else none)."""
-    from citer.ops.reaper import PROC, alive, descendants, with_signal
+    """SIGTERM this process's descendants, then SIGKILL those still alive after ``grace_s``."""
+    from citer.ops.reaper import descendants, stop
 
-    if not PROC.is_dir():
-        return
-    kids = descendants(os.getpid())
-    for pid in kids:
-        with_signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p, s) for p, s in kids.items()):
-        time.sleep(0.05)
-    for pid, start in kids.items():
-        if alive(pid, start):
-            with_signal(pid, signal.SIGKILL)
+    stop(descendants(), grace_s)
 
 
 def finish(signum: int) -> None:

@@ -2,112 +2,101 @@
 
 A SIGKILL gives a process no chance to stop its children, and Prefect's temporary API server (a uvicorn subprocess,
 ~200 MB) would keep running. :func:`start_reaper` starts this module as a separate process in its own session: it
-notes the command's descendants every ``interval`` seconds and, once the command is gone, sends them SIGTERM, then
-SIGKILL to any still alive two seconds later. Linux only (it reads ``/proc``); elsewhere it does nothing.
+notes the command's descendants every ``interval`` seconds (psutil) and, once the command is gone, sends them
+SIGTERM, then SIGKILL to any still running two seconds later. A zombie (dead, not yet reaped) counts as gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-PROC = Path("/proc")
+import psutil
+
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def stat(pid: int, zombies: bool = False) -> tuple[int, str] | None:
-    """(parent pid, start time) of ``pid`` from /proc, or None when it is gone. A zombie (dead, not yet reaped: its
-    children have already been handed to init) counts as gone unless ``zombies``."""
+def running(proc: psutil.Process) -> bool:
+    """``proc`` is still the process it was (not a reused pid) and not a zombie."""
     try:
-        text = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # After "pid (comm) ": state, ppid, ..., starttime (the 22nd field of the line).
-    fields = text[text.rindex(")") + 2 :].split()
-    if not zombies and fields[0] in ("Z", "X"):
-        return None
-    return int(fields[1]), fields[19]
+        return proc.is_running() and proc.status() not in _GONE
+    except psutil.Error:
+        return False
 
 
-def pids() -> list[int]:
-    """Every process id in /proc."""
-    return [int(e.name) for e in PROC.iterdir() if e.name.isdigit()]
-
-
-def descendants(root: int, zombies: bool = False) -> dict[int, str]:
-    """Every live descendant of ``root`` (zombies too with ``zombies``): pid -> start time (to tell a reused pid
-    from the same process)."""
-    parent = {pid: st for pid in pids() if (st := stat(pid, zombies)) is not None}
-    out: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        p = frontier.pop()
-        for child, (ppid, start) in parent.items():
-            if ppid == p and child not in out:
-                out[child] = start
-                frontier.append(child)
-    return out
+def start_time(pid: int | None = None) -> str:
+    """When ``pid`` (default: this process) started, as text: with the pid, a process's identity; "" if gone."""
+    try:
+        return repr(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return ""
 
 
 def alive(pid: int, start: str) -> bool:
-    """``pid`` is still the process that started at ``start`` and not a zombie."""
-    st = stat(pid)
-    return st is not None and st[1] == start
+    """``pid`` is still the process that started at ``start`` (:func:`start_time`) and not a zombie."""
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return False
+    return repr(proc.create_time()) == start and running(proc)
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    """Every descendant of ``pid`` (default: this process), zombies included."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def stop(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM ``procs``, then SIGKILL those still running ``grace`` s later. (Polled rather than
+    ``psutil.wait_procs``, which waits for a zombie that is not our child as for a live process.)"""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(running(p) for p in procs):
+        time.sleep(0.05)
+    for proc in procs:
+        if running(proc):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def watch(target: int, interval: float = 0.5, grace: float = 2.0) -> list[int]:
     """Block until ``target`` exits, then stop the descendants last seen; returns the pids signalled."""
-    me = os.getpid()
-    seen: dict[int, str] = {}
-    target_start = stat(target)
-    while target_start is not None and alive(target, target_start[1]):
+    try:
+        proc = psutil.Process(target)
+    except psutil.Error:
+        return []
+    seen: dict[int, psutil.Process] = {}
+    while running(proc):
         # Accumulate: a poll landing while the target dies may find its children already handed to init.
-        seen.update({pid: start for pid, start in descendants(target).items() if pid != me})
+        seen.update({p.pid: p for p in descendants(target) if p.pid != os.getpid()})
         time.sleep(interval)
-    hit = [pid for pid, start in seen.items() if alive(pid, start)]
-    for pid in hit:
-        with_signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(alive(pid, seen[pid]) for pid in hit):
-        time.sleep(0.1)
-    for pid in hit:
-        if alive(pid, seen[pid]):
-            with_signal(pid, signal.SIGKILL)
-    return hit
+    hit = [p for p in seen.values() if running(p)]
+    stop(hit, grace)
+    return [p.pid for p in hit]
 
 
-def ancestor_named(name: str) -> tuple[int, str] | None:
-    """(pid, start time) of the nearest ancestor of this process whose program is ``name`` (e.g. the ``dvc`` that
-    runs a stage), or None."""
-    pid = os.getppid()
-    while pid > 1:
-        try:
-            argv = (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")[:2]
-        except OSError:
-            return None
-        st = stat(pid)
-        if st is None:
-            return None
-        if any(Path(a.decode(errors="replace")).name == name for a in argv):
-            return pid, st[1]
-        pid = st[0]
+def ancestor_named(name: str) -> psutil.Process | None:
+    """The nearest ancestor of this process whose program is ``name`` (e.g. the ``dvc`` that runs a stage), or
+    None."""
+    for proc in psutil.Process().parents():
+        with contextlib.suppress(psutil.Error):
+            if any(Path(a).name == name for a in proc.cmdline()[:2]):
+                return proc
     return None
 
 
-def with_signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
-
-
 def start_reaper(target: int | None = None) -> subprocess.Popen | None:
-    """Start the watchdog for ``target`` (default: this process). None where /proc is missing, or when
-    ``CITER_NO_REAPER=1``."""
-    if not PROC.is_dir() or os.environ.get("CITER_NO_REAPER", "").strip() in {"1", "true", "yes"}:
+    """Start the watchdog for ``target`` (default: this process). None when ``CITER_NO_REAPER=1``."""
+    if os.environ.get("CITER_NO_REAPER", "").strip() in {"1", "true", "yes"}:
         return None
     target = os.getpid() if target is None else target
     return subprocess.Popen(

@@ -10,13 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from starlette.responses import JSONResponse
+from fastapi import Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from citer.serving.protocol import RequestError, error_body
+from citer.serving.protocol import RequestError
 
 log = logging.getLogger("citer.serving")
-# Paths anyone may reach without a key: a load balancer's health probe carries none.
-OPEN_PATHS = frozenset({"/health"})
 
 
 class ServeError(ValueError):
@@ -80,31 +79,16 @@ def check_bind(
     )
 
 
-class BearerAuth:
-    """ASGI middleware: every HTTP request but :data:`OPEN_PATHS` needs ``Authorization: Bearer <key>`` (else 401).
+def bearer_key(key: str) -> Any:
+    """A route dependency: ``Authorization: Bearer <key>`` (FastAPI's ``HTTPBearer``), else 401 in OpenAI's error
+    shape."""
 
-    A plain ASGI callable rather than a ``BaseHTTPMiddleware``: that one relays every streamed chunk through an extra
-    task and memory stream, which under many concurrent streams costs the event loop more than the chunks do."""
+    async def check(
+        given: HTTPAuthorizationCredentials | None = Security(HTTPBearer(auto_error=False)),
+    ) -> None:
+        if given is None or not hmac.compare_digest(given.credentials.encode(), key.encode()):
+            missing = "missing API key: send the header 'Authorization: Bearer <key>'"
+            raise RequestError(missing if given is None else "invalid API key", status=401,
+                               type_="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
-    def __init__(self, app: Any, expected: bytes) -> None:
-        self.app = app
-        self.expected = expected
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization")
-        if given is not None and hmac.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        err = RequestError(
-            "missing API key: send the header 'Authorization: Bearer <key>'"
-            if given is None
-            else "invalid API key",
-            status=401,
-            type_="authentication_error",
-            code="invalid_api_key",
-        )
-        response = JSONResponse(error_body(err), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+    return Security(check)

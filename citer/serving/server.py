@@ -15,7 +15,8 @@ answers from counters kept outside the engine, at once, however busy it is; it n
 paths. ``continuous_batching=False`` decodes one request at a time (the old behaviour, for comparison).
 
 A host other than loopback is refused unless an API key is set (or remote serving without one is allowed
-explicitly); with a key, every request but ``/health`` needs ``Authorization: Bearer <key>`` (else 401).
+explicitly); with a key, every route but ``/health`` (the schema included) needs ``Authorization: Bearer <key>``
+(else 401).
 
 What evaluation tools use works (:mod:`citer.serving.endpoints`): ``n`` > 1, ``logprobs``/``top_logprobs`` from the
 model that wrote each token, ``echo`` with the routed policy's prompt log-probs, token-id prompts. ``/v1/models``
@@ -42,7 +43,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from citer.project import Project, as_project
-from citer.serving.access import BearerAuth, ServeError, check_bind, is_loopback, public_info, public_ref
+from citer.serving.access import ServeError, bearer_key, check_bind, is_loopback, public_info, public_ref
 from citer.serving.champion import load_champion
 from citer.serving.endpoints import chat_completions as chat_endpoint
 from citer.serving.endpoints import completions as completions_endpoint
@@ -117,7 +118,7 @@ def build_app(
     bounds prompt + answer. A request may carry at most ``max_prompts_per_request`` prompts and ask for at most
     ``max_tokens_per_request`` tokens (prompts x max_tokens), else 400; beyond ``max_queued_requests`` requests
     waiting for the engine, a request gets 429 with ``Retry-After``. Up to ``max_batch_rows`` rows decode together
-    (``continuous_batching=False``: one request at a time). With ``api_key`` set, every request but
+    (``continuous_batching=False``: one request at a time). With ``api_key`` set, every route but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401). ``info`` (router version, SLM, LLM) is shown by
     ``/health`` and added to each response's ``citer`` stats, absolute paths cut to their last component.
     """
@@ -169,7 +170,11 @@ def build_app(
             await run_in_threadpool(srv.close)  # stop the engine thread with the app
 
     app = FastAPI(
-        title="citer", description="CITER routed decoding, OpenAI-compatible", version="1", lifespan=lifespan
+        title="citer",
+        description="CITER routed decoding, OpenAI-compatible",
+        version="1",
+        lifespan=lifespan,
+        openapi_url=None if api_key else "/openapi.json",  # with a key, a keyed route below serves the schema
     )
     app.state.citer = srv
     auth = (401,) if api_key else ()
@@ -201,8 +206,10 @@ def build_app(
         err = http_error(request.method, request.url.path, exc.status_code, exc.headers)
         return JSONResponse(error_body(err), status_code=exc.status_code, headers=exc.headers)
 
+    # Every route but /health (a load balancer's probe carries no key) needs the key, the schema included.
+    keyed = [bearer_key(api_key)] if api_key else []
     if api_key:
-        app.add_middleware(BearerAuth, expected=f"Bearer {api_key}".encode())
+        app.add_api_route("/openapi.json", app.openapi, include_in_schema=False, dependencies=keyed)
 
     # Every endpoint is async: none holds a worker thread while it waits, so /health and refusals (400, 429) are
     # answered at once however many requests wait for the engine.
@@ -223,17 +230,17 @@ def build_app(
             },
         }
 
-    @app.get("/v1/models", responses=error_responses(auth))
+    @app.get("/v1/models", responses=error_responses(auth), dependencies=keyed)
     async def models() -> dict[str, Any]:
         card = {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "citer"}
         card["citer"] = {"prompts": template_info(srv.fmt, srv.tok), "context_length": srv.context_length}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", responses={200: sse, **generate})
+    @app.post("/v1/completions", responses={200: sse, **generate}, dependencies=keyed)
     async def completions(req: CompletionRequest) -> Any:
         return await completions_endpoint(srv, req)
 
-    @app.post("/v1/chat/completions", responses={200: sse, **generate})
+    @app.post("/v1/chat/completions", responses={200: sse, **generate}, dependencies=keyed)
     async def chat_completions(req: ChatRequest) -> Any:
         return await chat_endpoint(srv, req)
 

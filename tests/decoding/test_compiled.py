@@ -124,7 +124,7 @@ def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
     plain.add_slots(3)
     plain.ensure_capacity(100)
     assert (plain._alloc, plain.capacity) == (3, 100)
-    set_forward_path(model, "compiled")  # how bench/engine_v0.py turns it on: no engine flag involved
+    set_forward_path(model, "compiled")  # what compile_forward=True sets: no engine flag involved
     try:
         assert RaggedKVCache(model, 0, 0).round_shapes  # a compiled model's caches round by default
     finally:

@@ -254,38 +254,3 @@ def test_bench_quick_writes_report(tmp_path):
             r["llm_calls_per_step"]
             <= plain[r["scale"], r["batch"], r["p"], r["forward"]]["llm_calls_per_step"]
         )
-
-
-def test_bench_against_an_earlier_engine_writes_both_rows_and_ratios(tmp_path):
-    """bench/engine_v0.py times a git commit's engine and this checkout's, eager, compiled and overlapped, in
-    alternating processes."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "reports" / "bench_engine_v0.json"
-    script = REPO / "bench" / "engine_v0.py"
-    args = [
-        "--random",
-        "--base",
-        "HEAD",
-        "--batches",
-        "1,2",
-        "--new-tokens",
-        "3",
-        "--repeats",
-        "1",
-        "--rounds",
-        "1",
-    ]
-    subprocess.run([sys.executable, str(script), *args, "--out", str(out)], check=True, timeout=600)
-    rep = json.loads(out.read_text())
-    assert {(r["engine"], r["batch"]) for r in rep["rows"]} == {
-        (e, b) for e in ("base", "today", "today_compiled", "today_overlap") for b in (1, 2)
-    }
-    assert all(r["sec_per_token"] > 0 for r in rep["rows"])
-    assert set(rep["ratios"]) == {
-        f"b{b}_{e}_over_base_tokens_per_s" for b in (1, 2) for e in ("today", "compiled", "overlap")
-    } | {f"b{b}_overlap_over_today_tokens_per_s" for b in (1, 2)}
-    # the compiled engine's compile ran in its warm-up, outside the timing, and is reported
-    assert all(r["warmup_s"] > 0 for r in rep["rows"] if r["engine"] == "today_compiled")

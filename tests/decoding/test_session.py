@@ -150,7 +150,7 @@ def test_slot_pool_grows_recycles_and_keeps_rows_exact(pair):
     assert ref_lg.shape[0] == 3
 
 
-# ------------------------------------------------------------- what each scheduler decision guarantees (bench/mutation.py)
+# ------------------------------------------------------------- what each scheduler decision guarantees (scripts/mutation.py)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(-0.1, 1.0), (0.5, 0.0), (0.5, 1.5)])

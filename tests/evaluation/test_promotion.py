@@ -226,7 +226,7 @@ def test_a_win_within_chance_keeps_the_champion():
     assert d.promoted and "candidate - champion bytes (x LLM-only) -0.0750 [" in d.reason
 
 
-# ---------------------------------------------------------- the exact decision, reason and record (bench/mutation.py)
+# ---------------------------------------------------------- the exact decision, reason and record (scripts/mutation.py)
 
 
 def test_objective_takes_the_given_reference_and_ranks_infeasible_rows_toward_the_constraint():

@@ -85,7 +85,7 @@ def test_runs_a_sigkill_left_running_are_closed_at_the_next_start(project):
     leaves alone a run whose process is alive."""
     import mlflow
 
-    from citer.ops.reaper import stat
+    from citer.ops.reaper import start_time
     from citer.project import load_project
     from flows.common import _owner_tags, close_orphan_runs, ensure_experiment
 
@@ -93,7 +93,7 @@ def test_runs_a_sigkill_left_running_are_closed_at_the_next_start(project):
     exp = ensure_experiment(proj)
     client = mlflow.MlflowClient(proj.tracking_uri)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = stat(dead.pid, zombies=True)[1]
+    start = start_time(dead.pid)
     dead.wait()
     mine = _owner_tags()
     gone = client.create_run(exp, tags=mine | {"citer.pid": str(dead.pid), "citer.pid_start": start})

@@ -339,7 +339,7 @@ def test_iter2_with_trained_mlp_router(lookup_pair, tiny_pair, char_tokenizer, t
         collect_iter_k(prev, loaded, other_slm, llm, tok, rows, "math", p)
 
 
-# ------------------------------------------------------------------- the exact table, meta and errors (bench/mutation.py)
+# ------------------------------------------------------------------- the exact table, meta and errors (scripts/mutation.py)
 
 
 def test_encode_rows_adds_no_special_tokens_and_one_eos(char_tokenizer):

@@ -177,7 +177,7 @@ def test_public_ref_never_shows_an_absolute_path(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Who may call: loopback or a key; the key on every request but /health
+# Who may call: loopback or a key; the key on every route but /health
 
 
 def test_api_key_required_on_every_request_but_health(engine, tiny_pair):

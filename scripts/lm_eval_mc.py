@@ -1,7 +1,9 @@
 """lm-evaluation-harness against a project's ``citer serve`` on an mc split: a loglikelihood task (how the harness runs
 ARC, MMLU and CommonsenseQA: each choice's routed likelihood, no generation) and a generate task (the served
 champion answers with its chain of thought; the letter it names is graded), both through the harness's own
-OpenAI-compatible client with the tokenizer's chat template. ``python bench/lm_eval_mc.py PROJECT [--split FILE]``.
+OpenAI-compatible client with the tokenizer's chat template. ``python scripts/lm_eval_mc.py PROJECT [--split FILE]``.
+An evaluation of a finished project, not a bench and not a CI test (the harness's clients against ``citer serve``
+are tested in ``tests/serving/test_lm_eval.py``).
 
 The loglikelihood continuation of a choice is `` The answer is {label}.``, the citer convention
 (:func:`citer.evaluation.loglikelihood.choice_continuations`); a pair trained to reason first scores it zero-shot,

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fault_harness import ALIAS, MODEL, SMALL, Cmd, Proj
+from fault_harness import ALIAS, MODEL, SMALL, Cmd, Proj
 
 PENDING = ".state/promotion_pending.json"
 OWNED = ("reports", "artifacts", "outputs")

@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from fault_harness import BIG, N_BIG, SMALL, Proj
+from fault_state import registry
 
-from bench.fault_harness import BIG, N_BIG, SMALL, Proj
-from bench.fault_state import registry
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # The tests' tiny project (tests/conftest.py TINY), cut further: a command's cost is mostly its imports and stores,
 # so the work is kept to the least that still exercises each stage: 16 new tokens, one τ, no ablation routers, no

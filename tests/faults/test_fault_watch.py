@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from bench.fault_procs import TreeWatch
+from fault_procs import TreeWatch
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the watch reads /proc (Linux)")
 

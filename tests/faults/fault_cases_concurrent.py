@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.fault_harness import BIG, N_BIG, Ctx, Proc, Proj, entry
-from bench.fault_procs import kill_when
-from bench.fault_state import (
+from fault_harness import BIG, N_BIG, Ctx, Proc, Proj, entry
+from fault_procs import kill_when
+from fault_state import (
     champion_artifacts,
     describe,
     leftovers,

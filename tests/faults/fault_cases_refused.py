@@ -8,8 +8,8 @@ import json
 import time
 from typing import Any
 
-from bench.fault_harness import ALIAS, MODEL, SMALL, Cmd, Ctx, Proj, entry
-from bench.fault_state import (
+from fault_harness import ALIAS, MODEL, SMALL, Cmd, Ctx, Proj, entry
+from fault_state import (
     PENDING,
     champion_artifacts,
     changed,

@@ -1,6 +1,6 @@
 """The kill faults: ``citer eval sweep`` killed three times in a row (while its own Prefect server starts, mid-way
 through the locked stage, right after the registry gained a version), then run to the end; ``citer router iterate``
-killed while it retrains, then run again. (The killed route is one of bench/fault_cases_concurrent.py's routes.)
+killed while it retrains, then run again. (The killed route is one of fault_cases_concurrent.py's routes.)
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.fault_harness import Ctx, Proc, entry
-from bench.fault_procs import Kill, TreeWatch, kill_when
-from bench.fault_state import (
+from fault_harness import Ctx, Proc, entry
+from fault_procs import Kill, TreeWatch, kill_when
+from fault_state import (
     changed,
     describe,
     files_state,

@@ -1,4 +1,4 @@
-"""The fault matrix's harness (``bench/faults.py``): ``citer`` commands run as subprocesses in copies of the base
+"""The fault matrix's harness (``tests/faults/test_faults.py``): ``citer`` commands run as subprocesses in copies of the base
 project, what each finished command said, and one entry of the report.
 """
 

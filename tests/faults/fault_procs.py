@@ -1,46 +1,39 @@
-"""A killed command's processes: every descendant noted while it runs (from /proc), a SIGKILL once a fault point
-holds, and which of its processes (or any other running in the project) outlived it.
+"""A killed command's processes: every descendant noted while it runs (psutil), a SIGKILL once a fault point holds,
+and which of its processes (or any other running in the project) outlived it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.fault_harness import Proc, Proj
-from citer.ops.reaper import alive, descendants, pids, stat
+import psutil
+from fault_harness import Proc, Proj
+
+from citer.ops.reaper import descendants, running
 
 GRACE_S = 5.0  # a process of a killed command may outlive it this long (the reaper's poll + SIGTERM grace)
 
 
-def cmdline(pid: int) -> str:
+def cmdline(proc: psutil.Process) -> str:
     try:
-        raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
-    except OSError:
+        return " ".join(proc.cmdline()).strip()[:160]
+    except psutil.Error:
         return "?"
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:160]
 
 
-def in_dir(root: Path) -> dict[int, str]:
-    """Live processes (not this one, no zombies) whose working directory is ``root`` or below it: pid -> start
-    time."""
+def in_dir(root: Path) -> dict[int, psutil.Process]:
+    """Live processes (not this one, no zombies) whose working directory is ``root`` or below it."""
     out = {}
-    for pid in pids():
-        if pid == os.getpid():
-            continue
-        try:
-            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-        except OSError:
-            continue
-        st = stat(pid)
-        if st is not None and cwd.is_relative_to(root):
-            out[pid] = st[1]
+    for proc in psutil.process_iter(["cwd"]):
+        cwd = proc.info["cwd"]
+        if proc.pid != os.getpid() and cwd and Path(cwd).is_relative_to(root) and running(proc):
+            out[proc.pid] = proc
     return out
 
 
@@ -49,7 +42,7 @@ class TreeWatch:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.seen: dict[int, tuple[str, str]] = {}  # pid -> (start time, its latest command line)
+        self.seen: dict[int, tuple[psutil.Process, str]] = {}  # pid -> (the process, its latest command line)
         self._cmds: set[str] = set()  # every command line read, so an exec'd child still matches what it was
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -58,11 +51,11 @@ class TreeWatch:
     def snapshot(self) -> None:
         # Zombies too: a child that already died still counts as one the command started. A child first seen between
         # fork and exec shows its parent's command line, or none while exec swaps it: read it again each time.
-        for pid, start in descendants(self.pid, zombies=True).items():
-            cmd = cmdline(pid)
-            known = self.seen.get(pid)
-            if known is None or (known[0] == start and cmd not in ("", "?")):
-                self.seen[pid] = (start, cmd)
+        for proc in descendants(self.pid):
+            cmd = cmdline(proc)
+            known = self.seen.get(proc.pid)
+            if known is None or (known[0] == proc and cmd not in ("", "?")):
+                self.seen[proc.pid] = (proc, cmd)
             self._cmds.add(cmd)
 
     def _loop(self) -> None:
@@ -106,20 +99,20 @@ def kill_when(proj: Proj, proc: Proc, point: Callable[[TreeWatch], bool], timeou
     at = time.monotonic() - proc.t0
     if proc.running():
         proc.killed = "fault"
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.popen.kill()
     proj.finish(proc, timeout=30)
     watch.stop()
     deadline = time.monotonic() + GRACE_S
-    tracked = {pid: start for pid, (start, _) in watch.seen.items()}
+    tracked = {pid: p for pid, (p, _) in watch.seen.items()}
     while time.monotonic() < deadline:
         tracked |= in_dir(proj.root)
-        if not any(alive(p, s) for p, s in tracked.items()):
+        if not any(running(p) for p in tracked.values()):
             break
         time.sleep(0.1)
     tracked |= in_dir(proj.root)
-    left = [p for p, s in tracked.items() if alive(p, s)]
-    survivors = [f"pid {p}: {watch.seen[p][1] if p in watch.seen else cmdline(p)}" for p in left]
+    left = [p for p in tracked.values() if running(p)]
+    survivors = [f"pid {p.pid}: {watch.seen[p.pid][1] if p.pid in watch.seen else cmdline(p)}" for p in left]
     for p in left:  # our own command's processes: stop them so they do not hold the project
-        with contextlib.suppress(OSError):
-            os.kill(p, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     return Kill(fired, round(at, 2), [cmd for _, cmd in watch.seen.values()], survivors)

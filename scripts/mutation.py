@@ -1,4 +1,4 @@
-"""Mutation testing of the modules that decide things. ``python bench/mutation.py [--modules promotion session labels]``.
+"""Mutation testing of the modules that decide things. ``python scripts/mutation.py [--modules promotion session labels]``.
 
 mutmut (the ``dev`` extra pins it) rewrites one module into many mutants (comparison flips, ``and``/``or`` swaps,
 constants off by one, ``None`` for an argument or a result, strings changed...) and runs, against each, the tests
@@ -9,7 +9,7 @@ mutmut's ``mutants/`` directory lives and dies there. One test process at a time
 
 Per module the report gives the mutants run, killed, survived, timeout, suspicious, skipped and untested (no test
 reaches them), ``score`` = (killed + timeout) / (run - skipped) -- a timeout is a detected mutant, mutmut's own badge
-counts it so -- and ``score_non_equivalent``, the same with the survivors judged equivalent (``bench/
+counts it so -- and ``score_non_equivalent``, the same with the survivors judged equivalent (``scripts/
 mutation_equivalent.py``: no test can tell them from the original) taken out of the denominator. Every survivor is
 listed with its line and diff, and the reason where it was judged equivalent. A judgement applies only while the
 mutant's name and mutated line both still match, so renumbered mutants after an edit show up unjudged.
@@ -19,7 +19,7 @@ as such. ``--rerun-survivors`` runs only the survivors recorded in ``--out`` for
 since, none removed, so every mutant killed then is still killed) and carries the other results over; the entry keeps
 the previous score. ``--mutants GLOB ...`` runs only the matching mutants (give it another ``--out``: its entry
 replaces the module's). Writes ``reports/bench_mutation.json`` atomically; modules not run keep their entries there.
-A bench, not a CI job: minutes per module on 2 cores (docs/mutation.md).
+A dev tool, not a CI job: minutes per module on 2 cores (docs/mutation.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.mutation_equivalent import EQUIVALENT  # noqa: E402
+from mutation_equivalent import EQUIVALENT  # noqa: E402  (this directory: sys.path[0])
+
 from citer.ops.io import write_json  # noqa: E402
 from citer.tracking.provenance import stamp_bench  # noqa: E402
 
@@ -114,7 +115,7 @@ def configure(repo: Path, source: str, tests: list[str], deselect: list[str]) ->
     pyproject = repo / "pyproject.toml"
     text = pyproject.read_text(encoding="utf-8")
     if "[tool.mutmut]" in text:
-        raise SystemExit("pyproject.toml already has [tool.mutmut]; this bench writes its own per module")
+        raise SystemExit("pyproject.toml already has [tool.mutmut]; this tool writes its own per module")
     # mutmut runs the tests inside mutants/ (its copy of citer/ + tests/): everything else they read goes too.
     also = sorted(p.name for p in repo.iterdir() if p.name not in ("citer", "tests", "pyproject.toml"))
     pytest_args = ["-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
