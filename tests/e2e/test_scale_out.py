@@ -47,11 +47,13 @@ def scale_project(tiny_pair_dirs, tmp_path_factory):
         iterations=2, n_examples=8, batch_size=4, max_new_tokens=4, rollout_llm_token=True
     )
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    save_router(
-        spread_router(32),
-        root / "artifacts" / "routers" / "iter1",
-        {"slm": "models/slm", "llm": "models/llm"},
+    from citer.routing.iterations import pair_digests
+
+    # the pair it routes for: every router loader refuses one that does not record it
+    meta = {"slm": "models/slm", "llm": "models/llm"} | pair_digests(
+        root / "models" / "slm", root / "models" / "llm"
     )
+    save_router(spread_router(32), root / "artifacts" / "routers" / "iter1", meta)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CITER_ROOT", str(root))
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
