@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# The one command for a lent GPU machine (docs/gpu.md): the CUDA tests, then each pair's speed run in a process of its
-# own, everything written under OUT_DIR as it goes and logged to OUT_DIR/log.txt; the runs merged at the end into
-# OUT_DIR/bench_gpu.json. `bash bench/gpu_oneshot.sh --plan` prints, on any machine in seconds, what it will compile
-# and capture and how long it should take (last line: one JSON object), and exits 1 if a run's plan exceeds its budget.
-# Needs only python3 with torch and transformers (and pytest for the tests).
+# The one command for a lent GPU (docs/gpu.md): the CUDA tests, then each pair's speed run in a process of its own,
+# written under OUT_DIR as it goes (log: OUT_DIR/log.txt), merged at the end into OUT_DIR/bench_gpu.json. `--plan`:
+# what it compiles and captures and how long it takes, in seconds on any machine; exits 1 over a run's budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUNS=(

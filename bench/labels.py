@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -159,9 +160,7 @@ def scale_out(n: int, workers: int, batch_size: int, max_new_tokens: int) -> dic
         (root / "data" / "train.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
         )
-        (root / "params.yaml").write_text(
-            (ROOT / "params.yaml").read_text(encoding="utf-8"), encoding="utf-8"
-        )
+        shutil.copy(ROOT / "params.yaml", root / "params.yaml")
         local = {"task_runner": "local", "workers": 1, "address": None}
         set_params(root, data=dict(format=fmt, train="data/train.jsonl", dev="data/train.jsonl", test="data/train.jsonl"),
                    models=dict(slm="models/slm", llm="models/llm", finetuned_slm="models/slm", device="cpu"),
@@ -184,10 +183,8 @@ def scale_out(n: int, workers: int, batch_size: int, max_new_tokens: int) -> dic
         )
         start_s = time.perf_counter() - t0
         try:
-            set_params(
-                root,
-                runtime=local | dict(task_runner="dask", workers=workers, address=cluster.scheduler_address),
-            )
+            dask = dict(task_runner="dask", workers=workers, address=cluster.scheduler_address)
+            set_params(root, runtime=local | dask)
             cold_s, _ = timed_collect(root)
             warm_s, many = timed_collect(root)
         finally:
@@ -210,13 +207,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=50, help="examples (default 50)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument(
-        "--threads", type=int, default=1, help="torch threads for both methods (0 = torch default)"
-    )
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of both methods (0: default)")
     ap.add_argument("--out", type=Path, default=None, help="default reports/bench_labels[_scale_out].json")
-    ap.add_argument(
-        "--scale-out", action="store_true", help="measure the shard overhead on a local Dask cluster"
-    )
+    ap.add_argument("--scale-out", action="store_true", help="the shard overhead on a local Dask cluster")
     ap.add_argument("--workers", type=int, default=2, help="--scale-out: Dask workers = in-process threads")
     a = ap.parse_args()
     started = time.perf_counter()

@@ -205,10 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                     every.setdefault((name, c), []).append(
                         {k: r[k] for k in ("tokens_per_s", "p50_latency_s", "ttft_over_latency")}
                     )
+                    # losses and differences count over every round, not only the kept one
                     old = best.get((name, c))
-                    if (
-                        old is not None
-                    ):  # losses and differences count over every round, not only the kept one
+                    if old is not None:
                         r["lost"] += old["lost"]
                         r["differ_from_alone"] += old["differ_from_alone"]
                         if r["tokens_per_s"] <= old["tokens_per_s"]:

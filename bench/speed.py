@@ -1,32 +1,23 @@
 """Routed decoding against every LLM-only decoder, in wall-clock time at real shapes: ``python bench/speed.py``.
 
-One bench for both devices (random weights at real shapes; prompts are random ids and there is no EOS, so every row
-generates exactly ``--new-tokens``):
+Random weights at real shapes, random prompt ids, no EOS (every row generates exactly ``--new-tokens``):
 
-- ``--device cuda``: Qwen2 pairs in bf16 (``0.5b-7b``: Qwen2-0.5B / Qwen2-7B; ``1.5b-14b``: Qwen2-1.5B /
-  Qwen2.5-14B), our engine in ``--static-steps graphs`` (compiled per layer, a CUDA graph per bucket). On a lent GPU
-  run ``bash bench/gpu_oneshot.sh OUT_DIR`` (docs/gpu.md), which runs this once per pair;
-- ``--device cpu``: the SmolLM2 pair (135M / 1.7B shapes, Llama, one tokenizer) in bf16 and float32, our engine in
-  ``--static-steps default`` (one Inductor graph per call kind) and eager (``--engine-eager``), against the machine's
-  measured read bandwidth: ``python bench/speed.py --device cpu --out reports/bench_cpu.json`` (docs/results.md).
+- ``--device cuda``: Qwen2 pairs in bf16 (``0.5b-7b``: Qwen2-0.5B / 7B; ``1.5b-14b``: Qwen2-1.5B / Qwen2.5-14B), our
+  engine in ``--static-steps graphs`` (a compiled layer per model, a CUDA graph per bucket); on a lent GPU ``bash
+  bench/gpu_oneshot.sh OUT_DIR`` (docs/gpu.md) runs this once per pair;
+- ``--device cpu``: the SmolLM2 pair (135M / 1.7B, Llama) in bf16 and float32, our engine in ``--static-steps
+  default`` (an Inductor graph per call kind) and eager, against the measured read bandwidth (docs/results.md);
+- ``--pairs embedded --hf-forward``: the pipeline's own architectures, the lean forward against the HF modules'.
 
-Variants, the order they run in and how they are timed: ``bench/speed_measure.py``; models, bytes, the report and the
-derived ratios and targets: ``bench/speed_report.py``. ``--plan`` prints, in seconds and without building a model,
-what the exact command will compile and capture and how long it should take, and exits 1 when that exceeds
-``--time-budget``. ``--recompute a.json,b.json`` merges runs of one device and re-derives every ratio from the raw
-reps. ``--tiny``: tiny models on the CPU with the fixed-shape steps traced (``aot_eager``), a smoke run of every code
-path (its timings mean nothing).
+Variants and their timing: ``bench/speed_measure.py``; models, bytes, the report, ratios and targets:
+``bench/speed_report.py``. ``--plan``: what the command compiles and captures and how long it takes, without building
+a model (exit 1 over ``--time-budget``). ``--recompute a.json,b.json``: merge runs of one device, re-derive every
+ratio from the raw reps. ``--tiny``: tiny models, the fixed-shape steps traced (``aot_eager``), every code path.
 
-Peers that live in environments of their own run this file with that environment's Python, as ``PYTHON
-bench/speed.py peer {llama_cpp,vllm} DIR`` (only the standard library is imported before they run); each prints one
-JSON line with its wall times (a warm-up, then ``reps`` runs of ``prompt_len`` random ids and ``new_tokens`` greedy
-tokens, no EOS):
-
-- ``llama_cpp`` (``--llama-cpp-python``: llama-cpp-python and gguf): DIR holds ``config.json`` and one ``.npy`` per
-  tensor (bf16 stored as uint16), the same random weights the other rows decode with, written here into a GGUF file
-  (llama architecture, a placeholder vocabulary of the same size). q and k are not permuted to llama.cpp's rotary
-  layout: with random weights the tokens mean nothing either way, and the work per token is the same.
-- ``vllm`` (``--vllm-python``: vllm's CPU backend): DIR/hf is the model saved by ``save_pretrained``; no tokenizer.
+Peers in environments of their own (``--llama-cpp-python``, ``--vllm-python``) run this file with that environment's
+Python, ``PYTHON bench/speed.py peer {llama_cpp,vllm} DIR`` (only the standard library is imported before), from the
+same random weights: llama.cpp from a GGUF file written here (q and k not permuted to its rotary layout: with random
+weights the work per token is the same), vLLM's CPU backend from an HF directory. Each prints one JSON line.
 """
 
 from __future__ import annotations
@@ -90,20 +81,26 @@ def time_llama_cpp(src: Path) -> dict:
         write_gguf(src, gguf_path)
     llm = Llama(model_path=str(gguf_path), n_ctx=cfg["prompt_len"] + cfg["new_tokens"] + 8, n_batch=cfg["prompt_len"],
                 n_threads=cfg["threads"], n_threads_batch=cfg["threads"], verbose=False)  # fmt: skip
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(3, cfg["vocab_size"], cfg["prompt_len"])]
-    walls = []
-    for _ in range(1 + cfg["reps"]):  # the first run warms up
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, cfg["vocab_size"], cfg["prompt_len"])]
+
+    def once() -> None:
         llm.reset()
-        t = time.perf_counter()
         llm.eval(prompt)
         for _ in range(cfg["new_tokens"]):
             logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(cfg["vocab_size"],))
             llm.eval([int(np.argmax(logits))])  # greedy, as every other row
-        walls.append(time.perf_counter() - t)
-    import llama_cpp
 
-    return {"reps_s": walls[1:], "warmup_s": walls[0], "version": llama_cpp.__version__}
+    return _walls(once, cfg["reps"], "llama_cpp")
+
+
+def _walls(once: Any, reps: int, package: str) -> dict:
+    """A warm-up, then ``reps`` timed runs of ``once()``, and the peer's version."""
+    walls = []
+    for _ in range(1 + reps):
+        t = time.perf_counter()
+        once()
+        walls.append(time.perf_counter() - t)
+    return {"reps_s": walls[1:], "warmup_s": walls[0], "version": __import__(package).__version__}
 
 
 def time_vllm(src: Path) -> dict:
@@ -120,14 +117,7 @@ def time_vllm(src: Path) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in rng.integers(3, cfg["vocab_size"], cfg["prompt_len"])])
                for _ in range(cfg["batch"])]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=cfg["new_tokens"], ignore_eos=True, detokenize=False)
-    walls = []
-    for _ in range(1 + cfg["reps"]):
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        walls.append(time.perf_counter() - t)
-    import vllm
-
-    return {"reps_s": walls[1:], "warmup_s": walls[0], "version": vllm.__version__}
+    return _walls(lambda: llm.generate(prompts, params, use_tqdm=False), cfg["reps"], "vllm")
 
 
 PEERS = {"llama_cpp": time_llama_cpp, "vllm": time_vllm}
@@ -276,22 +266,16 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                     captures += caps
                     phases["captures"] = phases.get("captures", 0) + caps * k["capture_s"]
                 eng = runs * steps * (t_llm + t_slm + n_routed * (t_slm + 0.1 * t_llm * max(1, b // 4)))
+                eng *= 2 if args.hf_forward else 1
                 hf_step = max(layers[llm] * k["hf_layer_step_s"], wb[llm] / bw)
                 hf = runs * steps * hf_step
-                if args.hf_slm:
-                    hf += runs * steps * max(layers[slm] * k["hf_layer_step_s"], wb[slm] / bw)
                 if args.compile and b in args.compile_batches:
                     compiles[f"hf {llm} ({dtype}) b{b}"] = 1
-                    phases["compile_hf"] = (
-                        phases.get("compile_hf", 0)
-                        + k["hf_compile_s"]
-                        + layers[llm] * k["hf_compile_per_layer_s"]
-                    )
+                    hf_compile = k["hf_compile_s"] + layers[llm] * k["hf_compile_per_layer_s"]
+                    phases["compile_hf"] = phases.get("compile_hf", 0) + hf_compile
                     hf += runs * steps * k["hf_compiled_bw_factor"] * wb[llm] / bw
-                if b == 1:
-                    hf += (
-                        len(args.alphas) * runs * steps * 0.35 * hf_step
-                    )  # ~0.3 verification calls per token
+                if b == 1:  # assisted: ~0.3 verification calls per token
+                    hf += len(args.alphas) * runs * steps * 0.35 * hf_step
                 phases["measure"] = phases.get("measure", 0) + eng + hf
     total = sum(phases.values())
     return {"compiles_per_model": compiles, "captures": captures, "phases_s": {p: round(s, 1) for p, s in phases.items()},
@@ -305,14 +289,14 @@ def _measured_constants(dev: str) -> dict[str, Any]:
         rep = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    layer = [r[f"{m}_compile_s"] / r[f"{m}_compiles"] for r in rep.get("rows", []) for m in ("slm", "llm")
-             if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") in ("graphs", "aot_eager")]  # fmt: skip
-    whole = [r[f"{m}_compile_s"] / r[f"{m}_compiles"] for r in rep.get("rows", []) for m in ("slm", "llm")
-             if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") == "default"]  # fmt: skip
-    out: dict[str, Any] = {}
-    if (
-        layer
-    ):  # a model's two pieces, layer and head, averaged in the report: the split kept from the defaults
+    per = {"graphs": [], "aot_eager": [], "default": []}  # seconds per compile, by --static-steps
+    for r in rep.get("rows", []):
+        for m in ("slm", "llm"):
+            if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") in per:
+                per[r["static_steps"]].append(r[f"{m}_compile_s"] / r[f"{m}_compiles"])
+    layer, whole, out = per["graphs"] + per["aot_eager"], per["default"], {}
+    # a model's two pieces, layer and head, averaged in the report: the split kept from the defaults
+    if layer:
         out["layer_compile_s"] = 0.7 * 2 * max(layer)
         out["head_compile_s"] = 0.3 * 2 * max(layer)
     if whole:
@@ -371,9 +355,7 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--pairs", default="", help=f"comma list of {sorted(PAIRS)} (default: per device)")
-    ap.add_argument(
-        "--dtypes", default="", help="comma list of bf16, fp32 (default: bf16 on cuda, both on cpu)"
-    )
+    ap.add_argument("--dtypes", default="", help="bf16,fp32 (default: bf16 on cuda, both on cpu)")
     ap.add_argument("--batches", type=_ints, default=None, help="default: 1,32 on cuda, 1,8 on cpu")
     ap.add_argument("--fractions", type=_floats, default=[0.1], help="random router LLM probabilities")
     ap.add_argument("--overlap-fractions", type=_floats, default=[0.1], help="overlap_f{p} rows at batch > 1")
@@ -383,43 +365,31 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap.add_argument("--stat", choices=["median", "min"], default="median", help="over the timed reps")
     ap.add_argument("--min-rows", type=int, default=0, help="shared: llm_min_rows (0: max(2, batch // 4))")
     ap.add_argument("--max-wait-steps", type=int, default=4, help="shared: llm_max_wait_steps")
-    ap.add_argument(
-        "--alphas", type=_floats, default=None, help="assisted generation's forced agreement rates"
-    )
+    ap.add_argument("--alphas", type=_floats, default=None, help="assisted: forced agreement rates")
     ap.add_argument("--draft-tokens", type=int, default=5, help="assisted: draft length per call")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="transformers' static cache + compile baseline (default: on; off with --quick)")  # fmt: skip
     ap.add_argument("--compile-batches", type=_ints, default=None, help="batches of the compiled HF baseline")
-    ap.add_argument(
-        "--compile-reserve", type=float, default=None, help="skip a compile with fewer seconds left"
-    )
+    ap.add_argument("--compile-reserve", type=float, default=None, help="skip a compile with fewer s left")
     ap.add_argument("--engine-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="also our engine without compiles (default: on for cpu)")  # fmt: skip
-    ap.add_argument("--hf-slm", action="store_true", help="also transformers generate with the SLM alone")
+    ap.add_argument("--hf-forward", action="store_true", help="engine rows also through the HF forward")
     ap.add_argument("--llama-cpp-python", default="",
                     help="a Python with llama-cpp-python and gguf: llama.cpp rows (batch 1) from the same weights")  # fmt: skip
     ap.add_argument("--vllm-python", default="", help="a Python with vllm (CPU backend): vLLM LLM-only rows")
     ap.add_argument("--static-steps", default="auto",
                     help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
                     "default on cpu, aot_eager with --tiny; none: the ragged eager calls")  # fmt: skip
-    ap.add_argument(
-        "--gpu",
-        default="auto",
-        help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}, from the device's name",
-    )
+    ap.add_argument("--gpu", default="auto", help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 360 with --quick)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of every path")
     ap.add_argument("--quick", action="store_true",
                     help="cpu: two reps, bf16, no transformers compile (a rerun of the headline in <= 6 min)")  # fmt: skip
-    ap.add_argument(
-        "--plan", action="store_true", help="print what the command will compile and how long it takes"
-    )
+    ap.add_argument("--plan", action="store_true", help="print what the run compiles and how long it takes")
     ap.add_argument("--plan-script", nargs="+", default=None, metavar="ARGS",
                     help="the plan of several runs (each one quoted argument string) plus the CUDA tests")  # fmt: skip
-    ap.add_argument(
-        "--recompute", default="", help="comma list of result files: merge, re-derive, write --out"
-    )
+    ap.add_argument("--recompute", default="", help="result files a,b: merge, re-derive, write --out")
     ap.add_argument("--threads", type=int, default=0, help="cpu: torch threads (0: torch's default)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)

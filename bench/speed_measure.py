@@ -1,15 +1,13 @@
-"""The variants ``bench/speed.py`` times at one pair, dtype and batch size, and how: warm-ups and reps under the time
-budget, a row per variant updated and saved after every rep.
+"""The variants ``bench/speed.py`` times at one pair, dtype and batch: warm-ups, then interleaved reps under the time
+budget, each variant's row saved after every rep.
 
-- LLM alone, the baselines, first: ``hf_llm_static_compiled`` (transformers ``generate`` with a static cache, which it
-  compiles: CUDA graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine with the LLM alone, fixed-shape steps
-  as ``--static-steps`` says), ``engine_llm_eager`` (``--engine-eager``: the same engine, lean forward, no compile),
-  ``hf_llm`` (``generate``, eager);
-- then the SLM alone (``engine_slm``, ``hf_slm``), routing with a random router sending a token to the LLM with
-  probability p (``routed_f{p}``; at batch > 1 ``shared_f{p}`` with shared LLM calls and ``overlap_f{p}`` /
-  ``overlap_shared_f{p}`` with overlapped steps), and at batch 1 transformers assisted generation with the SLM as the
-  drafter (``assisted_alpha{a}``): random models never agree, so a logits processor makes both agree at a fraction
-  alpha of positions (a hash of the prefix), a controlled acceptance rate.
+- LLM alone first (the baselines): ``hf_llm_static_compiled`` (``generate`` with a static cache, compiled: CUDA
+  graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine, ``--static-steps``), ``engine_llm_eager``, ``hf_llm``
+  (eager ``generate``), the peers (``llama_cpp_llm``, ``vllm_llm``);
+- then ``engine_slm``, a random router at LLM probability p (``routed_f{p}``; at batch > 1 ``shared_f{p}``,
+  ``overlap_f{p}``, ``overlap_shared_f{p}``), at batch 1 assisted generation with the SLM drafting
+  (``assisted_alpha{a}``: both models forced to agree at a fraction a of positions), and with ``--hf-forward`` every
+  engine row not compiled again through the HF modules' forward (``*_hf_forward``).
 """
 
 from __future__ import annotations
@@ -23,10 +21,11 @@ from typing import Any
 
 import torch
 
-from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, call_counter, plain_bytes
+from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, plain_bytes
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
+from citer.decoding.cost import call_tally
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.lean import lean_decoder
+from citer.decoding.lean import lean_decoder, set_forward_path
 from citer.decoding.speculative import assistant_setup
 from citer.decoding.step_compile import step_stats
 
@@ -71,12 +70,6 @@ class Variant:
     engine: RoutedEngine | None = None
     compiles: bool = False  # its warm-up compiles (kept for when enough time is left)
     external: bool = False
-
-
-def shared_min_rows(min_rows: int, batch: int) -> int:
-    """``llm_min_rows`` of the shared variants: ``--min-rows``, or max(2, batch // 4) when it is 0."""
-    m = min_rows if min_rows > 0 else max(2, batch // 4)
-    return max(1, min(m, batch))
 
 
 def variants(
@@ -135,11 +128,11 @@ def variants(
 
     rest = [engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm")]
     for p in a.fractions:
-        rest.append(
-            engine(f"routed_f{p:g}", RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw), p)
-        )
+        e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw)
+        rest.append(engine(f"routed_f{p:g}", e, p))
     if batch > 1:
-        share = {"llm_min_rows": shared_min_rows(a.min_rows, batch), "llm_max_wait_steps": a.max_wait_steps}
+        rows = min(a.min_rows or max(2, batch // 4), batch)  # --min-rows, or a quarter of the batch
+        share = {"llm_min_rows": rows, "llm_max_wait_steps": a.max_wait_steps}
         for p in a.fractions:
             e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw, **share)
             rest.append(engine(f"shared_f{p:g}", e, p, **share))
@@ -148,14 +141,28 @@ def variants(
             rest.append(engine(f"overlap_f{p:g}", e, p))
             e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw, **share)
             rest.append(engine(f"overlap_shared_f{p:g}", e, p, **share))
-    if a.hf_slm:
-        rest.append(Variant("hf_slm", hf(slm), {"method": "hf_generate", "model": "slm", "f": 0.0}))
     if a.llama_cpp_python and batch == 1 and llama:
         rest.append(_peer(run, models, "slm", "llama_cpp", batch))
     if batch == 1:
         for alpha in a.alphas:
             rest.append(_assisted(run, models, ids, alpha))
+    if a.hf_forward:  # the lean forward's A/B: the same engines through the HF modules' forward
+        eager = [v for v in (*base, *rest) if v.engine is not None and not v.compiles]
+        rest += [_hf_forward(v, (slm, llm)) for v in eager]
     return base, rest
+
+
+def _hf_forward(v: Variant, models: tuple[Any, Any]) -> Variant:
+    def go(n: int) -> dict[str, Any]:
+        for m in models:
+            set_forward_path(m, "hf")
+        try:
+            return v.run(n)
+        finally:
+            for m in models:
+                set_forward_path(m, "auto")
+
+    return Variant(f"{v.name}_hf_forward", go, v.meta, v.engine)
 
 
 def _static_compile(run: BenchRun) -> dict[str, Any]:
@@ -206,13 +213,12 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
                     else:
                         name = {"model.embed_tokens.weight": "token_embd.weight",
                                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]  # fmt: skip
-                    t = t.contiguous()
-                    arr = (
-                        t.view(torch.int16).numpy().view(np.uint16)
-                        if t.dtype is torch.bfloat16
-                        else t.numpy()
+                    # numpy has no bf16: its bits, as uint16
+                    t, bf16 = t.contiguous(), t.dtype is torch.bfloat16
+                    np.save(
+                        out / f"{name}.npy",
+                        t.view(torch.int16).numpy().view(np.uint16) if bf16 else t.numpy(),
                     )
-                    np.save(out / f"{name}.npy", arr)
             c = model.config
             cfg = dict(dtype=models.dtype, dtype_name=str(model.dtype).removeprefix("torch."), batch=batch,
                        hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -224,9 +230,8 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
             (out / "config.json").write_text(json.dumps(cfg))
             script = Path(__file__).with_name("speed.py")
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
-            res = subprocess.run(
-                [python, str(script), "peer", peer, tmp], capture_output=True, text=True, cwd=tmp, env=env
-            )
+            cmd = [python, str(script), "peer", peer, tmp]
+            res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
             line = next((x for x in res.stdout.splitlines() if x.startswith('{"reps_s"')), None)
             if res.returncode != 0 or line is None:
                 raise RuntimeError(f"{peer}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
@@ -246,13 +251,14 @@ def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float)
     def go(n: int) -> dict[str, Any]:
         with (
             assistant_setup(slm, llm, run.args.draft_tokens),
-            call_counter(slm, llm, models.costs, 1) as tally,
+            call_tally(slm, llm) as tally,
         ):
             out = llm.generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=slm, max_new_tokens=n,
                 do_sample=False, pad_token_id=0, eos_token_id=None, logits_processor=proc,
             )  # fmt: skip
-        return {"tally": dict(tally), "generated": int(out.shape[1] - ids.shape[1])}
+        t = {"llm_calls": tally.llm[0], "slm_calls": tally.slm[0], "bytes": tally.bytes(models.costs)}
+        return {"tally": t, "generated": int(out.shape[1] - ids.shape[1])}
 
     meta = {"method": "hf_assisted", "alpha": alpha, "draft_tokens": run.args.draft_tokens}
     return Variant(f"assisted_alpha{alpha:g}", go, meta)
@@ -279,7 +285,7 @@ def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
                 last = row["reps_s"][-1] if row["reps_s"] else 0.0
                 if run.left() < last + 5:
                     run.note(
-                        f"{models.name} {models.dtype} b{batch} {v.name} rep {rep}: skipped, time budget spent"
+                        f"{models.name} {models.dtype} b{batch} {v.name} rep {rep}: skipped, budget spent"
                     )
                     continue
                 try:
@@ -386,9 +392,8 @@ def _fill(
         row.update(decode_steps=steps, llm_calls=calls, llm_calls_per_token=calls / st.new_tokens,
                    llm_calls_per_step=calls / steps, overlapped_steps=st.overlapped_steps,
                    wait_row_steps=st.wait_row_steps, bytes_per_token=st.bytes_moved / st.new_tokens)  # fmt: skip
-        row["llm_fraction"] = (
-            1.0 if alone and v.meta.get("model") == "llm" else 0.0 if alone else st.llm_fraction
-        )
+        llm_alone = alone and v.meta.get("model") == "llm"
+        row["llm_fraction"] = 1.0 if llm_alone else 0.0 if alone else st.llm_fraction
     else:
         cost = models.costs[0] if v.meta.get("model") == "slm" else models.costs[1]
         row["bytes_per_token"] = plain_bytes(cost, batch, a.prompt_len, n_new) / (batch * n_new)

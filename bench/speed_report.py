@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
 import resource
 import statistics
-import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,38 +24,34 @@ from typing import Any
 import torch
 
 from citer.decoding.cost import GPU_BANDWIDTH, ModelCost
+from citer.ops.io import write_text
 
 # ----------------------------------------------------------------------------------------------------------- models
 # Real configs (family, hidden, intermediate, layers, heads, kv heads, vocab rows, tied embeddings, max positions).
+# fmt: off
 SPECS: dict[str, dict[str, Any]] = {
-    "qwen2-0.5b": dict(
-        family="qwen2", hidden=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tie=True
-    ),
-    "qwen2-1.5b": dict(
-        family="qwen2", hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, tie=True
-    ),
-    "qwen2-7b": dict(
-        family="qwen2", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, tie=False
-    ),
-    "qwen2.5-14b": dict(
-        family="qwen2", hidden=5120, inter=13824, layers=48, heads=40, kv=8, vocab=152064, tie=False
-    ),
+    "qwen2-0.5b": dict(family="qwen2", hidden=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tie=True),
+    "qwen2-1.5b": dict(family="qwen2", hidden=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, tie=True),
+    "qwen2-7b": dict(family="qwen2", hidden=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, tie=False),
+    "qwen2.5-14b": dict(family="qwen2", hidden=5120, inter=13824, layers=48, heads=40, kv=8, vocab=152064, tie=False),
     # SmolLM2 (Llama architecture, one tokenizer of 49,152 ids, tied embeddings): the CPU pair, LLM/SLM ~12.6x.
-    "smollm2-135m": dict(
-        family="llama", hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152, tie=True
-    ),
-    "smollm2-1.7b": dict(
-        family="llama", hidden=2048, inter=8192, layers=24, heads=32, kv=32, vocab=49152, tie=True
-    ),
+    "smollm2-135m": dict(family="llama", hidden=576, inter=1536, layers=30, heads=9, kv=3, vocab=49152, tie=True),
+    "smollm2-1.7b": dict(family="llama", hidden=2048, inter=8192, layers=24, heads=32, kv=32, vocab=49152, tie=True),
+    # The pipeline's embedded pair (citer.config BootstrapParams' defaults): Python-bound, where the lean forward and
+    # the engine's bookkeeping show (``--hf-forward`` times the same engines through the HF modules).
+    "embedded-slm": dict(family="qwen2", hidden=32, inter=64, layers=2, heads=2, kv=1, vocab=512, tie=True),
+    "embedded-llm": dict(family="qwen2", hidden=96, inter=288, layers=3, heads=4, kv=2, vocab=512, tie=True),
     # --tiny: the same structure (GQA, a tied SLM head, different vocab rows), seconds on a CPU.
     "tiny-slm": dict(family="qwen2", hidden=32, inter=64, layers=2, heads=4, kv=2, vocab=512, tie=True),
     "tiny-llm": dict(family="qwen2", hidden=64, inter=128, layers=3, heads=4, kv=2, vocab=520, tie=False),
 }
+# fmt: on
 # Pair name -> (SLM spec, LLM spec).
 PAIRS: dict[str, tuple[str, str]] = {
     "0.5b-7b": ("qwen2-0.5b", "qwen2-7b"),
     "1.5b-14b": ("qwen2-1.5b", "qwen2.5-14b"),
     "smollm2": ("smollm2-135m", "smollm2-1.7b"),
+    "embedded": ("embedded-slm", "embedded-llm"),
     "tiny": ("tiny-slm", "tiny-llm"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -177,40 +173,10 @@ def sync(device: str) -> None:
 def plain_bytes(cost: ModelCost, batch: int, prompt_len: int, new_tokens: int) -> float:
     """Bytes of plain decoding as :class:`citer.decoding.cost.CostMeter` counts them: one prefill call, then
     ``new_tokens - 1`` one-token calls, each reading the weights once and every row's KV."""
-    total = cost.weight_bytes + batch * cost.kv_bytes_per_token * 2 * prompt_len
-    for i in range(1, new_tokens):
-        total += cost.weight_bytes + batch * cost.kv_bytes_per_token * (prompt_len + i + 1)
-    return float(total)
-
-
-@contextlib.contextmanager
-def call_counter(
-    slm: Any, llm: Any, costs: tuple[ModelCost, ModelCost], batch: int
-) -> Iterator[dict[str, float]]:
-    """Counts every forward call of both models and the bytes it moves (weights once, KV of every row)."""
-    tally: dict[str, float] = {"slm_calls": 0, "llm_calls": 0, "slm_tokens": 0, "llm_tokens": 0, "bytes": 0.0}
-
-    def hook(key: str, cost: ModelCost) -> Callable[..., None]:
-        def pre(module: Any, args: tuple, kwargs: dict) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            past = kwargs.get("past_key_values")
-            new = int(ids.shape[1])
-            seen = int(past.get_seq_length()) if past is not None else 0
-            tally[f"{key}_calls"] += 1
-            tally[f"{key}_tokens"] += new
-            tally["bytes"] += cost.weight_bytes + batch * cost.kv_bytes_per_token * (seen + 2 * new)
-
-        return pre
-
-    handles = [
-        slm.register_forward_pre_hook(hook("slm", costs[0]), with_kwargs=True),
-        llm.register_forward_pre_hook(hook("llm", costs[1]), with_kwargs=True),
-    ]
-    try:
-        yield tally
-    finally:
-        for h in handles:
-            h.remove()
+    columns = 2 * prompt_len + sum(
+        prompt_len + i + 1 for i in range(1, new_tokens)
+    )  # per row: read + written
+    return float(new_tokens * cost.weight_bytes + batch * cost.kv_bytes_per_token * columns)
 
 
 # ------------------------------------------------------------------------------------------------------- the run
@@ -231,14 +197,12 @@ class BenchRun:
             "created_unix": int(time.time()),
             "device": self._device_info(),
             "citer": os.environ.get("CITER_COMMIT") or "this checkout",
-            "host": host_probe(self.device),
+            "host": host_probe(),
             "torch": torch.__version__,
-            "transformers": _version("transformers"),
+            "transformers": importlib.metadata.version("transformers"),
             "bandwidth": {
                 "limit_bytes_per_s": self.bandwidth,
-                "source": f"datasheet ({gpu})"
-                if gpu
-                else "measured: the fastest of a float32 sum, copy and gemv",
+                "source": f"datasheet ({gpu})" if gpu else "measured: the fastest float32 sum, copy or gemv",
                 "measured_bytes_per_s": bw,
             },
             "settings": {k: v for k, v in vars(args).items() if k not in ("recompute", "out")},
@@ -290,7 +254,7 @@ class BenchRun:
         """Writes the report to ``--out`` atomically (a temporary file, then a rename)."""
         self.report["elapsed_s"] = round(self.elapsed(), 1)
         self.report["host"]["others_cpu_share"] = others_cpu_share(self.cpu_start, cpu_times())
-        write_report(Path(self.args.out), self.report)
+        write_text(self.args.out, json.dumps(self.report, indent=1, default=float) + "\n")
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """(wall seconds, result) of ``fn()``, the device synced before and after."""
@@ -315,35 +279,11 @@ class BenchRun:
         )
 
 
-def write_report(out: Path, report: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=1, default=float)
-        f.write("\n")
-    os.replace(tmp, out)
-
-
-def host_probe(device: str) -> dict[str, Any]:
-    """How fast this host issues work: Python loop and eager op dispatch (µs per op), and whether another process is
-    busy (the load average; on a 2-core machine a busy neighbour slows torch's threads many times)."""
+def host_probe() -> dict[str, Any]:
+    """The machine and its load average (on a 2-core machine a busy neighbour slows torch's threads many times)."""
     out: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_model": _cpu_name()}
     with contextlib.suppress(OSError):
         out["loadavg_1m"] = os.getloadavg()[0]
-    t = time.perf_counter()
-    acc = 0
-    for i in range(200_000):
-        acc += i
-    out["python_loop_ns_per_iter"] = (time.perf_counter() - t) / 200_000 * 1e9
-    x = torch.zeros(16, device=device)
-    for _ in range(200):
-        x.add_(1.0)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(5000):
-        x.add_(1.0)
-    sync(device)
-    out["eager_add_us_per_op"] = (time.perf_counter() - t) / 5000 * 1e6
     return out
 
 
@@ -380,17 +320,10 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def _version(pkg: str) -> str:
-    try:
-        return __import__(pkg).__version__
-    except Exception:  # pragma: no cover - reported, not fatal
-        return "?"
-
-
 # ---------------------------------------------------------------------------------------------------- derived
 def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
     """(Re)compute every timing field of ``report["rows"]`` from the raw ``reps_s`` with ``stat`` (median or min):
-    per-token times, ratios to the bandwidth limit and to the ideal, and assisted vs routed at equal LLM calls."""
+    per-token times, ratios to the bandwidth limit and to the ideal."""
     pick = min if stat == "min" else statistics.median
     rows = report["rows"]
     for r in rows:
@@ -407,28 +340,14 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
             r["ratio_to_bw"] = r["ms_per_token"] / r["bw_limit_ms_per_token"]
     idx = {(r["pair"], r["dtype"], r["batch"], r["variant"]): r for r in rows}
     for r in rows:
-        key = (r["pair"], r["dtype"], r["batch"])
-        sl, ll = idx.get((*key, "engine_slm")), idx.get((*key, "engine_llm"))
+        key, hf = (r["pair"], r["dtype"], r["batch"]), "_hf_forward" * r["variant"].endswith("_hf_forward")
+        sl, ll = idx.get((*key, "engine_slm" + hf)), idx.get((*key, "engine_llm" + hf))
         if sl is None or ll is None or "ms_per_token" not in sl or "ms_per_token" not in ll:
             continue
         if r["variant"].startswith(ROUTED) and r.get("llm_fraction") is not None:
             ideal = r["llm_fraction"] * ll["ms_per_token"] + sl["ms_per_token"]
             r["ideal_ms_per_token"] = ideal
             r["ratio_to_ideal"] = r["ms_per_token"] / ideal
-        elif r["variant"].startswith("assisted") and "llm_calls_per_token" in r:
-            c = r["llm_calls_per_token"]
-            r["routed_ideal_ms_at_same_llm_calls"] = c * ll["ms_per_token"] + sl["ms_per_token"]
-            curve = sorted(
-                (x["llm_calls_per_token"], x["ms_per_token"])
-                for x in rows
-                if (x["pair"], x["dtype"], x["batch"]) == key
-                and x["variant"].startswith("routed_f")
-                and "llm_calls_per_token" in x
-            )
-            if curve:
-                y = interpolate(curve, c)
-                r["routed_ms_at_same_llm_calls"] = y
-                r["assisted_over_routed"] = r["ms_per_token"] / y
     report["stat"] = stat
 
 
@@ -497,17 +416,6 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def interpolate(pts: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear y(x) through pts (sorted by x); linear extrapolation from the end segments."""
-    if len(pts) == 1:
-        return pts[0][1]
-    i = 0
-    while i < len(pts) - 2 and x > pts[i + 1][0]:
-        i += 1
-    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
 def recompute(files: list[str], stat: str, out: str) -> dict[str, Any]:
     """Merge result files (one device: e.g. one pair per process) and re-derive timings and targets."""
     reports = [json.loads(Path(f).read_text()) for f in files]
@@ -530,5 +438,5 @@ def recompute(files: list[str], stat: str, out: str) -> dict[str, Any]:
         merged["errors"] += r["errors"]
     derive_timings(merged, stat)
     merged["targets"] = targets(merged)
-    write_report(Path(out), merged)
+    write_text(out, json.dumps(merged, indent=1, default=float) + "\n")
     return merged

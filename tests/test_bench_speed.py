@@ -102,6 +102,25 @@ def test_tiny_run_ratios_are_finite_and_targets_named(tiny_report):
     assert all(by[b, "engine_slm"] < by[b, "engine_llm"] for b in (1, 2))
 
 
+def test_hf_forward_times_the_same_engines_through_the_hf_modules(speed, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--static-steps", "none", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
+            "1", "--hf-forward", "--out", str(out)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    for name in ("engine_llm", "engine_slm", "routed_f0.1", "shared_f0.1"):
+        lean, hf = rows[name], rows[f"{name}_hf_forward"]
+        assert set(lean["forward"].values()) == {"lean"}
+        assert all(v.startswith("hf: pinned") for v in hf["forward"].values()), hf["forward"]
+        assert hf["llm_fraction"] == lean["llm_fraction"]  # the same router seed and rows: the same decisions
+    assert rows["routed_f0.1_hf_forward"]["ratio_to_ideal"] > 0  # against the HF-forward engines alone
+    # Shared LLM calls read the LLM's weights at no more steps than routing alone, at the same p.
+    for fw in ("", "_hf_forward"):
+        assert (
+            rows[f"shared_f0.1{fw}"]["llm_calls_per_step"] <= rows[f"routed_f0.1{fw}"]["llm_calls_per_step"]
+        )
+
+
 def test_a_missing_baseline_is_named_never_substituted(speed, tiny_report, tmp_path):
     path, _ = tiny_report
     rep = json.loads(path.read_text())

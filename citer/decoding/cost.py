@@ -29,8 +29,9 @@ in the projection; wall time (measured) is reported beside it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -314,3 +315,48 @@ class CostMeter:
             overlapped_steps=self.overlapped,
         )
         return rows, batch
+
+
+@dataclass
+class CallTally:
+    """Forward calls of two models and the KV columns each moved, ``[calls, columns]`` per model, counted as
+    :class:`CostMeter` charges them (the context after the call read, the new tokens written): for decoders the
+    engine does not run (transformers' assisted generation)."""
+
+    slm: list[int] = field(default_factory=lambda: [0, 0])
+    llm: list[int] = field(default_factory=lambda: [0, 0])
+
+    def reset(self) -> None:
+        self.slm[:], self.llm[:] = [0, 0], [0, 0]
+
+    def bytes(self, costs: tuple[ModelCost, ModelCost], batch: int = 1) -> float:
+        """The bytes those calls moved at ``costs`` (SLM, LLM), ``batch`` rows each."""
+        return float(sum(c.weight_bytes * n + batch * c.kv_bytes_per_token * kv
+                         for c, (n, kv) in zip(costs, (self.slm, self.llm), strict=True)))  # fmt: skip
+
+
+@contextlib.contextmanager
+def call_tally(slm: Any, llm: Any) -> Iterator[CallTally]:
+    """For the block, a :class:`CallTally` of every forward call of ``slm`` and ``llm`` (HF modules' calls)."""
+    tally = CallTally()
+
+    def hook(acc: list[int]) -> Any:
+        def pre(module: Any, args: tuple, kwargs: dict) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            past = kwargs.get("past_key_values")
+            seen = int(past.get_seq_length()) if past is not None else 0
+            new = int(ids.shape[1])
+            acc[0] += 1
+            acc[1] += (seen + new) + new  # the context after the call is read, the new columns written
+
+        return pre
+
+    handles = [
+        slm.register_forward_pre_hook(hook(tally.slm), with_kwargs=True),
+        llm.register_forward_pre_hook(hook(tally.llm), with_kwargs=True),
+    ]
+    try:
+        yield tally
+    finally:
+        for h in handles:
+            h.remove()

@@ -259,36 +259,6 @@ def pipeline_block(reports: Path) -> Block:
     ) + f"\n\nFrom `reports/provenance.json` ({where}).", ["provenance.json"]
 
 
-def engine_block(reports: Path) -> Block:
-    """bench/engine.py: routed (p = 0.1) and the models alone, HF modules vs the lean forward, per batch."""
-    rows_in = _load(reports, "bench_engine.json")
-    by = {(r["scale"], r["method"], r["batch"], r.get("forward"), r.get("p")): r for r in rows_in}
-    rows = []
-    for scale in ("embedded", "memory_bound"):
-        for method, p in (("slm", None), ("llm", None), ("routed", 0.1), ("routed_shared", 0.1)):
-            for b in (1, 8, 32):
-                hf, lean = by.get((scale, method, b, "hf", p)), by.get((scale, method, b, "lean", p))
-                if not hf or not lean:
-                    continue
-                ms = [1000 * hf["sec_per_token"], 1000 * lean["sec_per_token"]]
-                per_step = lean.get("llm_calls_per_step")
-                rows.append([scale, method + ("" if p is None else f" p={p}"), str(b), f"{ms[0]:.3f}",
-                             f"{ms[1]:.3f}", f"{ms[0] / ms[1]:.2f}×",
-                             "–" if per_step is None else f"{per_step:.2f}"])  # fmt: skip
-    head = [
-        "scale",
-        "method",
-        "batch",
-        "ms/token, HF modules",
-        "ms/token, lean",
-        "lean speed-up",
-        "LLM calls/step",
-    ]
-    return table(head, rows) + "\n\nFrom `reports/bench_engine.json` (one run, interleaved).", [
-        "bench_engine.json"
-    ]
-
-
 def speed_block(reports: Path, name: str = "bench_cpu.json") -> Block:
     """bench/speed.py: every decoder's tokens/s at real shapes against the bandwidth limit, and the targets."""
     r = _load(reports, name)
@@ -346,7 +316,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "headline": headline_block,
     "sweep": sweep_block,
     "pipeline": pipeline_block,
-    "engine": engine_block,
+    "engine": lambda reports: speed_block(reports, "bench_engine.json"),
     "stability": stability_block,
     "speed_cpu": speed_block,
     "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),

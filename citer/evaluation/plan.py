@@ -21,10 +21,11 @@ from typing import Any, Literal
 from citer.config import SweepParams
 from citer.data.formats import Format
 from citer.decoding.baselines import AlwaysSLM, RandomRouter, Router
+from citer.decoding.cost import call_tally
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.speculative import speculative_generate
 from citer.evaluation.passes import PassResult, decode_pass, speculative_result
-from citer.evaluation.pricing import Pricing, RouterShape, call_tally
+from citer.evaluation.pricing import CallCounts, Pricing, RouterShape
 from citer.evaluation.sweep_rows import SweepError
 
 # routed: the pair through ``router``; llm / slm: that model alone (the references); speculative: assisted
@@ -164,7 +165,7 @@ class PassBench:
                     vocab_size=self.vocab,
                     **dict(spec.engine),
                 )
-                counts.append(tally.counts())
+                counts.append(CallCounts(*tally.slm, *tally.llm, 0))
         sp, totals = speculative_result(
             outputs, self.tokenizer, split.rows[:m], self.fmt, p.gpu, min(p.decoding_batch, n)
         )

@@ -17,11 +17,10 @@ bytes exactly (:func:`check_measured`), so the priced column is the measured dec
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from citer.config import ModelShapeParams, PriceAtParams
@@ -181,47 +180,6 @@ def check_measured(
                 f"{what}: question {i}: calls {c} price to {got:.0f} bytes at the pair that ran, the meter charged "
                 f"{b:.0f}; the priced column would not be the same decoding"
             )
-
-
-@dataclass
-class _Tally:
-    slm: list[int] = field(default_factory=lambda: [0, 0])
-    llm: list[int] = field(default_factory=lambda: [0, 0])
-
-    def counts(self) -> CallCounts:
-        return CallCounts(self.slm[0], self.slm[1], self.llm[0], self.llm[1], 0)
-
-    def reset(self) -> None:
-        self.slm[:], self.llm[:] = [0, 0], [0, 0]
-
-
-@contextlib.contextmanager
-def call_tally(slm: Any, llm: Any) -> Iterator[_Tally]:
-    """For the block, counts of every forward call of ``slm`` and ``llm`` and the KV columns each moved (the context
-    after the call read, the new tokens written), as :mod:`citer.decoding.speculative` charges them: for assisted
-    generation, which records only the bytes."""
-    tally = _Tally()
-
-    def hook(acc: list[int]) -> Any:
-        def pre(module: Any, args: tuple, kwargs: dict) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            past = kwargs.get("past_key_values")
-            seen = int(past.get_seq_length()) if past is not None else 0
-            new = int(ids.shape[1])
-            acc[0] += 1
-            acc[1] += (seen + new) + new  # the context after the call is read, the new columns written
-
-        return pre
-
-    handles = [
-        slm.register_forward_pre_hook(hook(tally.slm), with_kwargs=True),
-        llm.register_forward_pre_hook(hook(tally.llm), with_kwargs=True),
-    ]
-    try:
-        yield tally
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def router_share(shape: RouterShape, pair: Pricing, router_bytes: int | None = None) -> dict[str, float]:

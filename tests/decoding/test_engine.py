@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, decoding_pair, make_qwen2
+from conftest import decoding_pair, make_qwen2
 from torch import nn
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, ConfidenceRouter, RandomRouter
@@ -219,38 +219,3 @@ def test_padded_embeddings_pair_and_a_too_large_vocabulary_is_refused(pair):
         eng.generate_batch([[1, V + 2]], 2)
     with pytest.raises(EngineInputError, match=r"embeds 97 tokens, fewer than the tokenizer's 102"):
         RoutedEngine(slm, padded, AlwaysLLM(), vocab_size=V + 5)
-
-
-@pytest.mark.slow
-def test_bench_quick_writes_report(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "bench_engine.json"
-    script = REPO / "bench" / "engine.py"
-    subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], check=True, timeout=600)
-    rows = json.loads(out.read_text())
-    keys = {(r["scale"], r["method"], r["batch"], r.get("forward")) for r in rows}
-    for scale in ("embedded", "memory_bound"):
-        for fw in ("hf", "lean"):  # both forwards timed in the same run
-            for method in ("slm", "llm", "routed"):
-                assert {(scale, method, b, fw) for b in (1, 8, 32)} <= keys
-            assert {(scale, "routed_shared", 8, fw), (scale, "routed_shared", 32, fw)} <= keys
-    assert ("embedded", "speculative", 1, None) in keys
-    lean_routed = [r for r in rows if r["method"].startswith("routed") and r["forward"] == "lean"]
-    assert lean_routed and all(r["vs_hf_forward"] > 0 for r in lean_routed)
-    for r in rows:
-        assert r["sec_per_token"] > 0
-        assert r["pair"].startswith(
-            ("tiny random models", "trained pair", "random")
-        )  # never a silent fallback
-        if r["method"].startswith("routed"):
-            assert r["ratio_to_ideal"] > 0 and r["llm_calls_per_token"] <= r["llm_fraction"] + 1e-12
-    # Shared LLM calls read the LLM's weights at fewer steps than routing alone, at the same p.
-    plain = {(r["scale"], r["batch"], r["p"], r["forward"]): r for r in rows if r["method"] == "routed"}
-    for r in (r for r in rows if r["method"] == "routed_shared"):
-        assert (
-            r["llm_calls_per_step"]
-            <= plain[r["scale"], r["batch"], r["p"], r["forward"]]["llm_calls_per_step"]
-        )
