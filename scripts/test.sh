@@ -8,5 +8,6 @@ export MLFLOW_DISABLE_TELEMETRY=true DVC_NO_ANALYTICS=1 HF_HUB_OFFLINE=1 PREFECT
 ruff check .
 ruff format --check .
 # Two workers (most tests are tiny models, bound by Python overhead on one core each); a module stays on one worker,
-# so its module-scoped fixtures are built once. CITER_TEST_WORKERS=0 runs everything in this process.
-python -m pytest -n "${CITER_TEST_WORKERS:-2}" --dist loadscope "$@"
+# so its module-scoped fixtures are built once. Modules go out in collection order, the longest first
+# (tests/conftest.py LONGEST_FIRST), not xdist's most-tests-first. CITER_TEST_WORKERS=0 runs everything in this process.
+python -m pytest -n "${CITER_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

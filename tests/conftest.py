@@ -56,6 +56,30 @@ def pytest_configure(config):
         )
 
 
+# The modules that each run whole pipelines, longest first (seconds on 2 cores): `scripts/test.sh` spreads modules
+# over two workers in collection order, so starting these first keeps one worker from finishing a long module alone.
+LONGEST_FIRST = (
+    "tests/e2e/test_dvc_params.py",  # three dvc repros
+    "tests/e2e/test_dvc.py",  # a dvc repro and a dvc experiment
+    "tests/faults/test_faults.py",
+    "tests/e2e/test_pipeline_mc.py",
+    "tests/e2e/test_pipeline_interrupt.py",
+    "tests/e2e/test_pipeline.py",
+    "tests/e2e/test_deployments.py",
+    "tests/evaluation/test_sweep_passes.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: the rest keep their order
+
+
 def pytest_report_header(config):
     if not SHARED_DATA.is_dir():
         return (
@@ -355,8 +379,8 @@ TINY = {
     "bootstrap": {"slm_pretrain": {"steps": 30, "lr": 3e-3}, "llm_pretrain": {"steps": 60, "lr": 3e-3}},
     "finetune": {"max_steps": 10, "eval_examples": 8},
     # The tiny pair answers about nothing: the stop for an LLM at chance (its own test) would end every smoke run.
-    "eval": {"n_examples": 12, "llm_chance_margin": None},
-    "labels": {"n_examples": 24},
+    "eval": {"n_examples": 12, "max_new_tokens": 32, "llm_chance_margin": None},
+    "labels": {"n_examples": 24, "max_new_tokens": 32},
     # Tiny models on a dozen questions: the guards are exercised by their own tests, not by the smoke runs.
     "router": {"epochs": 3, "min_val_auc": 0.0},
     "registry": {"min_eval_examples": 1},
@@ -364,12 +388,18 @@ TINY = {
     "sweep": {
         "n_examples": 12,
         "llm_fractions": [0.1, 0.3],
+        "max_new_tokens": 32,
+        "speculative_examples": 4,
         "query": {"train_examples": 16, "epochs": 20},
+        # One point of each verified method's dev grid (the grid's search has its own tests): its dev passes were
+        # two thirds of a tiny sweep.
+        "verify": {"rhos": [2.0], "fractions": [0.1], "windows": [4]},
         "intervals": {"resamples": 200},
         # The tiny pair barely answers, so an accuracy bar may hold on dev for no τ; a bytes budget always can,
         # and the smoke runs need a champion to route with.
         "rule": {"kind": "max_accuracy_under_bytes", "bytes_budget_rel_llm": 0.99},
     },
+    "inference": {"max_new_tokens": 32},
 }
 
 

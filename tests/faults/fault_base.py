@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The tests' tiny project (tests/conftest.py TINY), cut further: a command's cost is mostly its imports and stores,
 # so the work is kept to the least that still exercises each stage: 16 new tokens, one τ, no ablation routers, no
-# iteration-1/oracle/speculative sweep methods, small route chunks (a killed route leaves a partial file).
+# iteration-1/oracle/speculative/verified sweep methods, no router width grid, small route chunks (a killed route leaves a partial file).
 PROJECT_PARAMS: dict[str, Any] = {
     "synth": {"n_train": 200, "n_dev": 12, "n_test": 12},
     "validate": {"files": [["data/embedded/math_test.jsonl", "math"]]},  # one split: each costs a GE context
@@ -25,7 +25,7 @@ PROJECT_PARAMS: dict[str, Any] = {
     "finetune": {"max_steps": 5, "eval_examples": 4},
     "eval": {"n_examples": 4, "max_new_tokens": 16, "llm_chance_margin": None},  # the tiny pair is at chance
     "labels": {"n_examples": 12, "max_new_tokens": 16},
-    "router": {"epochs": 3, "min_val_auc": 0.0, "ablations": []},
+    "router": {"epochs": 3, "min_val_auc": 0.0, "ablations": [], "layers_grid": []},
     "registry": {"min_eval_examples": 1},
     "sweep": {
         "n_examples": 6,
@@ -34,6 +34,7 @@ PROJECT_PARAMS: dict[str, Any] = {
         "iter1": False,
         "oracle": False,
         "speculative": False,
+        "verify": {"enabled": False},
         "query": {"train_examples": 8, "epochs": 5},
         "intervals": {"resamples": 100},
         "rule": {"kind": "max_accuracy_under_bytes", "bytes_budget_rel_llm": 0.99},
