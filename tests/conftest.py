@@ -389,7 +389,6 @@ TINY = {
         "n_examples": 12,
         "llm_fractions": [0.1, 0.3],
         "max_new_tokens": 32,
-        "speculative_examples": 4,
         "query": {"train_examples": 16, "epochs": 20},
         # One point of each verified method's dev grid (the grid's search has its own tests): its dev passes were
         # two thirds of a tiny sweep.
