@@ -399,6 +399,9 @@ TINY = {
         "rule": {"kind": "max_accuracy_under_bytes", "bytes_budget_rel_llm": 0.99},
     },
     "inference": {"max_new_tokens": 32},
+    # One thread for passes and rollouts: two xdist workers already keep both cores busy (the two-thread runner has
+    # its own tests, tests/evaluation/test_sweep_passes.py and tests/e2e/test_scale_out.py).
+    "runtime": {"workers": 1},
 }
 
 

@@ -40,6 +40,7 @@ PROJECT_PARAMS: dict[str, Any] = {
         "rule": {"kind": "max_accuracy_under_bytes", "bytes_budget_rel_llm": 0.99},
     },
     "inference": {"batch_size": 8, "max_new_tokens": 16},
+    "runtime": {"workers": 1},
 }
 
 
