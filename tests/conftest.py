@@ -56,17 +56,18 @@ def pytest_configure(config):
         )
 
 
-# The modules that each run whole pipelines, longest first (seconds on 2 cores): `scripts/test.sh` spreads modules
-# over two workers in collection order, so starting these first keeps one worker from finishing a long module alone.
+# The modules that run whole pipelines, longest first (seconds in one quiet run on 2 cores): `scripts/test.sh` spreads
+# modules over two workers in collection order, so starting these first keeps one worker from finishing a long module
+# alone.
 LONGEST_FIRST = (
-    "tests/e2e/test_dvc_params.py",  # three dvc repros
-    "tests/e2e/test_dvc.py",  # a dvc repro and a dvc experiment
-    "tests/faults/test_faults.py",
-    "tests/e2e/test_pipeline_mc.py",
-    "tests/e2e/test_pipeline_interrupt.py",
-    "tests/e2e/test_pipeline.py",
-    "tests/e2e/test_deployments.py",
-    "tests/evaluation/test_sweep_passes.py",
+    "tests/e2e/test_dvc.py",  # 281: a dvc repro and a dvc experiment
+    "tests/e2e/test_dvc_params.py",  # 246: three dvc repros
+    "tests/faults/test_faults.py",  # 235
+    "tests/e2e/test_pipeline_interrupt.py",  # 221
+    "tests/e2e/test_pipeline_mc.py",  # 63
+    "tests/e2e/test_pipeline.py",  # 53
+    "tests/evaluation/test_sweep_passes.py",  # 44
+    "tests/e2e/test_deployments.py",  # 18
 )
 
 
