@@ -14,8 +14,11 @@ from flows.common import locked, stage_run
 @flow(name="bootstrap-models")
 @locked("bootstrap")
 def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+    import torch
+
     from citer.models.bootstrap import bootstrap_models
     from citer.ops.io import write_json
+    from citer.ops.threads import job_processes
 
     proj = load_project(params_path)
     p = proj.params
@@ -33,8 +36,10 @@ def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
             "disabled": f"bootstrap disabled (bootstrap.enabled: false): using your models, left untouched: "
             f"models.slm={p.models.slm}, models.llm={p.models.llm} (both present)"
         }
+    # The two models side by side on runtime.workers processes when the stage runs one torch thread.
+    processes = job_processes(p.runtime.workers, 2, torch.get_num_threads())
     metrics = bootstrap_models(
-        p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.models.slm), proj.path(p.models.llm)
+        p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.models.slm), proj.path(p.models.llm), processes
     )
     write_json(report, metrics)
     with stage_run(proj, "bootstrap_models") as run:

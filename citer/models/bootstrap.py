@@ -91,10 +91,15 @@ def build_tokenizer(texts: Sequence[str], vocab_size: int):
 
 def build_model(arch: ArchParams, tokenizer, seed: int):
     """A randomly initialised ``Qwen2ForCausalLM`` sized by ``arch`` for ``tokenizer``."""
+    return new_model(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
+
+
+def new_model(arch: ArchParams, vocab_size: int, eos_id: int, pad_id: int, seed: int):
+    """A randomly initialised ``Qwen2ForCausalLM`` sized by ``arch`` for a vocabulary of ``vocab_size`` ids."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=arch.hidden_size,
         intermediate_size=arch.intermediate_size,
         num_hidden_layers=arch.num_hidden_layers,
@@ -102,14 +107,14 @@ def build_model(arch: ArchParams, tokenizer, seed: int):
         num_key_value_heads=arch.num_key_value_heads,
         max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tie_word_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+        pad_token_id=pad_id,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = pad_id
+    model.generation_config.eos_token_id = eos_id
     return model
 
 
@@ -193,18 +198,46 @@ def _read_rows(data_dir: Path, fmt: Format) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass(frozen=True)
+class PretrainJob:
+    """One model of the pair, from its shape and token sequences to its weights in ``save_dir`` (plain data, so the
+    two models can train in separate processes: :func:`citer.ops.processes.run_jobs`)."""
+
+    arch: ArchParams
+    pretrain: PretrainParams
+    seed: int
+    seqs: list[list[int]]  # the corpus, encoded (ids + EOS)
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    save_dir: str
+
+
+def pretrain_job(job: PretrainJob) -> dict[str, Any]:
+    """Build, pretrain and save one model; its parameter count, seconds and final loss."""
+    model = new_model(job.arch, job.vocab_size, job.eos_id, job.pad_id, job.seed)
+    res = pretrain(model, job.seqs, job.pad_id, job.pretrain, job.seed)
+    model.save_pretrained(job.save_dir)
+    return {"params": count_params(model), "pretrain_seconds": res.seconds, "final_loss": res.final_loss}
+
+
 def bootstrap_models(
     params: BootstrapParams,
     data_dir: str | os.PathLike[str],
     slm_dir: str | os.PathLike[str],
     llm_dir: str | os.PathLike[str],
+    processes: int = 0,
 ) -> dict[str, Any]:
     """Build the SLM base into ``slm_dir`` and the LLM into ``llm_dir`` (each with the shared tokenizer) from the
     synthetic train split(s) in ``data_dir``.
 
-    Returns flat metrics (parameter counts, seconds, final losses) for the flow to log. Each directory is written
-    atomically, so a crash leaves the previous version or nothing.
+    With ``processes`` = 2 the two models train side by side in worker processes of one torch thread (the same
+    weights as one after the other on one thread). Returns flat metrics (parameter counts, seconds, final losses) for
+    the flow to log. Both directories are replaced once both models are trained, so a crash leaves the previous
+    versions or nothing.
     """
+    from citer.ops.processes import run_jobs
+
     data = Path(data_dir)
     texts: list[str] = []
     for fmt in params.formats:
@@ -212,24 +245,25 @@ def bootstrap_models(
     t0 = time.perf_counter()
     tok = build_tokenizer(texts, params.vocab_size)
     metrics: dict[str, Any] = {"vocab_size": len(tok), "n_train_texts": len(texts)}
-    for name, out_dir, arch, pre, seed_off in (
-        ("slm_base", slm_dir, params.slm, params.slm_pretrain, 1),
-        ("llm", llm_dir, params.llm, params.llm_pretrain, 2),
-    ):
-        seqs = encode_corpus(texts, tok, max(arch.max_position_embeddings, 1))
-        model = build_model(arch, tok, params.seed + seed_off)
-        res = pretrain(model, seqs, tok.pad_token_id, pre, params.seed + seed_off)
-        with atomic_dir(out_dir) as tmp:
-            model.save_pretrained(tmp)
+    models = (("slm", params.slm, params.slm_pretrain, 1), ("llm", params.llm, params.llm_pretrain, 2))
+    with atomic_dir(slm_dir) as slm_tmp, atomic_dir(llm_dir) as llm_tmp:
+        jobs = [
+            PretrainJob(
+                arch,
+                pre,
+                params.seed + seed_off,
+                encode_corpus(texts, tok, max(arch.max_position_embeddings, 1)),
+                len(tok),
+                tok.eos_token_id,
+                tok.pad_token_id,
+                str(tmp),
+            )
+            for (_, arch, pre, seed_off), tmp in zip(models, (slm_tmp, llm_tmp), strict=True)
+        ]
+        for (key, arch, _, _), tmp, res in zip(
+            models, (slm_tmp, llm_tmp), run_jobs(pretrain_job, jobs, processes), strict=True
+        ):
             tok.save_pretrained(tmp)
-        key = "slm" if name == "slm_base" else "llm"
-        metrics.update(
-            {
-                f"{key}_params": count_params(model),
-                f"{key}_pretrain_seconds": res.seconds,
-                f"{key}_final_loss": res.final_loss,
-                f"{key}_arch": arch.model_dump(),
-            }
-        )
+            metrics.update({f"{key}_{k}": v for k, v in res.items()} | {f"{key}_arch": arch.model_dump()})
     metrics["seconds"] = time.perf_counter() - t0
     return metrics

@@ -74,6 +74,15 @@ def stage_threads(weights: Iterable[int], fixed: int = 0) -> int:
     return choose_threads(largest, free_cores(), usable_cores())
 
 
+def job_processes(requested: int, n_jobs: int, stage_threads: int) -> int:
+    """Worker processes for ``n_jobs`` independent jobs of a stage (:func:`citer.ops.processes.run_jobs`):
+    ``requested`` (``runtime.workers``), at most one per job and per usable core; 0 (run them in the stage's process,
+    in order) when that is one, or when the stage runs more than one torch thread: its models are large, the cores
+    are in use already and every worker would hold its own copy of them."""
+    n = min(requested, n_jobs, usable_cores())
+    return n if n > 1 and stage_threads <= 1 else 0
+
+
 def stage_weights(proj: Project) -> list[int]:
     """Bytes of weights of the models a stage of ``proj`` runs: the local directories as they are, the embedded
     pair's shapes when bootstrap will write it, and "large" for a model that is neither (a hub id)."""

@@ -34,6 +34,7 @@ LABELS_CODE = (
     "citer.data.jsonl",
 )
 ROUTER_CODE = (
+    "citer.routing.fitting",
     "citer.routing.mlp",
     "citer.routing.features",
     "citer.routing.metrics",

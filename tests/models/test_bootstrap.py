@@ -65,6 +65,23 @@ def test_bootstrap_writes_loadable_model_dirs(synth_rows, tmp_path):
         params, tmp_path / "data", tmp_path / "models" / "slm_base", tmp_path / "models" / "llm"
     )
     assert metrics["llm_params"] > metrics["slm_params"] > 0
+    # The two models side by side in worker processes: the same files as one after the other here.
+    apart = bootstrap_models(
+        params, tmp_path / "data", tmp_path / "apart" / "slm_base", tmp_path / "apart" / "llm", processes=2
+    )
+    assert {k: v for k, v in apart.items() if "seconds" not in k} == {
+        k: v for k, v in metrics.items() if "seconds" not in k
+    }
+    for name in ("slm_base", "llm"):
+        here = sorted(p.relative_to(tmp_path / "models") for p in (tmp_path / "models" / name).rglob("*"))
+        assert here == sorted(
+            p.relative_to(tmp_path / "apart") for p in (tmp_path / "apart" / name).rglob("*")
+        )
+        for rel in here:
+            if (tmp_path / "models" / rel).is_file():
+                assert (tmp_path / "models" / rel).read_bytes() == (tmp_path / "apart" / rel).read_bytes(), (
+                    rel
+                )
     for name in ("slm_base", "llm"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / name)
         tok = AutoTokenizer.from_pretrained(tmp_path / "models" / name)
