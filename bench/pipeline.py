@@ -46,9 +46,9 @@ BUDGET_S = 5.0  # issue #11: a quick command
 def run(
     cmd: list[str], cwd: Path, nice: int = 0, drop: tuple[str, ...] = ("CITER_ROOT", "MLFLOW_TRACKING_URI")
 ) -> float:
-    """Seconds ``cmd`` took in ``cwd`` with this interpreter's tools, without the ``drop`` variables; exits on failure."""
+    """Seconds ``cmd`` took in ``cwd`` with its code (not an editable install's) and our tools; exits on failure."""
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(cwd))
     t0 = time.perf_counter()
     res = subprocess.run(
         cmd, cwd=cwd, env=env, capture_output=True, text=True, preexec_fn=lambda: os.nice(nice)

@@ -13,7 +13,9 @@ from flows.common import locked, stage_run
 
 @flow(name="bootstrap-models")
 @locked("bootstrap")
-def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
+def bootstrap_flow(params_path: str = "params.yaml", finetune_alongside: bool = False) -> dict[str, Any]:
+    """``finetune_alongside`` (``citer pipeline``): the SLM's finetune stage runs as soon as the SLM base is written,
+    while the LLM still trains on the other worker; its summary comes back under ``finetune``."""
     import torch
 
     from citer.models.bootstrap import bootstrap_models
@@ -38,11 +40,24 @@ def bootstrap_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         }
     # The two models side by side on runtime.workers processes when the stage runs one torch thread.
     processes = job_processes(p.runtime.workers, 2, torch.get_num_threads())
+    finetuned: dict[str, Any] = {}
+    after_slm = None
+    if finetune_alongside and p.finetune.enabled:
+        from flows.finetune_slm import finetune_flow
+
+        def after_slm() -> None:
+            finetuned["finetune"] = finetune_flow(params_path)
+
     metrics = bootstrap_models(
-        p.bootstrap, proj.path(p.paths.data_dir), proj.path(p.models.slm), proj.path(p.models.llm), processes
+        p.bootstrap,
+        proj.path(p.paths.data_dir),
+        proj.path(p.models.slm),
+        proj.path(p.models.llm),
+        processes,
+        after_slm,
     )
     write_json(report, metrics)
     with stage_run(proj, "bootstrap_models") as run:
         run.params(p.bootstrap.model_dump(), prefix="bootstrap.")
         run.metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})
-    return metrics
+    return metrics | finetuned

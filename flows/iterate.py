@@ -5,8 +5,9 @@ and the CITER router at each other width of ``router.layers_grid`` (``routers_di
 One stage owns every iteration because the count is a param (DVC cannot make stages from an int). Each label set and
 router is kept when its recorded fingerprint matches its inputs (citer.routing.iterations), so a rerun caused by,
 say, a router param only retrains the routers; iterations above labels.iterations and ablations no longer listed are
-removed. The routers that need only finished label sets (the last iteration's, CITER-S, the ablations and widths)
-train side by side on ``runtime.workers`` processes (flows/train_router.py ``routers_flow``).
+removed. The routers a label set is enough for train side by side on ``runtime.workers`` processes
+(flows/train_router.py ``routers_flow``): iteration k's, with CITER-S on the first set and the ablations and widths
+on the last.
 """
 
 from __future__ import annotations
@@ -25,27 +26,26 @@ def iterate_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.routing.architecture import grid_widths
     from citer.routing.iterations import remove_stale_iterations
     from flows.collect_preferences import labels_flow
-    from flows.train_router import router_flow, routers_flow
+    from flows.train_router import routers_flow
 
     logger = get_run_logger()
     proj = load_project(params_path)
     p = proj.params
     n = p.labels.iterations
     out: dict[str, Any] = {}
-    for k in range(1, n + 1):
-        out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k, reuse=True)
-        if k < n:  # the next iteration's rollouts route with it
-            out[f"router_iter{k}"] = router_flow(params_path, iteration=k, reuse=True)
     ablations = list(p.router.ablations)
     widths = grid_widths(p.router)
-    # The last iteration's router, CITER-S and the ablation and width variants need only label sets made above.
-    specs: list[dict[str, Any]] = [
-        {"iteration": n},
-        {"citer_s": True},
-        *({"ablation": name} for name in ablations),
-        *({"layers": layers} for layers in widths.values()),
-    ]
-    out.update(routers_flow(params_path, specs))
+    for k in range(1, n + 1):
+        out[f"labels_iter{k}"] = labels_flow(params_path, iteration=k, reuse=True)
+        # The routers this label set is enough for, side by side: iteration k's (the next rollouts route with it),
+        # CITER-S with the first, the ablation and width variants with the last.
+        specs: list[dict[str, Any]] = [{"iteration": k}]
+        if k == 1:
+            specs.append({"citer_s": True})
+        if k == n:
+            specs += [{"ablation": name} for name in ablations]
+            specs += [{"layers": layers} for layers in widths.values()]
+        out.update(routers_flow(params_path, specs))
     removed = [
         *remove_stale_iterations(proj.path(p.paths.labels_dir), n),
         *remove_stale_iterations(proj.path(p.paths.routers_dir), n, ablations=ablations),

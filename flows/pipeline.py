@@ -1,6 +1,7 @@
 """The whole CITER pipeline as one Prefect flow; each stage is a subflow and a nested MLflow run.
 
-validate -> [embedded: synth, bootstrap] -> finetune SLM -> eval models -> labels 1 -> router 1 -> ... -> labels K
+validate -> [embedded: synth, bootstrap] -> finetune SLM (in the embedded run: beside the LLM's pretraining, once the
+SLM base is written) -> eval models -> labels 1 -> router 1 -> ... -> labels K
 -> router K (+ CITER-S router) -> sweep and promote -> batch inference on data.test (or inference.input).
 
 Disabled stages are skipped (their models or data are the user's, used as params name them); label sets and routers
@@ -43,9 +44,11 @@ def pipeline_flow(params_path: str = "params.yaml") -> dict[str, Any]:
             bad = [r["path"] for r in reports if not r["ok"]]
             if bad:
                 raise ValueError(f"data validation failed for {bad}; see reports/validation.json")
-            if p.bootstrap.enabled:
-                out["bootstrap"] = bootstrap_flow(params_path)
-            if p.finetune.enabled:
+            if p.bootstrap.enabled:  # the SLM's finetune runs in it, beside the LLM's pretraining
+                out["bootstrap"] = bootstrap_flow(params_path, finetune_alongside=p.finetune.enabled)
+                if "finetune" in out["bootstrap"]:
+                    out["finetune"] = out["bootstrap"].pop("finetune")
+            if p.finetune.enabled and "finetune" not in out:
                 out["finetune"] = finetune_flow(params_path)
             out["models"] = eval_models_flow(params_path)
             out.update(iterate_flow(params_path))  # labels + router k = 1..labels.iterations, CITER-S

@@ -23,7 +23,18 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from citer.config import RuntimeParams
-from citer.evaluation.plan import PassBench, PassOutcome, PassSpec, deal, gather, run_chunk, run_in_order
+from citer.evaluation.plan import (
+    PassBench,
+    PassOutcome,
+    PassSpec,
+    deal,
+    gather,
+    run_chunk,
+    run_in_order,
+    run_part,
+)
+from citer.ops.processes import JobPool
+from citer.ops.threads import job_processes
 from citer.routing.labels import Branch, Encoded, TeacherForced
 from citer.routing.shards import (
     branches_tensor,
@@ -220,15 +231,42 @@ class SweepPasses:
     """:data:`citer.evaluation.plan.PassMap` as Prefect tasks on the running flow's task runner: the specs dealt into
     ``runtime.n_shards`` chunks, one task per chunk (each is sent the bench: the pair, the splits and the routers),
     outcomes gathered back in spec order. One chunk: the passes run here, in order, with no task. Passes that run
-    in this process (one chunk, the local runner) do so with ``runtime.threads_per_worker`` torch threads."""
+    in this process (one chunk, the local runner) do so with ``runtime.threads_per_worker`` torch threads.
+
+    With ``pool`` (:meth:`local_processes`) the local runner's chunks go to worker processes instead of threads: a
+    pass is many small torch calls, so threads of one process queue on the GIL; processes do not. Smaller chunks
+    (:data:`CHUNKS_PER_PROCESS` per worker) keep both workers busy to the end of a round."""
 
     rt: RuntimeParams
+    pool: JobPool | None = None
+
+    CHUNKS_PER_PROCESS = 4
+
+    @classmethod
+    @contextlib.contextmanager
+    def local_processes(cls, rt: RuntimeParams) -> Iterator[SweepPasses]:
+        """The passes on ``runtime.workers`` processes of one thread when the local runner would use threads in a
+        one-thread stage (:func:`citer.ops.threads.job_processes`), else as :class:`SweepPasses` maps them."""
+        n = (
+            job_processes(rt.workers, rt.n_shards, torch.get_num_threads())
+            if rt.task_runner == "local"
+            else 0
+        )
+        if n <= 1:
+            yield cls(rt)
+            return
+        with JobPool(n) as pool:
+            yield cls(rt, pool)
 
     def __call__(self, bench: PassBench, specs: list[PassSpec]) -> list[PassOutcome]:
         chunks = deal(len(specs), self.rt.n_shards)
         if len(chunks) <= 1:
             with DriverThreads.of(self.rt):
                 return run_in_order(bench, specs)
+        if self.pool is not None:
+            chunks = deal(len(specs), self.CHUNKS_PER_PROCESS * self.pool.processes)
+            parts = self.pool.map(run_part, [(bench, [specs[i] for i in ids]) for ids in chunks])
+            return gather(len(specs), chunks, list(parts))
         shape = WorkerShape.of(self.rt)
         here = self.rt.task_runner == "local"  # the local runner's tasks are threads of this process
         with DriverThreads.of(self.rt) if here else contextlib.nullcontext(), Placement.of(self.rt):

@@ -117,23 +117,24 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
     routers, rmeta = sweep_routers(proj, slm, len(tok), pair)
     champion = find_champion(proj, slm, pair)
     logger.info(champion.note)
-    result = run_sweep(
-        slm,
-        llm,
-        tok,
-        proj.read_split("dev"),
-        proj.read_split("test"),
-        p.data.format,
-        routers,
-        p.sweep,
-        train_rows=proj.read_split("train"),
-        champion=champion.router,
-        # the champion decodes as registered: with its version's verification, if it has one
-        champion_verify=champion.version.verify_kwargs if champion.version and champion.router else None,
-        log=logger.info,
-        passes=SweepPasses(p.runtime),
-        layer_routers=width_routers(proj, slm, len(tok), routers["citer"], pair),
-    )
+    with SweepPasses.local_processes(p.runtime) as passes:
+        result = run_sweep(
+            slm,
+            llm,
+            tok,
+            proj.read_split("dev"),
+            proj.read_split("test"),
+            p.data.format,
+            routers,
+            p.sweep,
+            train_rows=proj.read_split("train"),
+            champion=champion.router,
+            # the champion decodes as registered: with its version's verification, if it has one
+            champion_verify=champion.version.verify_kwargs if champion.version and champion.router else None,
+            log=logger.info,
+            passes=passes,
+            layer_routers=width_routers(proj, slm, len(tok), routers["citer"], pair),
+        )
     return result, champion, rmeta, int(slm.config.hidden_size)
 
 

@@ -162,6 +162,20 @@ def spread_router(hidden_size: int):
     return r
 
 
+def spawned_workers() -> list[int]:
+    """This process's live multiprocessing workers."""
+    import psutil
+
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and any("spawn_main" in a for a in child.cmdline()):
+                out.append(child.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer():
     return make_char_tokenizer()

@@ -30,7 +30,7 @@ class RuntimeParams(_Block):
     task_runner: Literal["local", "dask", "ray"] = "local"
     # local: threads; dask/ray without address: worker processes of a local cluster; with address: shards are cut
     # for this many workers (the cluster's own size decides where they run). A one-thread stage also runs its
-    # independent jobs (the bootstrap's two models, the last label set's routers) on this many local processes.
+    # independent jobs (the bootstrap's two models, each label set's routers) on this many local processes.
     workers: int = Field(1, ge=1, le=1024)
     address: str | None = None  # dask: tcp://host:8786; ray: ray://host:10001 or auto; null = a local cluster
     gpus_per_worker: int = Field(0, ge=0, le=64)  # 0 = CPU; >0: each shard task asks for this many GPUs

@@ -182,6 +182,12 @@ def run_in_order(bench: PassBench, specs: Sequence[PassSpec]) -> list[PassOutcom
     return [bench.run(s) for s in specs]
 
 
+def run_part(part: tuple[PassBench, Sequence[PassSpec]]) -> list[PassOutcome]:
+    """Every pass of ``part`` (a bench and its specs) in order: what one worker process is sent."""
+    bench, specs = part
+    return run_in_order(bench, specs)
+
+
 def deal(n_items: int, n_chunks: int) -> list[list[int]]:
     """Item indices dealt round-robin into at most ``n_chunks`` non-empty chunks (neighbouring passes, often of
     similar cost, land on different workers)."""

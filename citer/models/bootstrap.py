@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,14 +227,15 @@ def bootstrap_models(
     slm_dir: str | os.PathLike[str],
     llm_dir: str | os.PathLike[str],
     processes: int = 0,
+    after_slm: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Build the SLM base into ``slm_dir`` and the LLM into ``llm_dir`` (each with the shared tokenizer) from the
     synthetic train split(s) in ``data_dir``.
 
     With ``processes`` = 2 the two models train side by side in worker processes of one torch thread (the same
-    weights as one after the other on one thread). Returns flat metrics (parameter counts, seconds, final losses) for
-    the flow to log. Both directories are replaced once both models are trained, so a crash leaves the previous
-    versions or nothing.
+    weights as one after the other on one thread). Each directory is written atomically, the SLM's first: then
+    ``after_slm`` runs (what needs only the SLM, e.g. its finetuning) while the LLM trains. Returns flat metrics
+    (parameter counts, seconds, final losses) for the flow to log.
     """
     from citer.ops.processes import run_jobs
 
@@ -245,25 +246,41 @@ def bootstrap_models(
     t0 = time.perf_counter()
     tok = build_tokenizer(texts, params.vocab_size)
     metrics: dict[str, Any] = {"vocab_size": len(tok), "n_train_texts": len(texts)}
-    models = (("slm", params.slm, params.slm_pretrain, 1), ("llm", params.llm, params.llm_pretrain, 2))
-    with atomic_dir(slm_dir) as slm_tmp, atomic_dir(llm_dir) as llm_tmp:
-        jobs = [
-            PretrainJob(
-                arch,
-                pre,
-                params.seed + seed_off,
-                encode_corpus(texts, tok, max(arch.max_position_embeddings, 1)),
-                len(tok),
-                tok.eos_token_id,
-                tok.pad_token_id,
-                str(tmp),
-            )
-            for (_, arch, pre, seed_off), tmp in zip(models, (slm_tmp, llm_tmp), strict=True)
-        ]
-        for (key, arch, _, _), tmp, res in zip(
-            models, (slm_tmp, llm_tmp), run_jobs(pretrain_job, jobs, processes), strict=True
-        ):
-            tok.save_pretrained(tmp)
-            metrics.update({f"{key}_{k}": v for k, v in res.items()} | {f"{key}_arch": arch.model_dump()})
+
+    def record(key: str, arch: ArchParams, res: dict[str, Any]) -> None:
+        metrics.update({f"{key}_{k}": v for k, v in res.items()} | {f"{key}_arch": arch.model_dump()})
+
+    with atomic_dir(llm_dir) as llm_tmp:
+        with atomic_dir(slm_dir) as slm_tmp:
+            jobs = [
+                PretrainJob(
+                    arch,
+                    pre,
+                    params.seed + seed_off,
+                    encode_corpus(texts, tok, max(arch.max_position_embeddings, 1)),
+                    len(tok),
+                    tok.eos_token_id,
+                    tok.pad_token_id,
+                    str(tmp),
+                )
+                for arch, pre, seed_off, tmp in (
+                    (params.slm, params.slm_pretrain, 1, slm_tmp),
+                    (params.llm, params.llm_pretrain, 2, llm_tmp),
+                )
+            ]
+            results = run_jobs(pretrain_job, jobs, processes)
+            try:
+                record("slm", params.slm, next(results))
+                tok.save_pretrained(slm_tmp)
+            except BaseException:
+                results.close()  # stops the LLM's worker
+                raise
+        try:
+            if after_slm is not None:
+                after_slm()
+            record("llm", params.llm, next(results))
+        finally:
+            results.close()
+        tok.save_pretrained(llm_tmp)
     metrics["seconds"] = time.perf_counter() - t0
     return metrics

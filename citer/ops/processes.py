@@ -31,30 +31,58 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def run_jobs(fn: Callable[[J], R], jobs: Sequence[J], processes: int) -> Iterator[R]:
-    """Yield ``fn(job)`` for each of ``jobs``, in their order; on ``processes`` worker processes when it is above 1
-    (:func:`citer.ops.threads.job_processes` chooses it), else here, one after the other.
+class JobPool:
+    """Spawned worker processes of one torch thread, kept for several rounds of jobs (a context manager).
 
-    ``fn`` must be importable (a module-level function), ``jobs`` and the results plain data. A job that fails raises
-    its error where its result would have been yielded; with workers, the jobs still running are stopped then."""
+    ``fn`` must be importable (a module-level function); jobs and results travel between processes, so they are plain
+    data or objects the standard library can copy (a stage's models are small when it runs one thread). A job that
+    fails raises its error where its result would have been yielded; the jobs still running are stopped first."""
+
+    def __init__(self, processes: int) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> JobPool:
+        self._pool = ProcessPoolExecutor(
+            self.processes, mp_context=get_context("spawn"), initializer=_one_thread
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def map(self, fn: Callable[[J], R], jobs: Sequence[J]) -> Iterator[R]:
+        """Yield ``fn(job)`` for each of ``jobs``, in their order, as the workers finish them."""
+        pool = self._pool
+        if pool is None:
+            raise RuntimeError("JobPool.map outside its with block")
+        try:
+            # The workers start at the first submit and read this before torch starts its threads.
+            with _environ(OMP_NUM_THREADS="1"):
+                futures = [pool.submit(fn, job) for job in jobs]
+            for f in futures:
+                yield f.result()
+        except BaseException:
+            running = list((pool._processes or {}).values())  # shutdown forgets them and stops no running job
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in running:
+                proc.terminate()
+            for proc in running:
+                proc.join(5)
+            raise
+
+
+def run_jobs(fn: Callable[[J], R], jobs: Sequence[J], processes: int) -> Iterator[R]:
+    """Yield ``fn(job)`` for each of ``jobs``, in their order; on a :class:`JobPool` of ``processes`` workers when it
+    is above 1 (:func:`citer.ops.threads.job_processes` chooses it), else here, one after the other."""
     if processes <= 1 or len(jobs) <= 1:
         for job in jobs:
             yield fn(job)
         return
-    pool = ProcessPoolExecutor(processes, mp_context=get_context("spawn"), initializer=_one_thread)
-    try:
-        # The workers start at the first submit and read this before torch starts its threads.
-        with _environ(OMP_NUM_THREADS="1"):
-            futures = [pool.submit(fn, job) for job in jobs]
-        for f in futures:
-            yield f.result()
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list((pool._processes or {}).values()):  # the pool does not stop a job that is running
-            proc.terminate()
-        raise
-    finally:
-        pool.shutdown(wait=True)
+    with JobPool(processes) as pool:
+        yield from pool.map(fn, jobs)
 
 
 @contextlib.contextmanager

@@ -103,6 +103,31 @@ def test_two_workers_give_the_rows_of_one(tiny_pair, prefect_server, runner):
     assert _rows(two) == _rows(one)
 
 
+def test_two_worker_processes_give_the_rows_of_one(tiny_pair):
+    """The local runner's passes on two spawned processes of one torch thread (the bench sent to each in chunks):
+    byte-identical rows; one process is chosen only for a one-thread stage."""
+    import torch
+
+    from citer.ops.processes import JobPool
+    from citer.ops.threads import usable_cores
+    from flows.runners import SweepPasses
+
+    rt = RuntimeParams(workers=2)
+    with JobPool(2) as pool:
+        two = _sweep(tiny_pair, SweepPasses(rt, pool))
+    assert _rows(two) == _rows(_sweep(tiny_pair))
+    before = torch.get_num_threads()
+    try:
+        for threads, pooled in ((1, True), (2, False)):
+            torch.set_num_threads(threads)
+            with SweepPasses.local_processes(rt) as passes:
+                assert (passes.pool is not None) == (pooled and usable_cores() > 1)
+        with SweepPasses.local_processes(rt.model_copy(update={"workers": 1})) as passes:
+            assert passes.pool is None
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_worker_runs_here_with_its_torch_threads_then_restores_them(tiny_pair, monkeypatch):
     import torch
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from conftest import TINY_ARCH
+from conftest import TINY_ARCH, spawned_workers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from citer.config import BootstrapParams, PretrainParams
@@ -66,9 +68,21 @@ def test_bootstrap_writes_loadable_model_dirs(synth_rows, tmp_path):
     )
     assert metrics["llm_params"] > metrics["slm_params"] > 0
     # The two models side by side in worker processes: the same files as one after the other here.
+    # What needs only the SLM runs once its directory is written, while the LLM still trains.
+    seen = []
+
+    def after_slm():
+        seen.append([(tmp_path / "apart" / n / "config.json").is_file() for n in ("slm_base", "llm")])
+
     apart = bootstrap_models(
-        params, tmp_path / "data", tmp_path / "apart" / "slm_base", tmp_path / "apart" / "llm", processes=2
+        params,
+        tmp_path / "data",
+        tmp_path / "apart" / "slm_base",
+        tmp_path / "apart" / "llm",
+        processes=2,
+        after_slm=after_slm,
     )
+    assert seen == [[True, False]]
     assert {k: v for k, v in apart.items() if "seconds" not in k} == {
         k: v for k, v in metrics.items() if "seconds" not in k
     }
@@ -115,3 +129,28 @@ def test_bootstrap_without_data_fails_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="math_train.jsonl"):
         bootstrap_models(BootstrapParams(), tmp_path / "empty", tmp_path / "models/s", tmp_path / "models/l")
     assert not (tmp_path / "models").exists()
+
+
+def test_a_failure_beside_the_llm_stops_its_worker_and_writes_no_llm(synth_rows, tmp_path):
+    write_splits(tmp_path / "data", synth_rows)
+    slow = PretrainParams(steps=100_000, lr=1e-3, batch_size=8)  # would run for many minutes
+    params = BootstrapParams(
+        slm=TINY_ARCH,
+        llm=TINY_ARCH,
+        slm_pretrain=PretrainParams(steps=2, lr=1e-3, batch_size=8),
+        llm_pretrain=slow,
+    )
+
+    def fail():
+        raise RuntimeError("finetune failed")
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="finetune failed"):
+        bootstrap_models(
+            params, tmp_path / "data", tmp_path / "m" / "slm_base", tmp_path / "m" / "llm", 2, after_slm=fail
+        )
+    assert time.monotonic() - t0 < 60
+    assert spawned_workers() == []  # the LLM's worker was stopped, not left training
+    assert (tmp_path / "m" / "slm_base").is_dir() and sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "slm_base"
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from conftest import spawned_workers
 from test_mlp import separable
 
 from citer.config import RouterParams
@@ -62,6 +63,7 @@ def test_a_failing_job_raises_from_a_worker_and_writes_nothing(labels_on_disk):
     with pytest.raises(RouterError, match="router picky: validation AUC"):
         next(results)
     assert not (tmp / "picky").exists()
+    assert spawned_workers() == []
 
 
 def test_a_label_set_of_another_pair_is_refused(labels_on_disk):
