@@ -14,8 +14,6 @@ leaves nothing half-written. An interrupted command stops its workers with its o
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -26,6 +24,7 @@ R = TypeVar("R")
 
 
 def _one_thread() -> None:
+    """Each worker's first act, before any job can start torch's thread pool."""
     import torch
 
     torch.set_num_threads(1)
@@ -59,9 +58,7 @@ class JobPool:
         if pool is None:
             raise RuntimeError("JobPool.map outside its with block")
         try:
-            # The workers start at the first submit and read this before torch starts its threads.
-            with _environ(OMP_NUM_THREADS="1"):
-                futures = [pool.submit(fn, job) for job in jobs]
+            futures = [pool.submit(fn, job) for job in jobs]
             for f in futures:
                 yield f.result()
         except BaseException:
@@ -83,17 +80,3 @@ def run_jobs(fn: Callable[[J], R], jobs: Sequence[J], processes: int) -> Iterato
         return
     with JobPool(processes) as pool:
         yield from pool.map(fn, jobs)
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
