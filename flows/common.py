@@ -136,6 +136,35 @@ def quiet_defaults(root: Path | None = None) -> None:
             logger.addFilter(keep)
 
 
+def boot_prefect_server() -> Callable[[], None]:
+    """Start the temporary Prefect server a command's first flow run would start (and wait ~5 s for) in a thread, so
+    it boots while the command imports its libraries; returns the call that imports them and waits for it. Nothing starts when an API
+    URL is set (a real server, a test harness) or temporary servers are off; a failed boot is left for the flow run,
+    which starts the server again and reports the error as it always does."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return lambda: None
+    from prefect.server.api.server import SubprocessASGIServer
+
+    def boot() -> None:
+        with contextlib.suppress(Exception):
+            SubprocessASGIServer().start()
+
+    thread = threading.Thread(target=boot, name="citer-prefect-boot", daemon=True)
+    thread.start()
+
+    def ready() -> None:
+        import mlflow  # noqa: F401 - what every stage imports, loaded while the server boots on the other core
+        import torch  # noqa: F401
+
+        thread.join()
+
+    return ready
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -362,9 +391,11 @@ def locked(
             lk = proj.params.lock
             say = functools.partial(print, file=sys.stderr)
             with project_lock(proj.root, what, wait=lk.wait, timeout_s=lk.timeout_s, say=say):
-                for p in remove_leftovers(owned_dirs(proj)):
-                    say(f"removed {proj.portable_ref(p)}, left by a killed run")
-                if _DEPTH[0] == 0:  # once per command: a pipeline's stages share its lock
+                # once per command: a pipeline's stages share its lock, and a stage inside it must not take the
+                # command's own writers for a killed run's (the LLM's directory, written beside the finetune)
+                if _DEPTH[0] == 0:
+                    for p in remove_leftovers(owned_dirs(proj)):
+                        say(f"removed {proj.portable_ref(p)}, left by a killed run")
                     for run_id in close_orphan_runs(proj):
                         say(f"marked MLflow run {run_id} KILLED: its process was killed while it ran")
                 if what in TORCH_STAGES:

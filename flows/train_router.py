@@ -211,6 +211,6 @@ def routers_flow(
         else:
             todo.append(target)
     workers = job_processes(proj.params.runtime.workers, len(todo), torch.get_num_threads())
-    for target, fitted in zip(todo, run_jobs(fit_router, [t.job for t in todo], workers), strict=False):
+    for target, fitted in zip(todo, run_jobs(fit_router, [t.job for t in todo], workers), strict=True):
         out[target.report_name] = record_router(proj, target, fitted)
     return {t.report_name: out[t.report_name] for t in targets}

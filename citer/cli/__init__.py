@@ -27,11 +27,13 @@ from citer.cli.common import (  # noqa: F401  (``_one_line``, ``_setup``: used b
     models_app,
     report_app,
     router_app,
+    runs_flow,
 )
 
 
 @data_app.command("validate")
 @friendly
+@runs_flow
 def data_validate(
     paths: Annotated[
         list[Path] | None, typer.Argument(help="JSONL files; default: the configured splits")
@@ -100,6 +102,7 @@ def _check_files(
 
 @data_app.command("synth")
 @friendly
+@runs_flow
 def data_synth(params: ParamsOpt = "params.yaml") -> None:
     """Write the embedded task's train/dev/test splits (math and mc) from the synth params."""
     from flows.synth import synth_flow
@@ -113,6 +116,7 @@ def data_synth(params: ParamsOpt = "params.yaml") -> None:
 
 @models_app.command("bootstrap")
 @friendly
+@runs_flow
 def models_bootstrap(params: ParamsOpt = "params.yaml") -> None:
     """Build the embedded tokenizer and pretrain the embedded SLM base and LLM from scratch."""
     from flows.bootstrap import bootstrap_flow
@@ -122,6 +126,7 @@ def models_bootstrap(params: ParamsOpt = "params.yaml") -> None:
 
 @models_app.command("finetune")
 @friendly
+@runs_flow
 def models_finetune(params: ParamsOpt = "params.yaml") -> None:
     """Finetune the SLM on chain-of-thought targets (prompt tokens masked from the loss)."""
     from flows.finetune_slm import finetune_flow
@@ -131,6 +136,7 @@ def models_finetune(params: ParamsOpt = "params.yaml") -> None:
 
 @eval_app.command("models")
 @friendly
+@runs_flow
 def eval_models(params: ParamsOpt = "params.yaml") -> None:
     """Greedy test accuracy of the SLM and the LLM alone; writes reports/models.json."""
     from flows.evaluate_models import eval_models_flow
@@ -140,6 +146,7 @@ def eval_models(params: ParamsOpt = "params.yaml") -> None:
 
 @eval_app.command("model")
 @friendly
+@runs_flow
 def eval_model(
     model: Annotated[str, typer.Argument(help="model directory or hub id")],
     data: Annotated[Path, typer.Argument(help="JSONL split to evaluate on")],
@@ -178,6 +185,7 @@ def eval_loglikelihood(
 
 @labels_app.command("collect")
 @friendly
+@runs_flow
 def labels_collect(
     iteration: Annotated[
         int, typer.Option(min=1, help="1 = ground-truth shortcut; k >= 2 = routed rollouts")
@@ -192,6 +200,7 @@ def labels_collect(
 
 @router_app.command("train")
 @friendly
+@runs_flow
 def router_train(
     iteration: Annotated[int, typer.Option(min=1)] = 1,
     citer_s: Annotated[
@@ -207,6 +216,7 @@ def router_train(
 
 @router_app.command("iterate")
 @friendly
+@runs_flow
 def router_iterate(params: ParamsOpt = "params.yaml") -> None:
     """Labels and router for iterations 1..labels.iterations, plus CITER-S; unchanged ones are kept."""
     from flows.iterate import iterate_flow
@@ -221,6 +231,7 @@ def router_iterate(params: ParamsOpt = "params.yaml") -> None:
 
 @eval_app.command("sweep")
 @friendly
+@runs_flow
 def eval_sweep(params: ParamsOpt = "params.yaml") -> None:
     """Sweep tau against every baseline, choose tau, register the router and promote it if it wins."""
     from flows.sweep_and_promote import sweep_flow
@@ -230,6 +241,7 @@ def eval_sweep(params: ParamsOpt = "params.yaml") -> None:
 
 @eval_app.command("stability")
 @friendly
+@runs_flow
 def eval_stability(params: ParamsOpt = "params.yaml") -> None:
     """Retrain the routers with stability.seeds seeds (labels and models fixed), rerun the sweep for each and report
     every claim's spread across seeds (reports/stability.json). Run after `citer eval sweep`; not in the pipeline."""
@@ -240,6 +252,7 @@ def eval_stability(params: ParamsOpt = "params.yaml") -> None:
 
 @app.command("route")
 @friendly
+@runs_flow
 def route(
     input: Annotated[
         str | None, typer.Option(help="JSONL of questions (default: inference.input, else data.test)")
@@ -323,6 +336,7 @@ def _outcome(proj: Any) -> str | None:
 
 @app.command("pipeline")
 @friendly
+@runs_flow
 def pipeline(params: ParamsOpt = "params.yaml") -> None:
     """Run every stage in order as one Prefect flow with nested MLflow runs."""
     from flows.pipeline import pipeline_flow

@@ -103,6 +103,8 @@ def friendly(fn: F) -> F:
                 from citer.project import load_project
 
                 preflight(load_project(params), params)
+            if getattr(fn, "runs_flow", False):  # params are good: boot the server while the imports run
+                _boot_server()()
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
@@ -121,6 +123,19 @@ def friendly(fn: F) -> F:
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def runs_flow(fn: F) -> F:
+    """Mark a command that runs a Prefect flow (under :func:`friendly`): its temporary server boots while the command
+    checks its params and imports."""
+    fn.runs_flow = True  # type: ignore[attr-defined]
+    return fn
+
+
+def _boot_server() -> Callable[[], None]:
+    from flows.common import boot_prefect_server
+
+    return boot_prefect_server()
 
 
 def _interrupted() -> None:

@@ -57,11 +57,14 @@ class JobPool:
         pool = self._pool
         if pool is None:
             raise RuntimeError("JobPool.map outside its with block")
+        futures = []
         try:
             futures = [pool.submit(fn, job) for job in jobs]
             for f in futures:
                 yield f.result()
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, GeneratorExit) and all(f.done() for f in futures):
+                raise  # closed after its last result: the pool shuts down as after any round
             running = list((pool._processes or {}).values())  # shutdown forgets them and stops no running job
             pool.shutdown(wait=False, cancel_futures=True)
             for proc in running:

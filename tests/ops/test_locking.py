@@ -101,3 +101,31 @@ def test_remove_leftovers_only_touches_tmp_siblings(tmp_path):
     with pytest.raises(RuntimeError), atomic_dir(routers / "iter3"):
         raise RuntimeError("killed")
     assert remove_leftovers([reports, routers]) == []
+
+
+def test_a_stage_inside_a_command_leaves_the_commands_own_writers_alone(project):
+    """``citer pipeline`` finetunes the SLM (a stage of its own) while a worker writes the LLM's temporary
+    directory: only the command's first stage cleans up, so only a killed run's leftovers go."""
+    import shutil
+
+    from flows.common import locked
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "params.yaml", project / "params.yaml")
+    models = project / "models"
+    models.mkdir()
+    killed = models / ".llm.killed.tmp"
+    killed.mkdir()
+    live = models / ".llm.live.tmp"
+
+    @locked("finetune")
+    def inner(params_path: str = "params.yaml") -> bool:
+        return live.is_dir()
+
+    @locked("pipeline")
+    def outer(params_path: str = "params.yaml") -> bool:
+        assert not killed.exists()  # cleaned before the command's work
+        live.mkdir()  # the command's own writer, still writing when the inner stage starts
+        return inner(params_path)
+
+    assert outer("params.yaml") is True
+    assert live.is_dir()
