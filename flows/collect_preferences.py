@@ -38,19 +38,18 @@ def collect(params_path: str, iteration: int) -> tuple[Any, int]:
         n_examples=n,
         router_iteration=iteration - 1,
     )
-    with ShardedWork.local_processes(p.runtime) as pool:
-        work = ShardedWork(ctx, p.runtime, hidden, int(tok.eos_token_id), pool)
-        try:
-            if prev is None:
-                ls = collect_iter1(
-                    None, None, tok, rows, p.data.format, p.labels, slm_name=proj.slm_name, llm_name=p.models.llm,
-                    work=work,
-                )  # fmt: skip
-            else:
-                ls = collect_iter_k(prev, None, None, None, tok, rows, p.data.format, p.labels, work=work)
-        finally:
-            if p.runtime.task_runner == "local":
-                release()  # the local runner's workers are this process: keep no pair once collection is done
+    work = ShardedWork(ctx, p.runtime, hidden, int(tok.eos_token_id))
+    try:
+        if prev is None:
+            ls = collect_iter1(
+                None, None, tok, rows, p.data.format, p.labels, slm_name=proj.slm_name, llm_name=p.models.llm,
+                work=work,
+            )  # fmt: skip
+        else:
+            ls = collect_iter_k(prev, None, None, None, tok, rows, p.data.format, p.labels, work=work)
+    finally:
+        if p.runtime.task_runner == "local":
+            release()  # the local runner's workers are this process: keep no pair once collection is done
     return ls, hidden
 
 

@@ -47,9 +47,7 @@ from citer.routing.workers import (
     ShardContext,
     configure_worker,
     gpu_group,
-    rollout_part,
     rollout_shard,
-    teacher_forced_part,
     teacher_forced_shard,
 )
 
@@ -160,33 +158,12 @@ def rollout_task(
 
 @dataclass
 class ShardedWork:
-    """:class:`citer.routing.labels.LabelWork` as Prefect tasks on the running flow's task runner.
-
-    With ``pool`` (:meth:`local_processes`) the local runner's shards go to worker processes instead of threads (a
-    shard is many small torch calls: threads of one process queue on the GIL); each worker loads the pair once and
-    keeps it for the collection's later shards. The labels are the same byte for byte either way."""
+    """:class:`citer.routing.labels.LabelWork` as Prefect tasks on the running flow's task runner."""
 
     ctx: ShardContext
     rt: RuntimeParams
     hidden_size: int
     eos: int
-    pool: JobPool | None = None
-
-    @staticmethod
-    @contextlib.contextmanager
-    def local_processes(rt: RuntimeParams) -> Iterator[JobPool | None]:
-        """``runtime.workers`` processes of one thread when the local runner would use threads in a one-thread
-        stage (:func:`citer.ops.threads.job_processes`), else None (the shards are Prefect tasks)."""
-        n = (
-            job_processes(rt.workers, rt.n_shards, torch.get_num_threads())
-            if rt.task_runner == "local"
-            else 0
-        )
-        if n <= 1:
-            yield None
-            return
-        with JobPool(n) as pool:
-            yield pool
 
     def teacher_forced(self, encoded: Sequence[Encoded], batch_size: int) -> TeacherForced:
         if batch_size != self.ctx.params.labels.batch_size:  # workers read it from ctx.params
@@ -194,9 +171,6 @@ class ShardedWork:
                 f"sharded teacher-forced: batch_size {batch_size} differs from ctx's labels params"
             )
         shards = teacher_forced_shards(encoded, batch_size, self.rt.n_shards)
-        if self.pool is not None:
-            parts = self.pool.map(teacher_forced_part, [(self.ctx, list(ids)) for ids in shards])
-            return merge_teacher_forced(encoded, shards, list(parts))
         shape = WorkerShape.of(self.rt)
         with Placement.of(self.rt):
             futures = [
@@ -215,11 +189,6 @@ class ShardedWork:
                 f"sharded rollouts: batch {batch}, max_new {max_new} differ from ctx's labels params"
             )
         shards = rollout_shards(encoded, branches, self.eos, batch, self.rt.n_shards)
-        if self.pool is not None:
-            jobs = [(self.ctx, branches_tensor([branches[j] for j in ids]), routed) for ids in shards]
-            return merge_rollouts(
-                len(branches), shards, [ok.tolist() for ok in self.pool.map(rollout_part, jobs)]
-            )
         shape = WorkerShape.of(self.rt)
         with Placement.of(self.rt):
             futures = [

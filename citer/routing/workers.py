@@ -174,16 +174,6 @@ def rollout_shard(ctx: ShardContext, branches: torch.Tensor, routed: bool) -> to
     return torch.tensor(ok, dtype=torch.bool)
 
 
-def teacher_forced_part(job: tuple[ShardContext, list[int]]) -> dict[str, torch.Tensor]:
-    """:func:`teacher_forced_shard` of one ``(ctx, ids)``: the one-argument job a process pool maps."""
-    return teacher_forced_shard(*job)
-
-
-def rollout_part(job: tuple[ShardContext, torch.Tensor, bool]) -> torch.Tensor:
-    """:func:`rollout_shard` of one ``(ctx, branches, routed)``: the one-argument job a process pool maps."""
-    return rollout_shard(*job)
-
-
 def slm_hidden_size(proj: Project) -> int:
     """The SLM's hidden size from its config alone: the driver of a sharded run loads no weights."""
     from transformers import AutoConfig

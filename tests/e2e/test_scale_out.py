@@ -1,5 +1,5 @@
-"""Scale-out for real: the labels flow on a local 2-worker Dask cluster, on a local Ray instance and on the local
-runner's worker processes writes the labels of the in-process run, byte for byte (tokens.parquet and hidden.safetensors), for iteration 1 (teacher-forced passes
+"""Scale-out for real: the labels flow on a local 2-worker Dask cluster and on a local Ray instance writes the labels
+of the in-process run, byte for byte (tokens.parquet and hidden.safetensors), for iteration 1 (teacher-forced passes
 and SLM rollouts) and, on Dask, iteration 2 (routed rollouts with the iteration-1 router).
 
 One project, one Dask cluster and one Ray instance per module (Ray takes ~6 s to start on 2 cores); both are shut down
@@ -134,26 +134,6 @@ def test_dask_two_workers_equal_in_process(reference, scale_project, dask_cluste
     with Client(dask_cluster.scheduler_address) as client:
         held = client.run(lambda: [k for k in __import__("citer.routing.workers").routing.workers._SLOTS])
     assert all(slots and "pair" in slots for slots in held.values()), held
-
-
-def test_local_runner_two_worker_processes_equal_in_process(reference, scale_project, tmp_path):
-    """The local runner in a one-thread stage (the embedded default): the shards on two spawned processes of one
-    torch thread, not two threads of this process."""
-    import torch
-
-    from citer.config import RuntimeParams
-    from citer.ops.threads import usable_cores
-    from flows.runners import ShardedWork
-
-    set_runtime(scale_project, workers=2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ShardedWork.local_processes(RuntimeParams(workers=2)) as pool:
-            assert (pool is not None) == (usable_cores() > 1)
-        assert_same(collect_sharded(scale_project, tmp_path, "local, 2 processes"), reference)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
