@@ -26,3 +26,19 @@ def test_mlflow_type_hint_note_is_dropped_and_other_warnings_show():
         assert out.returncode == 0, out.stderr[-2000:]
         assert "Add type hints" not in out.stderr, mode
         assert "a warning a user should see" in out.stderr, mode
+
+
+def test_a_command_boots_prefects_server_only_without_an_api_url():
+    """A stage command boots the temporary server early (while it imports); with a server named (a real one, a test
+    harness) there is nothing to boot and nothing is started."""
+    import threading
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.common import boot_prefect_server
+
+    before = {t.name for t in threading.enumerate()}
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        ready = boot_prefect_server()
+    assert "citer-prefect-boot" not in {t.name for t in threading.enumerate()} - before
+    assert ready() is None
