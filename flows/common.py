@@ -138,9 +138,9 @@ def quiet_defaults(root: Path | None = None) -> None:
 
 def boot_prefect_server() -> Callable[[], None]:
     """Start the temporary Prefect server a command's first flow run would start (and wait ~5 s for) in a thread, so
-    it boots while the command imports its libraries; returns the call that imports them and waits for it. Nothing starts when an API
-    URL is set (a real server, a test harness) or temporary servers are off; a failed boot is left for the flow run,
-    which starts the server again and reports the error as it always does."""
+    it boots while the command imports its libraries; returns the call that imports them and waits for it. Nothing
+    starts when an API URL is set (a real server, a test harness) or temporary servers are off; a failed boot is left
+    for the flow run, which starts the server again and reports the error as it always does."""
     import threading
 
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED

@@ -104,7 +104,9 @@ def friendly(fn: F) -> F:
 
                 preflight(load_project(params), params)
             if getattr(fn, "runs_flow", False):  # params are good: boot the server while the imports run
-                _boot_server()()
+                from flows.common import boot_prefect_server
+
+                boot_prefect_server()()
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
@@ -130,12 +132,6 @@ def runs_flow(fn: F) -> F:
     checks its params and imports."""
     fn.runs_flow = True  # type: ignore[attr-defined]
     return fn
-
-
-def _boot_server() -> Callable[[], None]:
-    from flows.common import boot_prefect_server
-
-    return boot_prefect_server()
 
 
 def _interrupted() -> None:

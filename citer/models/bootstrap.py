@@ -253,6 +253,8 @@ def bootstrap_models(
     def record(key: str, arch: ArchParams, res: dict[str, Any]) -> None:
         metrics.update({f"{key}_{k}": v for k, v in res.items()} | {f"{key}_arch": arch.model_dump()})
 
+    # one encoding for both models, held to the shorter context of the two
+    seqs = encode_corpus(texts, tok, min(max(a.max_position_embeddings, 1) for a in (params.slm, params.llm)))
     with atomic_dir(llm_dir) as llm_tmp:
         with atomic_dir(slm_dir) as slm_tmp:
             jobs = [
@@ -260,7 +262,7 @@ def bootstrap_models(
                     arch,
                     pre,
                     params.seed + seed_off,
-                    encode_corpus(texts, tok, max(arch.max_position_embeddings, 1)),
+                    seqs,
                     len(tok),
                     tok.eos_token_id,
                     tok.pad_token_id,
