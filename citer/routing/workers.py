@@ -176,7 +176,7 @@ def rollout_shard(ctx: ShardContext, branches: torch.Tensor, routed: bool) -> to
 
 def slm_hidden_size(proj: Project) -> int:
     """The SLM's hidden size from its config alone: the driver of a sharded run loads no weights."""
-    from transformers import AutoConfig
+    from citer.models.loading import load_config
 
-    cfg = AutoConfig.from_pretrained(proj.slm_ref, trust_remote_code=proj.params.models.trust_remote_code)
+    cfg = load_config(proj.slm_ref, trust_remote_code=proj.params.models.trust_remote_code)
     return int(cfg.get_text_config().hidden_size)
