@@ -7,7 +7,8 @@ a process that spins on one core (pinned to the last core this process may use) 
 mode's wall time and its stages' (the clone's ``reports/provenance.json``), and loaded/quiet against the issue's bound
 (1.6); writes ``reports/bench_load.json``. Measure on an otherwise quiet machine. ``--set KEY=VALUE`` (dotted params
 keys, YAML values; repeatable) shrinks the run for a quick check of the bench itself; ``--nice N`` runs the command
-and the busy process at that niceness (a check beside other work).
+and the busy process at that niceness (a check beside other work); ``--keep DIR`` keeps each mode's clone (its
+``dvc.lock``, reports and outputs: the records a code change lands with) at ``DIR/MODE``.
 
 ``quick``: median seconds of quick commands over ``--repeat`` runs in a temporary project, against the 5 s budget:
 ``citer --help``, ``citer data validate FILE -f math`` on 10 rows (no flow, no tracking), and for the record the
@@ -91,6 +92,10 @@ def repro_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     runs = read_json(clone / "reports" / "provenance.json").get("runs", {})
     # The clone's provenance holds the committed run's entries too: only this run's stages count.
     stages = {k: v["wall_s"] for k, v in runs.items() if v.get("started_at", "")[:19] >= since}
+    if args.keep:  # the run's lock, reports and outputs, to commit as the records of this code
+        dest = Path(args.keep) / mode
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.move(clone, dest)
     shutil.rmtree(clone, ignore_errors=True)
     print(f"{mode:>6}: {wall:7.1f} s  " + "  ".join(f"{k} {v:.0f}" for k, v in stages.items()), flush=True)
     return {"wall_s": round(wall, 1), "stages_wall_s": stages}
@@ -148,6 +153,7 @@ def main() -> None:
     rp.add_argument("--modes", default="quiet,loaded", help="comma-separated: quiet, loaded")
     rp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a params override")
     rp.add_argument("--nice", type=int, default=0)
+    rp.add_argument("--keep", default="", help="move each mode's clone to DIR/MODE instead of deleting it")
     rp.add_argument("--out", default=str(ROOT / "reports" / "bench_load.json"))
     qp = sub.add_parser("quick", help="quick commands against the 5 s budget")
     qp.add_argument("--repeat", type=int, default=3)

@@ -21,6 +21,7 @@ def bootstrap_flow(params_path: str = "params.yaml", finetune_alongside: bool = 
     from citer.models.bootstrap import bootstrap_models
     from citer.ops.io import write_json
     from citer.ops.threads import job_processes
+    from citer.tracking.provenance import write_results
 
     proj = load_project(params_path)
     p = proj.params
@@ -56,7 +57,7 @@ def bootstrap_flow(params_path: str = "params.yaml", finetune_alongside: bool = 
         processes,
         after_slm,
     )
-    write_json(report, metrics)
+    write_results(report, metrics, stage="bootstrap")
     with stage_run(proj, "bootstrap_models") as run:
         run.params(p.bootstrap.model_dump(), prefix="bootstrap.")
         run.metrics({k: v for k, v in metrics.items() if not isinstance(v, dict)})

@@ -136,35 +136,6 @@ def quiet_defaults(root: Path | None = None) -> None:
             logger.addFilter(keep)
 
 
-def boot_prefect_server() -> Callable[[], None]:
-    """Start the temporary Prefect server a command's first flow run would start (and wait ~5 s for) in a thread, so
-    it boots while the command imports its libraries; returns the call that imports them and waits for it. Nothing
-    starts when an API URL is set (a real server, a test harness) or temporary servers are off; a failed boot is left
-    for the flow run, which starts the server again and reports the error as it always does."""
-    import threading
-
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return lambda: None
-    from prefect.server.api.server import SubprocessASGIServer
-
-    def boot() -> None:
-        with contextlib.suppress(Exception):
-            SubprocessASGIServer().start()
-
-    thread = threading.Thread(target=boot, name="citer-prefect-boot", daemon=True)
-    thread.start()
-
-    def ready() -> None:
-        import mlflow  # noqa: F401 - what every stage imports, loaded while the server boots on the other core
-        import torch  # noqa: F401
-
-        thread.join()
-
-    return ready
-
-
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -309,6 +280,8 @@ def close_orphan_runs(proj: Project) -> list[str]:
     OOM kill: nothing in the process could close them). Call it holding the project lock. Returns their ids."""
     import socket
 
+    if not _may_hold_running_runs(proj.tracking_uri):
+        return []  # without importing MLflow and opening its store: a stage's first work starts seconds sooner
     import mlflow
 
     from citer.ops.reaper import alive
@@ -332,6 +305,23 @@ def close_orphan_runs(proj: Project) -> list[str]:
             client.set_terminated(run.info.run_id, status="KILLED")
             gone.append(run.info.run_id)
     return gone
+
+
+def _may_hold_running_runs(uri: str) -> bool:
+    """False when an sqlite tracking store is missing or has no run marked RUNNING (read with sqlite3 alone);
+    True otherwise, or for any other store (MLflow itself then looks)."""
+    import sqlite3
+
+    if not uri.startswith("sqlite:///"):
+        return True
+    path = Path(uri.removeprefix("sqlite:///"))
+    if not path.is_file():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)) as db:
+            return db.execute("SELECT 1 FROM runs WHERE status = 'RUNNING' LIMIT 1").fetchone() is not None
+    except sqlite3.Error:
+        return True
 
 
 def owned_dirs(proj: Project) -> list[Path]:

@@ -41,7 +41,7 @@ def evaluate_one(
 def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.models.chance import chance_accuracy, check_llm_above_chance
     from citer.models.evaluate import write_models_report
-    from citer.ops.io import read_json
+    from citer.tracking.provenance import read as read_provenance
 
     proj = load_project(params_path)
     p = proj.params
@@ -60,11 +60,9 @@ def eval_models_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     }
     slm_n, slm_ev = evaluate_one("slm", proj.slm_ref, **inputs, device=m.device, **load)
     llm_n, llm_ev = evaluate_one("llm", proj.llm_ref, **inputs, device=llm_place, **load)
-    seconds = 0.0  # time to build the pair: bootstrap + finetune, when this project ran them
-    for stage in ("bootstrap", "finetune"):
-        f = proj.reports / f"{stage}.json"
-        if f.exists():
-            seconds += float(read_json(f).get("seconds", 0.0))
+    facts = read_provenance(proj.reports).get("run_facts", {})
+    # time to build the pair: bootstrap + finetune, when this project ran them
+    seconds = sum(float(facts.get(stage, {}).get("seconds", 0.0)) for stage in ("bootstrap", "finetune"))
     report = write_models_report(
         proj.reports / "models.json", slm_n, slm_ev.accuracy, llm_n, llm_ev.accuracy, seconds
     )

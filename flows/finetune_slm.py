@@ -33,7 +33,7 @@ def finetune_disabled(proj) -> dict[str, Any]:
 @locked("finetune")
 def finetune_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.models.finetune import finetune_slm
-    from citer.ops.io import write_json
+    from citer.tracking.provenance import write_results
 
     proj = load_project(params_path)
     p = proj.params
@@ -57,7 +57,7 @@ def finetune_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         f"finetune: {result.truncated_examples} of {len(train)} training rows "
         f"({result.truncated_fraction:.1%}) cut at finetune.max_length={p.finetune.max_length}"
     )
-    write_json(proj.reports / "finetune.json", summary)
+    write_results(proj.reports / "finetune.json", summary, stage="finetune")
     with stage_run(proj, "finetune_slm") as run:
         run.params(p.finetune.model_dump(), prefix="finetune.")
         run.params({"base": p.models.slm, "out": p.models.finetuned_slm})

@@ -142,10 +142,10 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
 @locked("sweep")
 def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
     from citer.evaluation.promotion import Guard, plan_promotion, promotion_record, version_tags
-    from citer.evaluation.report import sweep_metrics, write_sweep_reports
+    from citer.evaluation.report import sweep_measured, sweep_metrics, write_sweep_reports
     from citer.ops.io import file_digest, write_json
     from citer.tracking.alias import AliasMoved, finish_pending
-    from citer.tracking.provenance import git_head
+    from citer.tracking.provenance import git_head, record_run_facts
     from citer.tracking.registry import generator_config, publish_router
     from citer.tracking.store import open_store
     from flows.runners import TaskRunners
@@ -227,7 +227,8 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
         run.tags({"promotion.promoted": plan.decision.promoted, "promotion.reason": plan.decision.reason})
     decision = plan.decision
     logger.info("promotion: %s (%s)", "promoted" if decision.promoted else "kept", decision.reason)
-    promotion = promotion_record(plan, version, result.test) | {"mlflow_run_id": run.run_id}
+    promotion = promotion_record(plan, version, result.test)
     write_json(proj.reports / "promotion.json", promotion)
+    record_run_facts(proj.reports, "sweep", {"mlflow_run_id": run.run_id, "rows": sweep_measured(result)})
     pending.unlink(missing_ok=True)
     return promotion | {"claims": {k: v for k, v in found.items() if k != "protocol"}}

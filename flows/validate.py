@@ -65,6 +65,8 @@ def validate_flow(
 
     ``models`` (directories or hub ids) set the context the rows must fit; default: see the module docstring.
     """
+    import mlflow  # noqa: F401 - for the run below, loaded while Great Expectations loads (citer.data.validate)
+
     from citer.ops.io import write_json
 
     started = time.time()

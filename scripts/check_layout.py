@@ -2,15 +2,20 @@
 """Check the package layout: no import cycles, imports only downward, no tools in the math; long modules named.
 
     python scripts/check_layout.py          # prints the layers and exits 1 if any rule is broken
+    python scripts/check_layout.py --deps   # rewrites dvc.yaml's code deps to what each stage runs (rule 6)
 
 Rules (every ``import`` counts, module level or inside a function, since a lazy import is still a dependency):
 1. No import cycle among ``citer`` and ``flows`` modules.
 2. A module imports only from its own layer or below (:data:`LAYERS`, bottom first).
-3. Prefect is imported only by ``flows``; MLflow only by ``citer.tracking``, the router's pyfunc wrapper and ``flows``.
+3. Prefect is imported only by ``flows`` and the command's temporary server (``citer.cli.prefect_server``); MLflow only
+   by ``citer.tracking``, the router's pyfunc wrapper and ``flows``.
 4. Every top-level function of a stage flow module is a Prefect ``@flow`` or ``@task`` (flows compose, the
    library decides); shared helpers live in ``flows/common.py``.
 5. One name per thing: no two ``citer`` modules share a file name, outside ``citer.config`` (which mirrors the
    params blocks, as ``flows`` mirrors the stages).
+6. Every ``dvc.yaml`` stage's ``deps`` cover the code its command runs: each module its ``citer`` command imports,
+   and every project module those import in turn, is a listed file or lies under a listed folder. So a change to any
+   code a stage runs makes ``dvc status`` name that stage (CI's ``scripts/check_records.py`` then asks for its rerun).
 Modules are split by concept, not by size: one longer than :data:`REVIEW_LINES` lines is named as a warning (a
 review asks whether it holds more than one concept), never a failure.
 """
@@ -27,7 +32,7 @@ from pathlib import Path
 # modules may sit in different layers (``citer.ops.threads`` reads the project, the rest of ``citer.ops`` nothing).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("citer.config", "citer.ops", "citer.tracking.provenance"),
-    ("citer.data",),
+    ("citer.data", "citer.models.gguf"),  # reading a .gguf's config is a file format, as JSONL is
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),
     (
@@ -43,7 +48,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 REVIEW_LINES = 500
 TOOL_IMPORTS = {
-    "prefect": ("flows",),
+    "prefect": (
+        "flows",
+        "citer.cli.prefect_server",
+    ),  # the command's own temporary server: the shell, not the math
     "mlflow": ("citer.tracking", "citer.routing.pyfunc", "flows"),
 }
 FLOW_HELPERS = ("flows.common",)  # flows modules allowed to hold plain functions
@@ -189,6 +197,75 @@ def check(root: Path) -> list[str]:
     problems += [
         f"{n}: one name for {len(ps)} modules ({', '.join(ps)})" for n, ps in named.items() if len(ps) > 1
     ]
+    return problems + uncovered_stage_code(root, mods, edges)
+
+
+def command_imports(mods: dict[str, Module]) -> dict[str, set[str]]:
+    """``{"citer eval sweep": {project modules the command's function imports}}`` from ``citer.cli``'s Typer
+    commands (``@eval_app.command("sweep")`` is ``citer eval sweep``; ``@app.command`` a top-level command)."""
+    cli = mods.get("citer.cli")
+    out: dict[str, set[str]] = {}
+    if cli is None:
+        return out
+    for node in cli.tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for d in node.decorator_list:
+            if not (
+                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "command"
+            ):
+                continue
+            app = d.func.value.id if isinstance(d.func.value, ast.Name) else ""
+            name = d.args[0].value if d.args and isinstance(d.args[0], ast.Constant) else node.name
+            group = "" if app == "app" else app.removesuffix("_app") + " "
+            found = {n for sub in ast.walk(node) for n in _imported(sub, cli) if n in mods}
+            out[f"citer {group}{name}"] = found
+    return out
+
+
+def stage_code(root: Path, mods: dict[str, Module], edges: dict[str, set[str]]) -> dict[str, dict[str, str]]:
+    """Per ``dvc.yaml`` stage whose command is a ``citer`` command: ``{module file: the module that imports it}``,
+    every project module the command runs (imports are followed transitively, lazy ones included)."""
+    import yaml
+
+    spec = root / "dvc.yaml"
+    if not spec.is_file():
+        return {}
+    out = {}
+    commands = command_imports(mods)
+    for stage, body in (yaml.safe_load(spec.read_text(encoding="utf-8")).get("stages") or {}).items():
+        cmd = " ".join(str(body.get("cmd", "")).split()[:4])
+        start = next((v for k, v in commands.items() if cmd == k or cmd.startswith(k + " ")), None)
+        if start is None:
+            continue
+        seen: dict[str, str] = {m: "the command" for m in start}
+        todo = list(start)
+        while todo:
+            m = todo.pop()
+            for dep in edges[m]:
+                if dep not in seen:
+                    seen[dep] = m
+                    todo.append(dep)
+        out[stage] = {mods[m].path.relative_to(root).as_posix(): by for m, by in seen.items()}
+    return out
+
+
+def uncovered_stage_code(root: Path, mods: dict[str, Module], edges: dict[str, set[str]]) -> list[str]:
+    """Rule 6: a module a stage runs that none of its ``deps`` covers, one line each."""
+    import yaml
+
+    spec = root / "dvc.yaml"
+    if not spec.is_file():
+        return []
+    stages = yaml.safe_load(spec.read_text(encoding="utf-8")).get("stages") or {}
+    problems = []
+    for stage, files in sorted(stage_code(root, mods, edges).items()):
+        deps = [str(d).rstrip("/") for d in stages[stage].get("deps", []) if "${" not in str(d)]
+        for f, by in sorted(files.items()):
+            if not any(f == d or f.startswith(d + "/") for d in deps):
+                problems.append(
+                    f"dvc.yaml: stage {stage} runs {f} (imported by {by}) but no dep covers it: add it or its folder"
+                )
     return problems
 
 
@@ -222,8 +299,71 @@ def describe(root: Path) -> str:
     return "\n".join(lines)
 
 
+def code_deps(files: Iterable[str], root: Path) -> list[str]:
+    """The shortest list of paths that covers ``files`` exactly: a folder where the stage runs every module in it
+    (its subfolders included), else the files one by one."""
+    wanted = set(files)
+
+    def whole(folder: Path) -> bool:
+        return all(p.relative_to(root).as_posix() in wanted for p in folder.rglob("*.py"))
+
+    out: set[str] = set()
+    for f in wanted:
+        parts = Path(f).parts
+        cover = f
+        for i in range(1, len(parts) - 1):  # the highest folder below the package root that is wholly run
+            if whole(root.joinpath(*parts[: i + 1])):
+                cover = "/".join(parts[: i + 1])
+                break
+        out.add(cover)
+    return sorted(out)
+
+
+def write_code_deps(root: Path) -> list[str]:
+    """Rewrite, in ``dvc.yaml``, each ``citer`` stage's code deps (the ``citer/`` and ``flows/`` entries) to
+    :func:`code_deps` of what it runs; the other deps, comments and order of the file stay. Returns the stages
+    changed."""
+    mods = load_modules(root)
+    edges, _ = import_graph(mods)
+    runs = stage_code(root, mods, edges)
+    spec = root / "dvc.yaml"
+    out: list[str] = []
+    stage, block, changed = "", None, set()
+
+    def flush() -> None:  # a stage's deps: the others in their order, then the code it runs
+        nonlocal block
+        if block is not None:
+            indent, kept, old = block
+            new = code_deps(runs[stage], root) if stage in runs else old
+            out.extend(indent + d for d in kept + new)
+            if new != old:
+                changed.add(stage)
+            block = None
+
+    for line in spec.read_text(encoding="utf-8").splitlines():
+        stripped = line.strip()
+        if block is not None and stripped.startswith("- "):
+            code = stage in runs and stripped[2:].startswith(("citer/", "flows/"))
+            (block[2] if code else block[1]).append(stripped[2:])
+            continue
+        flush()
+        if line.startswith("  ") and not line.startswith("   ") and stripped.endswith(":"):
+            stage = stripped[:-1]
+        out.append(line)
+        if stripped == "deps:":
+            block = (line[: len(line) - len(line.lstrip())] + "  - ", [], [])
+    flush()
+    spec.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return sorted(changed)
+
+
 def main() -> int:
     root = Path(__file__).resolve().parents[1]
+    if sys.argv[1:] == ["--deps"]:
+        write_code_deps(root)
+        problems = [p for p in check(root) if p.startswith("dvc.yaml")]
+        print("\n".join(problems) or "dvc.yaml: every stage's deps cover the code it runs")
+        return 1 if problems else 0
     print(describe(root))
     for w in long_modules(root):
         print(f"warning: {w}", file=sys.stderr)

@@ -74,7 +74,7 @@ def test_tools_unknown_modules_plain_flow_functions_and_shared_names_are_caught(
         "citer/decoding/engine.py: imports mlflow; only citer.tracking, citer.routing.pyfunc, flows may"
         in problems
     )
-    assert "citer/routing/mlp.py: imports prefect; only flows may" in problems
+    assert "citer/routing/mlp.py: imports prefect; only flows, citer.cli.prefect_server may" in problems
     assert "citer/misc.py: module citer.misc is in no layer" in problems
     assert "io.py: one name for 2 modules (citer/ops/io.py, citer/serving/io.py)" in problems
     assert "flows/synth.py: function choose_things is neither a @flow nor a @task" in problems
@@ -123,3 +123,30 @@ def test_the_readme_map_names_the_rooms_as_they_are():
     assert rooms <= set(named), rooms - set(named)
     missing = {f"{r}{m}.py" for r, ms in named.items() for m in ms if not (REPO / r / f"{m}.py").is_file()}
     assert missing == set()
+
+
+def test_a_stage_dep_missing_for_code_it_runs_is_caught_and_written_back(tree):
+    """Rule 6: each stage's deps cover every module its command imports, transitively; ``--deps`` writes them."""
+    shutil.copy2(REPO / "dvc.yaml", tree / "dvc.yaml")
+    assert layout.check(tree) == []
+    text = (tree / "dvc.yaml").read_text(encoding="utf-8")
+    sweep = text.index("\n  sweep:")
+    cut = text[:sweep] + text[sweep:].replace("      - flows/runners.py\n", "", 1)
+    assert cut != text
+    (tree / "dvc.yaml").write_text(cut, encoding="utf-8")
+    assert layout.check(tree) == [
+        "dvc.yaml: stage sweep runs flows/runners.py (imported by flows.sweep_and_promote) but no dep covers it: "
+        "add it or its folder"
+    ]
+    # A lazy import inside a function counts too: a new helper module a stage's code reaches makes it a dep.
+    (tree / "citer" / "data" / "helper.py").write_text("X = 1\n")
+    _append(
+        tree / "citer" / "data" / "synth.py", "\n\ndef _late():\n    from citer.data import helper  # noqa\n"
+    )
+    assert "dvc.yaml: stage synth runs citer/data/helper.py (imported by citer.data.synth)" in "\n".join(
+        layout.check(tree)
+    )
+    assert "sweep" in layout.write_code_deps(tree) and layout.check(tree) == []
+    written = (tree / "dvc.yaml").read_text(encoding="utf-8")
+    assert "      - flows/runners.py\n" in written[written.index("\n  sweep:") :]
+    assert written.count("\n#") == text.count("\n#")  # the comments stay

@@ -31,14 +31,11 @@ def test_mlflow_type_hint_note_is_dropped_and_other_warnings_show():
 def test_a_command_boots_prefects_server_only_without_an_api_url():
     """A stage command boots the temporary server early (while it imports); with a server named (a real one, a test
     harness) there is nothing to boot and nothing is started."""
-    import threading
-
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.common import boot_prefect_server
+    from citer.cli import prefect_server
 
-    before = {t.name for t in threading.enumerate()}
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
-        ready = boot_prefect_server()
-    assert "citer-prefect-boot" not in {t.name for t in threading.enumerate()} - before
-    assert ready() is None
+        ready = prefect_server.boot()
+        assert "proc" not in prefect_server._STATE and "url" not in prefect_server._STATE
+        assert ready(["no_such_module_is_imported"]) is None

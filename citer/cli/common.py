@@ -42,6 +42,8 @@ AllowPairMismatch = Annotated[
 
 
 _OUTPUT = {"json": False}
+# True in the `citer` console command (main()), not in a process that embeds the app (a test's CliRunner)
+_CONSOLE = {"main": False}
 
 
 @app.callback()
@@ -92,6 +94,11 @@ def friendly(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _setup()
         try:
+            flow = getattr(fn, "runs_flow", None)
+            if flow is not None and flow["early"] is not None:  # work for another core, before anything else
+                flow["early"]()
+            if _CONSOLE["main"]:
+                _console_start(flow is not None and not kwargs.get("paths"))
             params = kwargs.get("params")
             if params is not None and (Path(params).exists() or not kwargs.get("paths")):
                 from citer.config import load_params
@@ -103,10 +110,15 @@ def friendly(fn: F) -> F:
                 from citer.project import load_project
 
                 preflight(load_project(params), params)
-            if getattr(fn, "runs_flow", False):  # params are good: boot the server while the imports run
-                from flows.common import boot_prefect_server
+            # params are good and a flow will run (not a quick check of named files): boot its server, import meanwhile
+            # (the console command; a process that embeds the app leaves the server to Prefect, as Prefect does)
+            if flow is not None and not kwargs.get("paths"):
+                from citer.cli.prefect_server import boot, flow_settings
 
-                boot_prefect_server()()
+                if _CONSOLE["main"]:
+                    boot()(flow["preload"])
+                with flow_settings():
+                    return fn(*args, **kwargs)
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
@@ -127,11 +139,35 @@ def friendly(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def runs_flow(fn: F) -> F:
-    """Mark a command that runs a Prefect flow (under :func:`friendly`): its temporary server boots while the command
-    checks its params and imports."""
-    fn.runs_flow = True  # type: ignore[attr-defined]
-    return fn
+def _console_start(runs_flow: bool) -> None:
+    """What the console command starts before its work: under `dvc repro`, the repro's Prefect server (found or
+    started: :func:`citer.cli.prefect_server.join_repro_server`), then the reaper, which takes the command's children
+    with it if the command is SIGKILLed (the shared server is started first so that it is never one of them)."""
+    if runs_flow and os.environ.get("DVC_STAGE"):
+        from citer.cli.prefect_server import join_repro_server
+
+        join_repro_server()
+    from citer.ops.reaper import start_reaper
+
+    start_reaper()
+
+
+def runs_flow(
+    fn: F | None = None,
+    *,
+    preload: tuple[str, ...] = ("mlflow", "torch"),
+    early: Callable[[], Any] | None = None,
+) -> Any:
+    """Mark a command that runs a Prefect flow (under :func:`friendly`): its temporary server
+    (:mod:`citer.cli.prefect_server`) boots once its params are checked, and the modules in ``preload`` are imported
+    while it boots (none when a running server is used: each is imported where it is needed). ``early`` is called
+    first of all (e.g. to start a helper process). ``@runs_flow`` or ``@runs_flow(preload=..., early=...)``."""
+
+    def mark(f: F) -> F:
+        f.runs_flow = {"preload": preload, "early": early}  # type: ignore[attr-defined]
+        return f
+
+    return mark if fn is None else mark(fn)
 
 
 def _interrupted() -> None:

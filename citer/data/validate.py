@@ -15,13 +15,16 @@ do parse go into a DataFrame and through a Great Expectations suite for the form
   (an error: labels cannot run on it and finetuning would cut it).
 
 ``result_format="COMPLETE"`` gives failing DataFrame indexes, mapped back to line numbers. Great Expectations is
-imported lazily (it takes seconds) and its ephemeral context is built once per process. Nothing is logged here: the
-caller logs the returned report (``to_dict``) or writes it with :func:`write_report`.
+imported lazily (it takes seconds) and its ephemeral context is built once per process. A command can have it load
+on another core while it does other work: :func:`start_worker` starts a helper process that imports it at once and
+then runs the suites for this process (same code, same findings). Nothing is logged here: the caller logs the
+returned report (``to_dict``) or writes it with :func:`write_report`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -201,7 +204,102 @@ def _frame(parsed: list[ParsedLine], fmt: Format) -> tuple[Any, dict[str, list[s
     return pd.DataFrame(data), reasons
 
 
+_WORKER_LOCK = threading.Lock()
+_WORKER: dict[str, Any] = {}
+
+
+def start_worker() -> None:
+    """Start importing Great Expectations now, in a helper process that will run this process's suites (the
+    ``citer data validate`` command: the import, 3-5 s, runs on the other core while the command starts Prefect and
+    MLflow and reads the files). Nothing starts when GE is loaded here already or ``CITER_VALIDATE_WORKER=0``. If the
+    worker fails, the suites run in this process, as without it."""
+    import subprocess
+    from multiprocessing.connection import Connection
+
+    with _WORKER_LOCK:
+        if _WORKER or "batch_def" in _GX_STATE or os.environ.get("CITER_VALIDATE_WORKER", "").strip() == "0":
+            return
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        code = "from citer.data.validate import _serve; _serve()"
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(to_r), str(from_w)],
+                pass_fds=(to_r, from_w),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError:
+            os.close(to_w)
+            os.close(from_r)
+            return
+        finally:
+            os.close(to_r)
+            os.close(from_w)
+        _WORKER.update(
+            proc=proc, send=Connection(to_w, readable=False), recv=Connection(from_r, writable=False)
+        )
+    import atexit
+
+    atexit.register(stop_worker)
+
+
+def stop_worker() -> None:
+    with _WORKER_LOCK:
+        if not _WORKER:
+            return
+        for end in ("send", "recv"):
+            _WORKER[end].close()
+        proc = _WORKER["proc"]
+        _WORKER.clear()
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except Exception:  # noqa: BLE001
+        proc.kill()
+
+
+def _serve() -> None:  # pragma: no cover - the worker process (tests/test_cli_startup.py runs it)
+    """The worker: load GE at once, then run each ``_ge_findings_here`` call it is sent until its input closes."""
+    import signal
+    from multiprocessing.connection import Connection
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the command's to handle; it stops this process
+    recv = Connection(int(sys.argv[1]), writable=False)
+    send = Connection(int(sys.argv[2]), readable=False)
+    _gx_batch_definition()
+    while True:
+        try:
+            args = recv.recv()
+        except EOFError:
+            return
+        try:
+            send.send(("ok", _ge_findings_here(*args)))
+        except Exception as exc:  # noqa: BLE001 - the caller runs it again in its own process, where it raises
+            send.send(("error", repr(exc)))
+
+
 def _ge_findings(
+    df: Any,
+    reasons: dict[str, list[str | None]],
+    fmt: Format,
+    max_chars_warning: int,
+    max_bad_row_fraction: float,
+) -> list[Finding]:
+    args = (df, reasons, fmt, max_chars_warning, max_bad_row_fraction)
+    with _WORKER_LOCK:
+        if _WORKER:
+            try:
+                _WORKER["send"].send(args)
+                status, found = _WORKER["recv"].recv()
+                if status == "ok":
+                    return found
+            except (OSError, EOFError):  # the worker is gone: validate here from now on
+                _WORKER["proc"].kill()
+                _WORKER.clear()
+    return _ge_findings_here(*args)
+
+
+def _ge_findings_here(
     df: Any,
     reasons: dict[str, list[str | None]],
     fmt: Format,

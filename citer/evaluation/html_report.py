@@ -110,21 +110,17 @@ def _status(reports: Path, predictions: str | os.PathLike[str] | None) -> str:
 
 
 def _run_line(reports: Path) -> str:
-    """When and from which commit the sweep wrote its reports, and its MLflow run (``provenance.json``)."""
+    """Which params the sweep ran with (their digest, ``provenance.json``). The page is a result file, the same
+    for two runs of the same code: when, where and in which MLflow run are in ``reports/provenance.json``."""
     from citer.tracking.provenance import read
 
     files = read(reports)["files"]
     entry = next((v for k, v in files.items() if Path(k).name == "sweep.json"), None)
     if entry is None:
         return ""
-    run = ""
-    promo = reports / "promotion.json"
-    if promo.is_file():
-        run_id = json.loads(promo.read_text(encoding="utf-8")).get("mlflow_run_id")
-        run = f", MLflow run {_esc(run_id)}" if run_id else ""
     return (
-        f'<p class="run">Sweep run {_esc(entry.get("written_at", "?"))}, commit '
-        f"{_esc(str(entry.get('commit', '?'))[:12])}{run}.</p>"
+        f'<p class="run">Sweep of params {_esc(str(entry.get("params_digest") or "?"))}; the run that wrote it '
+        f"(commit, machine, time, MLflow run): <code>reports/provenance.json</code>.</p>"
     )
 
 

@@ -35,6 +35,14 @@ def write_sweep(
     return Path(path)
 
 
+def sweep_measured(result: Any) -> dict[str, Any]:
+    """The sweep's wall-clock figures by split, one ``[method, tau, {sec_per_token, pass_seconds}]`` per row, in
+    the rows' order: kept in ``reports/provenance.json``'s ``run_facts``, not in the report files."""
+    return {
+        split: [[r.method, r.tau, r.measured()] for r in getattr(result, split)] for split in ("test", "dev")
+    }
+
+
 def read_sweep(path: str | os.PathLike[str]) -> list[SweepRow]:
     """Rows back from sweep.json or sweep_details.json."""
     p = Path(path)

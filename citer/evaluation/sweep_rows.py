@@ -50,7 +50,6 @@ SWEEP_KEYS = (
     "llm_calls",
     "bytes_moved",
     "bytes_moved_rel_llm",
-    "sec_per_token",
     "accuracy_ci",
     "bytes_ci",
     "selected_on_dev",
@@ -59,6 +58,10 @@ SWEEP_KEYS = (
     "bytes_priced_rel_llm",
     "bytes_priced_ci",
 )
+
+
+# Keys of ``SweepRow.extra`` that are wall-clock measurements of the run (see ``SweepRow.sec_per_token``).
+MEASURED_EXTRA = ("pass_seconds",)
 
 
 class SweepError(ValueError):
@@ -80,7 +83,9 @@ class SweepRow:
     llm_calls: int
     bytes_moved: float
     bytes_moved_rel_llm: float
-    sec_per_token: float
+    # Wall-clock seconds per token of the pass that made the row: a fact of the run, not a result. It stays off the
+    # report files (reports/provenance.json's run_facts keeps it, :meth:`measured`) so two runs write them alike.
+    sec_per_token: float = float("nan")
     gpu_sec_per_token: float | None = None
     # 95% paired-bootstrap intervals over the questions (citer.evaluation.intervals); bytes relative to LLM-only.
     accuracy_ci: tuple[float, float] | None = None
@@ -108,14 +113,22 @@ class SweepRow:
         return {k: d[k] for k in SWEEP_KEYS}
 
     def to_details(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field but the wall-clock ones (:meth:`measured`)."""
+        d = asdict(self)
+        del d["sec_per_token"]
+        d["extra"] = {k: v for k, v in self.extra.items() if k not in MEASURED_EXTRA}
+        return d
+
+    def measured(self) -> dict[str, Any]:
+        """The row's wall-clock figures: seconds per token, and the seconds of the pass that made it."""
+        return {"sec_per_token": self.sec_per_token} | {
+            k: self.extra[k] for k in MEASURED_EXTRA if k in self.extra
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SweepRow:
         known = {f for f in cls.__dataclass_fields__}
-        missing = [
-            k for k in SWEEP_KEYS[:8] if k not in d
-        ]  # files written before intervals lack the last two
+        missing = [k for k in SWEEP_KEYS[:7] if k not in d]  # files written before intervals lack the rest
         if missing:
             raise SweepError(f"sweep row: fields {missing} missing")
         return cls(**{k: v for k, v in d.items() if k in known})

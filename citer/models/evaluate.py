@@ -18,8 +18,8 @@ from citer.data.answers import extract_answer, grade
 from citer.data.formats import Format
 from citer.data.prompts import build_prompt
 from citer.decoding.pairing import VocabCut, input_device
-from citer.ops.io import write_json
 from citer.ops.progress import progress
+from citer.tracking.provenance import write_results
 
 
 class EvalError(ValueError):
@@ -160,11 +160,13 @@ def write_models_report(
     llm_acc: float,
     seconds: float,
 ) -> dict[str, Any]:
-    """``reports/models.json``: the pair's sizes and test accuracies (key names are read by other stages)."""
+    """``reports/models.json``: the pair's sizes and test accuracies (key names are read by other stages). The
+    ``seconds`` it took to build the pair are a fact of this run, kept in ``reports/provenance.json``'s
+    ``run_facts`` (:func:`citer.tracking.provenance.write_results`); the full record is returned."""
     report = {
         "slm": {"params": int(slm_params), "test_accuracy": float(slm_acc)},
         "llm": {"params": int(llm_params), "test_accuracy": float(llm_acc)},
         "seconds": float(seconds),
     }
-    write_json(path, report)
+    write_results(path, report, stage="eval_models")
     return report

@@ -6,7 +6,12 @@ wall time. Stage flows stamp every report file they wrote when they finish (:fun
 ``flows.common.locked``); benches stamp their own report with their arguments in place of params. The docs quote only
 files that carry an entry (``tests/test_docs_numbers.py``).
 
-Light on purpose: no MLflow or Prefect, and torch only to name the machine, so ``bench/speed.py`` can use it too.
+What a run measured or was handed that another run of the same code would not reproduce -- seconds, MLflow run ids
+-- lives here too (:func:`record_run_facts`, under ``run_facts``), never in a stage's result files: two runs of the
+same code and params write those byte for byte, so ``dvc.lock``'s output hashes move only when results do.
+
+Light on purpose: no MLflow or Prefect, and torch only where the process loaded it, so ``bench/speed.py`` can use it
+too.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,17 +33,63 @@ from citer.ops.io import file_digest, write_json
 FILE = "provenance.json"
 
 
-def machine() -> dict[str, Any]:
-    """The machine a number was measured on: cores, Python, torch and the accelerator (or ``cpu``)."""
-    import torch
+# The vector extensions that decide which float kernels run (and so the rounding of results): AVX2-only EPYCs, AVX-512
+# EPYCs with bf16 and AMX Xeons compute different bits from the same code.
+VECTOR_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
 
-    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+def cpu_kind() -> str:
+    """The CPU's model name and its kernel-deciding vector extensions (``/proc/cpuinfo``), e.g. ``AMD EPYC (avx2 fma
+    avx512f avx512_vnni avx512_bf16)``: a result file reproduces bit for bit on the same kind."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not flags:
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return f"{model} ({' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector extensions listed'})"
+
+
+def machine() -> dict[str, Any]:
+    """The machine a number was measured on: cores, the CPU kind, Python, torch and the accelerator (or ``cpu``).
+    torch is asked only when the process already loaded it (a stage that never does, ``validate``, ran on the CPU; its
+    version then comes from the package metadata, without the seconds of importing it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            torch_version = version("torch")
+        except PackageNotFoundError:
+            torch_version = "not installed"
+        dev, threads = "cpu", None
+    else:
+        torch_version = torch.__version__
+        dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        threads = torch.get_num_threads()
     return {
         "cores": os.cpu_count(),
+        "cpu": cpu_kind(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch_version,
         "device": dev,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,
     }
 
 
@@ -170,6 +223,51 @@ def record_run(
         "machine": machine(),
     }
     write_json(reports / FILE, data)
+
+
+# The keys of a stage's record that are wall-clock measurements (``seconds``, ``llm_pretrain_seconds``,
+# ``sec_per_token``), not results; projected times (``gpu_sec_per_token``: bytes over bandwidth) are results.
+MEASURED_KEY = re.compile(r"(^|_)seconds$|^sec_per_token$")
+
+
+def split_measured(record: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(results, measured)``: ``record`` without its wall-clock keys (:data:`MEASURED_KEY`, at any depth of nested
+    mappings), and those keys' values by dotted path (``eval.seconds``)."""
+    results: dict[str, Any] = {}
+    measured: dict[str, Any] = {}
+    for k, v in record.items():
+        if MEASURED_KEY.search(str(k)):
+            measured[str(k)] = v
+        elif isinstance(v, Mapping):
+            results[k], inner = split_measured(v)
+            measured |= {f"{k}.{ik}": iv for ik, iv in inner.items()}
+        else:
+            results[k] = v
+    return results, measured
+
+
+def record_run_facts(reports_dir: str | os.PathLike[str], stage: str, facts: Mapping[str, Any]) -> None:
+    """Keep what the latest run of ``stage`` measured or was handed (seconds, MLflow run ids) under ``run_facts``:
+    facts of the run, apart from its results."""
+    reports = Path(reports_dir)
+    reports.mkdir(parents=True, exist_ok=True)
+    data = read(reports)
+    data.setdefault("run_facts", {})[stage] = {
+        "recorded_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **facts,
+    }
+    data["run_facts"] = dict(sorted(data["run_facts"].items()))
+    write_json(reports / FILE, data)
+
+
+def write_results(path: str | os.PathLike[str], record: Mapping[str, Any], *, stage: str) -> dict[str, Any]:
+    """Write a stage's report ``record`` to ``path`` without its wall-clock keys, which go to the stage's
+    ``run_facts`` beside it (``path``'s folder is the reports folder); returns what was written."""
+    results, measured = split_measured(record)
+    write_json(path, results)
+    if measured:
+        record_run_facts(Path(path).parent, stage, measured)
+    return results
 
 
 def mismatches(reports_dir: str | os.PathLike[str], root: str | os.PathLike[str]) -> dict[str, str]:

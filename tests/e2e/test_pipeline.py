@@ -21,7 +21,13 @@ def test_pipeline_end_to_end(prefect_server, project):
 
     rep = project / "reports"
     models = json.loads((rep / "models.json").read_text())
-    assert set(models) == {"slm", "llm", "seconds"}
+    assert set(models) == {"slm", "llm"}
+    # wall-clock figures are facts of the run, kept apart from the result files (which two runs write alike)
+    facts = json.loads((rep / "provenance.json").read_text())["run_facts"]
+    assert facts["bootstrap"]["llm_pretrain_seconds"] > 0 and facts["eval_models"]["seconds"] > 0
+    assert facts["sweep"]["mlflow_run_id"] and facts["sweep"]["rows"]["test"][0][2]["sec_per_token"] > 0
+    for f in ("bootstrap.json", "finetune.json", "models.json", "sweep.json", "sweep_details.json"):
+        assert "seconds" not in (rep / f).read_text().replace("gpu_sec_per_token", ""), f
     assert models["llm"]["params"] > models["slm"]["params"]
     router = json.loads((rep / "router.json").read_text())
     assert [it["iteration"] for it in router["iterations"]] == [1, 2]

@@ -75,24 +75,23 @@ def test_a_browser_renders_the_report(tmp_path):
 
 def test_report_names_the_question_the_promoted_method_and_the_run(tmp_path):
     """The token view shows what was asked; the bold row is the promoted method (not always citer); the page says
-    when, from which commit and in which MLflow run the sweep ran; nothing promoted leads the page."""
+    which params the sweep ran with and where its run is recorded (nothing that differs between two runs of the same
+    code: the page is a result file); nothing promoted leads the page."""
     reports = tmp_path / "reports"
     shutil.copytree(REPO / "reports", reports)
     preds = [dict(PREDS[0], question="Tom has 3 coins and gets 4. How many coins now?")]
     out = tmp_path / "predictions.jsonl"
     out.write_text(json.dumps(preds[0]) + "\n")
     promo = json.loads((reports / "promotion.json").read_text())
-    promo |= {"method": "citer_verify", "promoted": 1, "mlflow_run_id": "0123abcd"}
+    promo |= {"method": "citer_verify", "promoted": 1}
     (reports / "promotion.json").write_text(json.dumps(promo))
     page = build_report(reports, out)
     assert '<p class="question">Tom has 3 coins and gets 4. How many coins now?</p>' in page
     bold = re.findall(r'<tr class="promoted"><td>([a-z_]+)</td>', page)
     assert bold == ["citer_verify"], bold
     sweep_entry = json.loads((reports / "provenance.json").read_text())["files"]["reports/sweep.json"]
-    assert (
-        f"Sweep run {sweep_entry['written_at']}, commit {sweep_entry['commit'][:12]}, MLflow run 0123abcd"
-        in page
-    )
+    assert f"Sweep of params {sweep_entry['params_digest']}; the run that wrote it" in page
+    assert sweep_entry["written_at"] not in page and sweep_entry["commit"][:12] not in page
     assert 'class="status"' not in page
 
     (reports / "promotion.json").write_text(
