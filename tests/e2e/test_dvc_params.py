@@ -147,7 +147,7 @@ def test_dvc_yaml_reads_every_path_from_params():
         for kind in ("deps", "outs", "metrics", "plots"):
             for entry in stage.get(kind, []):
                 path = entry if isinstance(entry, str) else next(iter(entry))
-                assert path.startswith("citer/") or path.startswith("${"), (name, kind, path)
+                assert path.startswith(("citer/", "flows/", "${")), (name, kind, path)  # code, or from params
     assert "iterate" in stages and not any(name.startswith(("labels_iter", "router_iter")) for name in stages)
     for name in ("synth", "bootstrap_models", "finetune_slm"):
         for out in stages[name]["outs"]:
