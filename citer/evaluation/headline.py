@@ -247,13 +247,18 @@ def pipeline_block(reports: Path) -> Block:
     for path, e in prov["files"].items():
         written.setdefault(e["stage"], []).append(Path(path).name)
     written["iterate"] = written.get("router", []) + written.get("labels", [])
+    # provenance.json keeps every stage's latest run: only the runs of the code that wrote the sweep are this run's
+    # (a `citer pipeline` of older code leaves its whole-pipeline time behind when `dvc repro` reruns the stages)
+    commit = runs.get("sweep", {}).get("commit")
+    runs = {k: v for k, v in runs.items() if commit is None or v.get("commit") == commit}
     rows = [[name, f"{runs[name]['wall_s']:.0f} s", ", ".join(sorted(written.get(name, []))) or "–"]
             for name in PIPELINE_STAGES if name in runs]  # fmt: skip
     if "pipeline" in runs:
         rows.append(["**whole pipeline**", f"**{runs['pipeline']['wall_s']:.0f} s**", ""])
-    first = runs.get("pipeline") or next(iter(runs.values()), None)
-    where = (f"commit `{first['commit'][:12]}`, {first['machine']['cores']} cores, torch {first['machine']['torch']}, "
-             f"{first['machine']['device']}" if first else "")  # fmt: skip
+    first = runs.get("pipeline") or runs.get("sweep") or next(iter(runs.values()), None)
+    m = first["machine"] if first else {}
+    where = (f"commit `{first['commit'][:12]}`, {m['cores']} cores, {m.get('cpu', 'CPU not recorded')}, torch "
+             f"{m['torch']}, {m['device']}" if first else "")  # fmt: skip
     return table(
         ["stage", "wall", "reports written"], rows
     ) + f"\n\nFrom `reports/provenance.json` ({where}).", ["provenance.json"]
