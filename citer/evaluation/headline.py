@@ -247,10 +247,10 @@ def pipeline_block(reports: Path) -> Block:
     for path, e in prov["files"].items():
         written.setdefault(e["stage"], []).append(Path(path).name)
     written["iterate"] = written.get("router", []) + written.get("labels", [])
-    # provenance.json keeps every stage's latest run: only the runs of the code that wrote the sweep are this run's
-    # (a `citer pipeline` of older code leaves its whole-pipeline time behind when `dvc repro` reruns the stages)
+    # provenance.json keeps every stage's latest run (what dvc.lock records), and a `citer pipeline`'s whole time: that
+    # one counts only if the same code wrote the sweep (`dvc repro` of newer code leaves an older pipeline's behind)
     commit = runs.get("sweep", {}).get("commit")
-    runs = {k: v for k, v in runs.items() if commit is None or v.get("commit") == commit}
+    runs = {k: v for k, v in runs.items() if k != "pipeline" or commit is None or v.get("commit") == commit}
     rows = [[name, f"{runs[name]['wall_s']:.0f} s", ", ".join(sorted(written.get(name, []))) or "–"]
             for name in PIPELINE_STAGES if name in runs]  # fmt: skip
     if "pipeline" in runs:
