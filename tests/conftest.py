@@ -106,25 +106,12 @@ def pytest_report_header(config):
 
 
 def cpu_vector_extensions() -> str:
-    """This CPU's model and vector extensions (/proc/cpuinfo) and torch's kernel level, for the failure messages of
-    tests whose bf16 results depend on the kernels: e.g. ``AMD EPYC: avx2 fma avx512f avx512_bf16; torch AVX512``."""
-    wanted = (
-        "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-        "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16",
-    )  # fmt: skip
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and model == "unknown CPU":
-                model = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    found = " ".join(f for f in wanted if f in flags) or "no vector extensions listed"
-    return f"{model}: {found}; torch {torch.backends.cpu.get_cpu_capability()}"
+    """This CPU's model and kernel-deciding vector extensions (what provenance records) and torch's kernel level, for
+    the failure messages of tests whose bf16 results depend on the kernels: ``AMD EPYC (avx2 ... avx512_bf16); torch
+    AVX512``."""
+    from citer.tracking.provenance import cpu_kind
+
+    return f"{cpu_kind()}; torch {torch.backends.cpu.get_cpu_capability()}"
 
 
 def make_char_tokenizer():
