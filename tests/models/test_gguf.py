@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_char_tokenizer, make_qwen2
+from conftest import make_qwen2
 
 from citer.models.gguf import bundled_smollm2, check_gguf, is_gguf, supported_tensor_types
 from citer.models.loading import (
@@ -81,8 +81,8 @@ def write_gguf(
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return make_char_tokenizer()
+def tok(char_tokenizer):
+    return char_tokenizer  # the session's tokenizer, under the short name these tests use
 
 
 @pytest.fixture(scope="module")
