@@ -214,7 +214,7 @@ def run_pairs(args: argparse.Namespace) -> int:
 PLAN_DEFAULTS: dict[str, dict[str, float]] = {
     "cuda": {"start_s": 12, "build_gb_per_s": 5.0, "layer_compile_s": 15, "head_compile_s": 6, "whole_compile_s": 45,
              "hf_compile_s": 25, "hf_compile_per_layer_s": 0.5, "capture_s": 0.1, "engine_bw_factor": 1.5,
-             "engine_step_s": 3e-4, "hf_layer_step_s": 9e-4, "hf_compiled_bw_factor": 2.4, "tests_s": 90},
+             "engine_step_s": 3e-4, "hf_layer_step_s": 9e-4, "hf_compiled_bw_factor": 2.4, "tests_s": 125},
     "cpu": {"start_s": 10, "build_gb_per_s": 1.0, "layer_compile_s": 8, "head_compile_s": 4, "whole_compile_s": 55,
             "hf_compile_s": 90, "hf_compile_per_layer_s": 2.0, "capture_s": 0.0, "engine_bw_factor": 1.4,
             "engine_step_s": 1e-3, "hf_layer_step_s": 3e-4, "hf_compiled_bw_factor": 1.5, "tests_s": 0},
@@ -306,6 +306,18 @@ def _measured_constants(dev: str) -> dict[str, Any]:
     return out
 
 
+def _measured_reserve() -> float | None:
+    """Seconds to keep for a compiling warm-up on a GPU: 1.5x the longest such warm-up in the committed GPU report
+    (at least 20 s), or None where it measured none."""
+    path = ROOT / "reports" / "bench_gpu.json"
+    try:
+        rows = json.loads(path.read_text()).get("rows", [])
+    except (OSError, ValueError):
+        return None
+    warm = [r["warmup_s"] for r in rows if r.get("compiles") and r.get("warmup_s")]
+    return max(20.0, 1.5 * max(warm)) if warm else None
+
+
 def print_plan(p: dict[str, Any]) -> None:
     width = max(len(x) for x in p["phases_s"])
     for name, s in p["phases_s"].items():
@@ -358,7 +370,9 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap.add_argument("--dtypes", default="", help="bf16,fp32 (default: bf16 on cuda, both on cpu)")
     ap.add_argument("--batches", type=_ints, default=None, help="default: 1,32 on cuda, 1,8 on cpu")
     ap.add_argument("--fractions", type=_floats, default=[0.1], help="random router LLM probabilities")
-    ap.add_argument("--overlap-fractions", type=_floats, default=[0.1], help="overlap_f{p} rows at batch > 1")
+    ap.add_argument("--overlap-fractions", type=_floats, default=None,
+                    help="overlap_f{p} rows at batch > 1 (default 0.1 on cpu, none on cuda: captured steps do not "
+                    "overlap there, docs/gpu.md)")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=None, help="default: 64 on cuda, 32 on cpu")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per variant")
@@ -406,7 +420,10 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     a.new_tokens = a.new_tokens or (64 if cuda else 32)
     a.alphas = ([0.9] if cuda or a.quick else [0.5, 0.9]) if a.alphas is None else a.alphas
     a.compile_batches = a.compile_batches or a.batches
-    a.compile_reserve = a.compile_reserve if a.compile_reserve is not None else (90 if cuda else 150)
+    if a.overlap_fractions is None:
+        a.overlap_fractions = [] if cuda else [0.1]
+    if a.compile_reserve is None:
+        a.compile_reserve = (_measured_reserve() or 90.0) if cuda else 150.0
     a.engine_eager = (not cuda) if a.engine_eager is None else a.engine_eager
     a.compile = not a.quick if a.compile is None else a.compile
     if a.quick:

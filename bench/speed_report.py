@@ -400,6 +400,8 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
                     s[f"b{b}_best_routed_f0.1_ratio_to_ideal"] = top["ratio_to_ideal"]
             elif routed and missing:
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = f"baseline missing: {', '.join(missing)}"
+            elif not routed and settings.get("fractions"):
+                s[f"b{b}_routed_f0.1_over_best_llm_only"] = "routed rows missing: none measured at this batch"
             eng = [r for r in at if r["variant"] == "engine_llm" and "ratio_to_bw" in r]
             if eng:
                 fast = min(eng, key=lambda r: r["ratio_to_bw"])
@@ -426,7 +428,10 @@ def recompute(files: list[str], stat: str, out: str) -> dict[str, Any]:
             k: r.get(k) for k in ("device", "host", "citer", "torch", "transformers", "settings", "elapsed_s")
         }
         merged["runs"].append({"file": Path(f).name, **run})
+        for row in r["rows"]:  # a batch measured by two runs keeps both rows, each naming its run
+            row.setdefault("run", Path(f).name)
         if r is reports[0]:
+            merged["rows"] = r["rows"]
             continue
         if r["device"].get("name") != merged["device"].get("name"):
             raise SystemExit(
