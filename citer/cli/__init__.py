@@ -410,11 +410,11 @@ def report_docs(
         bool, typer.Option(help="change nothing; exit 1 if a block differs from its reports")
     ] = False,
 ) -> None:
-    """Re-render the measured tables in README.md and docs/results.md from the report files."""
+    """Re-render the measured tables in README.md, docs/results.md and docs/gpu.md from the report files."""
     from citer.evaluation.headline import blocks_in, render_blocks, rewrite
 
     stale = []
-    for doc in docs or [Path("README.md"), Path("docs/results.md")]:
+    for doc in docs or [Path("README.md"), Path("docs/results.md"), Path("docs/gpu.md")]:
         if check:
             held = blocks_in(doc.read_text(encoding="utf-8"))
             fresh = render_blocks(reports, list(held))

@@ -275,8 +275,15 @@ def speed_block(reports: Path, name: str = "bench_cpu.json") -> Block:
             "reps"]  # fmt: skip
     found = [f"- {pair} `{k}`: {v:.2f}" if isinstance(v, float) else f"- {pair} `{k}`: {v}"
              for pair, t in r["targets"].items() for k, v in t.items()]  # fmt: skip
+    runs = {x.get("run") for x in r["rows"] if "tokens_per_s" in x}
+    if len(runs) > 1:  # merged runs (one process per pair and batch): a batch two runs measured shows both
+        head.append("run")
+        for row, x in zip(rows, [x for x in r["rows"] if "tokens_per_s" in x], strict=True):
+            row.append(str(x.get("run", "")))
     host = r.get("host", {})
-    where = (f"{r['device']['name']}, bandwidth limit {r['bandwidth']['limit_bytes_per_s'] / 1e9:.1f} GB/s measured in the run, "
+    source = r["bandwidth"].get("source", "")
+    source = "measured in the run" if source.startswith("measured") else source
+    where = (f"{r['device']['name']}, bandwidth limit {r['bandwidth']['limit_bytes_per_s'] / 1e9:.1f} GB/s {source}, "
              f"torch {r.get('torch')}, {r.get('stat', 'median')} of the reps, other processes' share of the cores during the run {host.get('others_cpu_share')}")  # fmt: skip
     return table(head, rows) + "\n\nTargets:\n" + "\n".join(
         found
@@ -348,6 +355,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "stability": stability_block,
     "speed_cpu": speed_block,
     "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),
+    "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
