@@ -1,0 +1,153 @@
+"""Where routing's ceiling falls with the batch, measured on this machine: ``python bench/roofline.py``.
+
+CITER's LLM must read every token of a row before it writes one (its prompt at the row's first routed token, then a
+catch-up over the SLM's tokens since its last call), so a routed pair spends, beyond the SLM's decoding, the LLM's
+compute for every prompt and generated token. LLM-only decoding spends the same prompt compute plus one weight pass
+per step. At batch 1 the passes dominate and routing saves most of them; as the batch grows a step's weight pass is
+shared by more rows, the prompts' compute grows with the batch, and the ratio that routing can reach falls.
+
+Per batch, one process, the engines built as ``citer route`` builds them (the ``engine:`` block of ``params.yaml``,
+no fixed-shape steps) at the speed bench's real shapes with random weights (``bench/speed_report.py``):
+
+- ``llm_s`` / ``slm_s`` / ``routed_s``: ``generate_batch(prompts, n)`` wall seconds (routed: a random router sending
+  a fraction ``f`` of the tokens to the LLM; the median of ``--reps`` after one warm-up);
+- ``llm_prefill_s`` / ``slm_prefill_s``: ``generate_batch(prompts, 1)``: the prompts' prefill and one step;
+- ``llm_tokens_per_s_prefill``: b x prompt / ``llm_prefill_s``: the LLM's rate over many tokens at once, the fastest
+  it reads tokens on this machine (catch-ups read fewer at a time, so no faster);
+- ``ceiling``: ``llm_s`` / (``slm_s`` + (prompt + catch-up tokens the routed run's LLM read) /
+  ``llm_tokens_per_s_prefill``): the most a routing that sends these tokens to the LLM can gain at this batch,
+  prompt and length, however it schedules its calls (its decoding is the SLM's, the LLM's part only the compute
+  it cannot skip);
+- ``decode_ceiling``: the same without either side's prompt, what long generations approach;
+- ``measured``: ``llm_s`` / ``routed_s``.
+
+Writes ``reports/bench_roofline.json`` (``--out``), stamped in ``reports/provenance.json``; docs/results.md renders it
+(``citer report docs``). Say whether the machine was quiet: ``others_cpu_share`` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from speed_report import build_pair, cpu_times, others_cpu_share  # noqa: E402
+
+from citer.decoding.baselines import AlwaysSLM, RandomRouter  # noqa: E402
+from citer.decoding.engine import RoutedEngine  # noqa: E402
+from citer.ops.io import write_text  # noqa: E402
+from citer.tracking.provenance import cpu_kind  # noqa: E402
+
+ENGINE_KEYS = ("llm_min_rows", "llm_max_wait_steps", "compile_forward", "overlap")
+
+
+def engine_params(path: Path) -> dict[str, Any]:
+    """The ``engine:`` block of ``params.yaml``, the keys ``RoutedEngine`` takes (as ``citer route`` passes them)."""
+    block = yaml.safe_load(path.read_text(encoding="utf-8")).get("engine") or {}
+    return {k: block[k] for k in ENGINE_KEYS if k in block}
+
+
+def timed(fn: Any, reps: int) -> tuple[float, Any]:
+    """The median wall seconds of ``reps`` calls after one warm-up, and the last call's result."""
+    fn()
+    secs, out = [], None
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        secs.append(time.perf_counter() - t)
+    return statistics.median(secs), out
+
+
+def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, reps: int,
+                  engine_kw: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    kw = {"vocab_size": pair.vocab, **engine_kw}
+    llm = RoutedEngine(pair.llm, None, AlwaysSLM(), **kw)
+    slm = RoutedEngine(pair.slm, None, AlwaysSLM(), **kw)
+    routed = RoutedEngine(pair.slm, pair.llm, RandomRouter(f, seed=0), tau=0.5, **kw)
+    row: dict[str, Any] = {"batch": batch}
+    for name, eng in (("llm", llm), ("slm", slm)):
+        row[f"{name}_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, new), reps)
+        row[f"{name}_prefill_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, 1), reps)
+    row["routed_s"], out = timed(lambda: routed.generate_batch(prompts, new), reps)
+    stats = out.batch
+    row["routed_llm_fraction"] = stats.llm_fraction
+    row["routed_llm_calls_per_step"] = stats.llm_calls_per_step
+    row["routed_llm_prompt_tokens"] = stats.llm_prompt_tokens
+    row["routed_llm_catchup_tokens"] = stats.llm_catchup_tokens
+    rate = batch * prompt_len / row["llm_prefill_s"]
+    row["llm_tokens_per_s_prefill"] = rate
+    # The LLM's compute over the tokens this routing made it read, at its fastest rate.
+    prompt_s, catch_up_s = stats.llm_prompt_tokens / rate, stats.llm_catchup_tokens / rate
+    row["llm_step_s"] = (row["llm_s"] - row["llm_prefill_s"]) / max(new - 1, 1)
+    row["slm_step_s"] = (row["slm_s"] - row["slm_prefill_s"]) / max(new - 1, 1)
+    row["ceiling"] = row["llm_s"] / (row["slm_s"] + prompt_s + catch_up_s)
+    row["decode_ceiling"] = (row["llm_s"] - row["llm_prefill_s"]) / (
+        row["slm_s"] - row["slm_prefill_s"] + catch_up_s
+    )
+    row["llm_prefill_share"] = row["llm_prefill_s"] / row["llm_s"]
+    row["measured"] = row["llm_s"] / row["routed_s"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="smollm2")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--fraction", type=float, default=0.1)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_roofline.json"))
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    start, t0 = cpu_times(), time.perf_counter()
+    engine_kw = engine_params(Path(a.params))
+    pair = build_pair(a.pair, "cpu", a.dtype)
+    rows = []
+    for b in [int(x) for x in a.batches.split(",") if x]:
+        rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, engine_kw))
+        r = rows[-1]
+        print(f"b{b}: llm {r['llm_s']:.2f} s (prefill {r['llm_prefill_share']:.0%}), slm {r['slm_s']:.2f} s, routed "
+              f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, decode-only "
+              f"ceiling {r['decode_ceiling']:.2f}x", flush=True)  # fmt: skip
+    report = {
+        "bench": "roofline",
+        "cpu": cpu_kind(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "pair": a.pair,
+        "dtype": a.dtype,
+        "prompt_len": a.prompt_len,
+        "new_tokens": a.new_tokens,
+        "fraction": a.fraction,
+        "reps": a.reps,
+        "engine": engine_kw,
+        "rows": rows,
+        "others_cpu_share": others_cpu_share(start, cpu_times()),
+    }
+    write_text(a.out, json.dumps(report, indent=1) + "\n")
+    if Path(a.out).resolve().parent == ROOT / "reports":
+        from citer.tracking.provenance import stamp_bench
+
+        stamp_bench(a.out, "roofline", a, time.perf_counter() - t0)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
