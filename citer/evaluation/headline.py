@@ -322,6 +322,21 @@ def serving_block(reports: Path) -> Block:
     ]
 
 
+def roofline_block(reports: Path) -> Block:
+    """bench/roofline.py: per batch, the ceiling the LLM's unskippable compute puts on routing, beside the measured."""
+    r = _load(reports, "bench_roofline.json")
+    rows = [[str(x["batch"]), f"{x['llm_s']:.2f} s", f"{x['llm_prefill_share']:.0%}", f"{x['slm_s']:.2f} s",
+             f"{x['routed_s']:.2f} s", f"{x['routed_llm_prompt_tokens'] + x['routed_llm_catchup_tokens']}",
+             f"{x['llm_tokens_per_s_prefill']:.0f}", f"{x['measured']:.2f}×", f"{x['ceiling']:.2f}×",
+             f"{x['decode_ceiling']:.2f}×"] for x in r["rows"]]  # fmt: skip
+    head = ["batch", "LLM alone", "its prompt share", "SLM alone", "routed", "tokens the LLM read",
+            "LLM tokens/s (prompt)", "measured", "ceiling", "ceiling without prompts"]  # fmt: skip
+    note = (f"{r['pair']} shapes, {r['dtype']}, prompt {r['prompt_len']}, {r['new_tokens']} new tokens, f = "
+            f"{r['fraction']}, engine {r['engine']}, median of {r['reps']}; {r['cpu']}, {r['threads']} threads, "
+            f"torch {r['torch']}, other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
+    return table(head, rows) + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
+
+
 LOAD_STAGES = ("bootstrap", "finetune", "iterate", "sweep")  # the costly ones, in pipeline order
 QUIET_BOUND_S = 480.0  # the newcomer's bound: the default run within 8 minutes on 2 quiet cores
 
@@ -356,6 +371,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "speed_cpu": speed_block,
     "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
+    "roofline": roofline_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
