@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,18 +43,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed_report import build_pair, cpu_times, others_cpu_share  # noqa: E402
 
+from citer.config import load_params  # noqa: E402
+from citer.config.serving import EngineParams  # noqa: E402
 from citer.decoding.baselines import AlwaysSLM, RandomRouter  # noqa: E402
-from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.ops.io import write_text  # noqa: E402
+from citer.serving.champion import route_engine  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
-ENGINE_KEYS = ("llm_min_rows", "llm_max_wait_steps", "compile_forward", "overlap")
 
-
-def engine_params(path: Path) -> dict[str, Any]:
-    """The ``engine:`` block of ``params.yaml``, the keys ``RoutedEngine`` takes (as ``citer route`` passes them)."""
-    block = yaml.safe_load(path.read_text(encoding="utf-8")).get("engine") or {}
-    return {k: block[k] for k in ENGINE_KEYS if k in block}
+def engine_block(path: Path) -> EngineParams:
+    """The ``engine:`` block of ``path`` (a ``params.yaml``), validated as ``citer route`` reads it."""
+    return load_params(path).engine
 
 
 def timed(fn: Any, reps: int) -> tuple[float, Any]:
@@ -69,16 +67,26 @@ def timed(fn: Any, reps: int) -> tuple[float, Any]:
     return statistics.median(secs), out
 
 
+def engines(pair: Any, f: float, block: EngineParams) -> dict[str, Any]:
+    """LLM alone, SLM alone and the routed pair (a random router sending a fraction ``f`` of tokens to the LLM),
+    each built by :func:`~citer.serving.champion.route_engine` with the params' engine block."""
+    v = pair.vocab
+    return {
+        "llm": route_engine(pair.llm, None, AlwaysSLM(), 0.5, block, vocab_size=v),
+        "slm": route_engine(pair.slm, None, AlwaysSLM(), 0.5, block, vocab_size=v),
+        "routed": route_engine(pair.slm, pair.llm, RandomRouter(f, seed=0), 0.5, block, vocab_size=v),
+    }
+
+
 def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, reps: int,
-                  engine_kw: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                  block: EngineParams) -> dict[str, Any]:  # fmt: skip
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    kw = {"vocab_size": pair.vocab, **engine_kw}
-    llm = RoutedEngine(pair.llm, None, AlwaysSLM(), **kw)
-    slm = RoutedEngine(pair.slm, None, AlwaysSLM(), **kw)
-    routed = RoutedEngine(pair.slm, pair.llm, RandomRouter(f, seed=0), tau=0.5, **kw)
+    built = engines(pair, f, block)
+    routed = built["routed"]
     row: dict[str, Any] = {"batch": batch}
-    for name, eng in (("llm", llm), ("slm", slm)):
+    for name in ("llm", "slm"):
+        eng = built[name]
         row[f"{name}_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, new), reps)
         row[f"{name}_prefill_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, 1), reps)
     row["routed_s"], out = timed(lambda: routed.generate_batch(prompts, new), reps)
@@ -116,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     start, t0 = cpu_times(), time.perf_counter()
-    engine_kw = engine_params(Path(a.params))
+    block = engine_block(Path(a.params))
     pair = build_pair(a.pair, "cpu", a.dtype)
     rows = []
     for b in [int(x) for x in a.batches.split(",") if x]:
-        rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, engine_kw))
+        rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, block))
         r = rows[-1]
         print(f"b{b}: llm {r['llm_s']:.2f} s (prefill {r['llm_prefill_share']:.0%}), slm {r['slm_s']:.2f} s, routed "
               f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, decode-only "
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": a.new_tokens,
         "fraction": a.fraction,
         "reps": a.reps,
-        "engine": engine_kw,
+        "engine": block.model_dump(),
         "rows": rows,
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }

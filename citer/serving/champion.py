@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+from citer.config.serving import EngineParams
 from citer.decoding.engine import RoutedEngine
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
@@ -42,6 +43,35 @@ def load_champion(
         return build_champion(proj, deployment)
 
 
+def route_engine(
+    slm: Any,
+    llm: Any,
+    router: Any,
+    tau: float,
+    engine: EngineParams,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    vocab_size: int | None = None,
+    **verify: Any,
+) -> RoutedEngine:
+    """The routed engine as ``citer route`` and ``citer serve`` run it: the params' ``engine:`` block on the pair;
+    ``bench/roofline.py`` builds its engines here too, so what it measures is what they run."""
+    return RoutedEngine(
+        slm,
+        llm,
+        router,
+        tau=tau,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        vocab_size=vocab_size,
+        llm_min_rows=engine.llm_min_rows,
+        llm_max_wait_steps=engine.llm_max_wait_steps,
+        compile_forward=engine.compile_forward,
+        overlap=engine.overlap,
+        **verify,
+    )
+
+
 def build_champion(proj: Project, deployment: Deployment) -> Champion:
     """The engine of a champion :func:`~citer.tracking.deployed.open_champion` resolved: its pair, router and τ."""
     from citer.routing.mlp import load_router
@@ -59,18 +89,8 @@ def build_champion(proj: Project, deployment: Deployment) -> Champion:
             f"hidden size {slm.config.hidden_size}"
         )
     router = router.to(slm.device).eval()
-    engine = RoutedEngine(
-        slm,
-        llm,
-        router,
-        tau=tau,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        llm_min_rows=params.engine.llm_min_rows,
-        llm_max_wait_steps=params.engine.llm_max_wait_steps,
-        compile_forward=params.engine.compile_forward,
-        overlap=params.engine.overlap,
-        **rv.verify_kwargs,
+    engine = route_engine(
+        slm, llm, router, tau, params.engine, tok.eos_token_id, tok.pad_token_id, **rv.verify_kwargs
     )
     info = {
         "router": f"{rv.name}/{rv.version}",

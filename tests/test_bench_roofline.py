@@ -1,0 +1,67 @@
+"""bench/roofline.py at tiny shapes: its engines are ``citer route``'s (the params' engine block through
+``route_engine``), and its ceiling is the one its docstring defines, recomputed from the row's own measurements."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+from citer.config import load_params
+
+
+@pytest.fixture(scope="module")
+def roofline():
+    spec = importlib.util.spec_from_file_location("bench_roofline", REPO / "bench" / "roofline.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _params(tmp_path, **engine):
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    raw["engine"] = {**raw["engine"], **engine}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    return path
+
+
+def test_the_bench_builds_its_engines_as_citer_route_does(roofline, tmp_path):
+    """A changed engine block reaches every engine the bench times, exactly as ``route_engine`` (what ``citer route``
+    and ``citer serve`` call) builds it from the same block."""
+    from speed_report import build_pair
+
+    from citer.decoding.baselines import RandomRouter
+    from citer.serving.champion import route_engine
+
+    path = _params(tmp_path, llm_min_rows=3, llm_max_wait_steps=2)
+    block = roofline.engine_block(path)
+    assert block == load_params(path).engine
+    pair = build_pair("tiny", "cpu", "fp32")
+    built = roofline.engines(pair, 0.2, block)
+    route = route_engine(pair.slm, pair.llm, RandomRouter(0.2, seed=0), 0.5, block, vocab_size=pair.vocab)
+    keys = ("llm_min_rows", "llm_max_wait_steps", "overlap", "static_steps", "tau", "vocab_size")
+    for eng in built.values():
+        assert (eng.llm_min_rows, eng.llm_max_wait_steps) == (3, 2)
+    assert {k: getattr(built["routed"], k) for k in keys} == {k: getattr(route, k) for k in keys}
+
+
+def test_the_report_holds_its_ceiling_by_its_definition(roofline, tmp_path):
+    out = tmp_path / "roofline.json"
+    args = ["--pair", "tiny", "--dtype", "fp32", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "6",
+            "--fraction", "0.5", "--reps", "1", "--out", str(out)]  # fmt: skip
+    assert roofline.main(args) == 0
+    rep = json.loads(out.read_text())
+    assert [r["batch"] for r in rep["rows"]] == [1, 2] and rep["engine"]["llm_min_rows"] == 1
+    for r in rep["rows"]:
+        rate = r["batch"] * 8 / r["llm_prefill_s"]
+        read = (r["routed_llm_prompt_tokens"] + r["routed_llm_catchup_tokens"]) / rate
+        assert r["routed_llm_prompt_tokens"] > 0  # half the tokens go to the LLM: every row's prompt is read
+        assert r["ceiling"] == pytest.approx(r["llm_s"] / (r["slm_s"] + read))
+        assert r["measured"] == pytest.approx(r["llm_s"] / r["routed_s"])
