@@ -244,12 +244,16 @@ class SweepPasses:
 
     @classmethod
     @contextlib.contextmanager
-    def local_processes(cls, rt: RuntimeParams) -> Iterator[SweepPasses]:
+    def local_processes(cls, rt: RuntimeParams, *models: Any) -> Iterator[SweepPasses]:
         """The passes on ``runtime.workers`` processes of one thread when the local runner would use threads in a
-        one-thread stage (:func:`citer.ops.threads.job_processes`), else as :class:`SweepPasses` maps them."""
+        one-thread stage (:func:`citer.ops.threads.job_processes`), else as :class:`SweepPasses` maps them. Never
+        where one of ``models`` (the pair the bench sends) is off the CPU: a worker process would be sent its CUDA
+        tensors (each worker a CUDA context of its own, the weights copied through IPC) for a pair small enough to
+        decode in one thread; its passes run in this process instead."""
+        on_cpu = all(next(m.parameters()).device.type == "cpu" for m in models if m is not None)
         n = (
             job_processes(rt.workers, rt.n_shards, torch.get_num_threads())
-            if rt.task_runner == "local"
+            if rt.task_runner == "local" and on_cpu
             else 0
         )
         if n <= 1:

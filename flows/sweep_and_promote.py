@@ -117,7 +117,7 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
     routers, rmeta = sweep_routers(proj, slm, len(tok), pair)
     champion = find_champion(proj, slm, pair)
     logger.info(champion.note)
-    with SweepPasses.local_processes(p.runtime) as passes:
+    with SweepPasses.local_processes(p.runtime, slm, llm) as passes:
         result = run_sweep(
             slm,
             llm,

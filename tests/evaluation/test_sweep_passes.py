@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -123,6 +124,13 @@ def test_two_worker_processes_give_the_rows_of_one(tiny_pair):
             with SweepPasses.local_processes(rt) as passes:
                 assert (passes.pool is not None) == (pooled and usable_cores() > 1)
         with SweepPasses.local_processes(rt.model_copy(update={"workers": 1})) as passes:
+            assert passes.pool is None
+        # A pair off the CPU (here the meta device stands in for CUDA) is never pickled into worker processes.
+        torch.set_num_threads(1)
+        slm, llm = tiny_pair[0], tiny_pair[1]
+        with SweepPasses.local_processes(rt, slm, llm) as passes:
+            assert (passes.pool is not None) == (usable_cores() > 1)
+        with SweepPasses.local_processes(rt, slm, copy.deepcopy(llm).to("meta")) as passes:
             assert passes.pool is None
     finally:
         torch.set_num_threads(before)
