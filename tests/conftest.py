@@ -33,6 +33,19 @@ needs_shared_data = pytest.mark.skipif(
 )
 
 
+def bench_module(name: str) -> Any:
+    """``bench/<name>.py`` imported as ``bench_<name>`` (the bench scripts are files, not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _on_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 

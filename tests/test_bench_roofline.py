@@ -3,25 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, bench_module
 
 from citer.config import load_params
 
 
 @pytest.fixture(scope="module")
 def roofline():
-    spec = importlib.util.spec_from_file_location("bench_roofline", REPO / "bench" / "roofline.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("roofline")
 
 
 def _params(tmp_path, **engine):

@@ -5,7 +5,6 @@ raw reps, and the plan of the one-shot GPU script."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,19 +13,14 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, bench_module
 
 from citer.decoding.engine import RoutedEngine
 
 
 @pytest.fixture(scope="module")
 def speed():
-    spec = importlib.util.spec_from_file_location("bench_speed", REPO / "bench" / "speed.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("speed")
 
 
 TINY = [
