@@ -184,6 +184,35 @@ _GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_att
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
 
 
+def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """A q or k projection's rows reordered as llama.cpp's ``convert_hf_to_gguf.py`` does for Llama models (its
+    RoPE rotates adjacent pairs, HF's the two halves of each head); ``n_head``: the projection's heads."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_arrays(model: Any) -> dict[str, Any]:
+    """A Llama-architecture HF model's tensors under their GGUF names, as llama.cpp's converter writes them (q/k rows
+    permuted, a tied head left out); numpy arrays, bf16 as its bits (uint16: numpy has no bf16)."""
+    c = model.config
+    out = {}
+    for k, t in model.state_dict().items():
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if k.startswith("model.layers."):
+            parts = k.split(".")
+            part = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{_GGUF[part]}.weight"
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if part == "self_attn.q_proj" else c.num_key_value_heads
+                t = llama_cpp_permute(t, heads)
+        else:
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]  # fmt: skip
+        t = t.contiguous()
+        out[name] = t.view(torch.int16).numpy().view("uint16") if t.dtype is torch.bfloat16 else t.numpy()
+    return out
+
+
 def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -> Variant:
     """A peer decoding one model of the pair alone in an environment of its own (``bench/speed.py peer``), from the
     same random weights: llama.cpp (``--llama-cpp-python``; the weights as ``.npy`` files it writes into a GGUF file)
@@ -204,21 +233,8 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
             if peer == "vllm":
                 model.save_pretrained(out / "hf")
             else:
-                for k, t in model.state_dict().items():
-                    if k == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue
-                    if k.startswith("model.layers."):
-                        parts = k.split(".")
-                        name = f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:-1])]}.weight"
-                    else:
-                        name = {"model.embed_tokens.weight": "token_embd.weight",
-                                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]  # fmt: skip
-                    # numpy has no bf16: its bits, as uint16
-                    t, bf16 = t.contiguous(), t.dtype is torch.bfloat16
-                    np.save(
-                        out / f"{name}.npy",
-                        t.view(torch.int16).numpy().view(np.uint16) if bf16 else t.numpy(),
-                    )
+                for name, arr in gguf_arrays(model).items():
+                    np.save(out / f"{name}.npy", arr)
             c = model.config
             cfg = dict(dtype=models.dtype, dtype_name=str(model.dtype).removeprefix("torch."), batch=batch,
                        hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,

@@ -243,3 +243,32 @@ def test_the_cpu_run_compiles_each_kind_once_with_inductor(speed, tmp_path):
     assert (
         rows[1, "routed_f0.5"]["llm_calls"] > 1
     )  # the first catch-up prefills the prompt eagerly, later ones are steps
+
+
+def test_the_gguf_files_for_llama_cpp_are_the_model_transformers_reads_back(speed, tmp_path):
+    """The peer's GGUF file holds the model as llama.cpp's own converter writes it (q/k rows permuted for its RoPE):
+    transformers, which undoes that permutation when it reads a GGUF file, gets the same logits back."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.speed_measure import gguf_arrays
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    for name, arr in gguf_arrays(model).items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "vocab_size", "max_position_embeddings")  # fmt: skip
+    peer_cfg = {k: getattr(cfg, k) for k in keys} | {
+        "dtype": "fp32",
+        "rope_theta": cfg.rope_parameters["rope_theta"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(peer_cfg))
+    speed.write_gguf(tmp_path, tmp_path / "model.gguf")
+    back = LlamaForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf", dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
