@@ -16,8 +16,8 @@ ratio from the raw reps. ``--tiny``: tiny models, the fixed-shape steps traced (
 
 Peers in environments of their own (``--llama-cpp-python``, ``--vllm-python``) run this file with that environment's
 Python, ``PYTHON bench/speed.py peer {llama_cpp,vllm} DIR`` (only the standard library is imported before), from the
-same random weights: llama.cpp from a GGUF file written here (q and k not permuted to its rotary layout: with random
-weights the work per token is the same), vLLM's CPU backend from an HF directory. Each prints one JSON line.
+same random weights: llama.cpp from a GGUF file written here (the tensors as llama.cpp's converter writes them,
+``speed_measure.gguf_arrays``), vLLM's CPU backend from an HF directory. Each prints one JSON line.
 """
 
 from __future__ import annotations
