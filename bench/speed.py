@@ -214,7 +214,7 @@ def run_pairs(args: argparse.Namespace) -> int:
 PLAN_DEFAULTS: dict[str, dict[str, float]] = {
     "cuda": {"start_s": 12, "build_gb_per_s": 5.0, "layer_compile_s": 15, "head_compile_s": 6, "whole_compile_s": 45,
              "hf_compile_s": 25, "hf_compile_per_layer_s": 0.5, "capture_s": 0.1, "engine_bw_factor": 1.5,
-             "engine_step_s": 3e-4, "hf_layer_step_s": 9e-4, "hf_compiled_bw_factor": 2.4, "tests_s": 125},
+             "engine_step_s": 3e-4, "hf_layer_step_s": 9e-4, "hf_compiled_bw_factor": 2.4, "tests_s": 130},
     "cpu": {"start_s": 10, "build_gb_per_s": 1.0, "layer_compile_s": 8, "head_compile_s": 4, "whole_compile_s": 55,
             "hf_compile_s": 90, "hf_compile_per_layer_s": 2.0, "capture_s": 0.0, "engine_bw_factor": 1.4,
             "engine_step_s": 1e-3, "hf_layer_step_s": 3e-4, "hf_compiled_bw_factor": 1.5, "tests_s": 0},

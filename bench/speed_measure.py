@@ -126,10 +126,10 @@ def variants(
     if a.vllm_python:
         base.append(_peer(run, models, "llm", "vllm", batch))
 
-    rest = [engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm")]
-    for p in a.fractions:
-        e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw)
-        rest.append(engine(f"routed_f{p:g}", e, p))
+    # Routed first: where a run's budget ends among these warm-ups, the row its target reads is measured already.
+    rest = [engine(f"routed_f{p:g}", RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw), p)
+            for p in a.fractions]  # fmt: skip
+    rest.append(engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm"))
     if batch > 1:
         rows = min(a.min_rows or max(2, batch // 4), batch)  # --min-rows, or a quarter of the batch
         share = {"llm_min_rows": rows, "llm_max_wait_steps": a.max_wait_steps}
