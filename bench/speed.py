@@ -282,15 +282,20 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "estimated_device_s": round(total, 1), "time_budget_s": args.time_budget, "source": k.get("source", "defaults")}  # fmt: skip
 
 
-def _measured_constants(dev: str) -> dict[str, Any]:
-    """Per-piece compile seconds from the last committed report of this device kind, when it recorded them."""
+def _committed_rows(dev: str) -> tuple[Path, list[dict[str, Any]]]:
+    """The committed report of this device kind (``cuda`` or ``cpu``) and its rows (none where it is absent)."""
     path = ROOT / "reports" / ("bench_gpu.json" if dev == "cuda" else "bench_cpu.json")
     try:
-        rep = json.loads(path.read_text())
+        return path, json.loads(path.read_text()).get("rows", [])
     except (OSError, ValueError):
-        return {}
+        return path, []
+
+
+def _measured_constants(dev: str) -> dict[str, Any]:
+    """Per-piece compile seconds from the last committed report of this device kind, when it recorded them."""
+    path, rows = _committed_rows(dev)
     per = {"graphs": [], "aot_eager": [], "default": []}  # seconds per compile, by --static-steps
-    for r in rep.get("rows", []):
+    for r in rows:
         for m in ("slm", "llm"):
             if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") in per:
                 per[r["static_steps"]].append(r[f"{m}_compile_s"] / r[f"{m}_compiles"])
@@ -309,12 +314,7 @@ def _measured_constants(dev: str) -> dict[str, Any]:
 def _measured_reserve() -> float | None:
     """Seconds to keep for a compiling warm-up on a GPU: 1.5x the longest such warm-up in the committed GPU report
     (at least 20 s), or None where it measured none."""
-    path = ROOT / "reports" / "bench_gpu.json"
-    try:
-        rows = json.loads(path.read_text()).get("rows", [])
-    except (OSError, ValueError):
-        return None
-    warm = [r["warmup_s"] for r in rows if r.get("compiles") and r.get("warmup_s")]
+    warm = [r["warmup_s"] for r in _committed_rows("cuda")[1] if r.get("compiles") and r.get("warmup_s")]
     return max(20.0, 1.5 * max(warm)) if warm else None
 
 
