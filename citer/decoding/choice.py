@@ -1,61 +1,22 @@
-"""A step's decisions: the router's scores and hard flags, tokens chosen from a batch of next-token logits whose rows
-may each sample differently, and their log-probs.
+"""Tokens chosen from a batch of next-token logits whose rows may each sample differently, their log-probs, and the
+step's one read back to the host (the routing rule itself: :mod:`citer.decoding.decide`).
 
 Shapes: k = rows, V = the model's (possibly padded) vocabulary; logits are cut to the shared vocabulary first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from citer.decoding.decide import Sampling
 from citer.decoding.pairing import cut_logits
 from citer.decoding.sampling import select_tokens
 
-Sampling = tuple[float, float, int]  # temperature, top_p, seed
 TopLogprobs = tuple[
     float, list[tuple[int, float]]
 ]  # the chosen token's log-prob, the k likeliest (token, log-prob)
-
-
-def router_scores(
-    router: Callable[..., torch.Tensor],
-    takes_rows: bool,
-    hidden: torch.Tensor,
-    rid: torch.Tensor,
-    steps: torch.Tensor,
-) -> torch.Tensor:
-    """The router's scores (b,) for hidden (b, H); ``takes_rows``: the router keys its draw on ``row_ids``/``steps``
-    (b,) (a random router), moved to the hidden state's device."""
-    if takes_rows:
-        dev = hidden.device
-        scores = router(hidden.float(), row_ids=rid.to(dev), steps=steps.to(dev))
-    else:
-        scores = router(hidden.float())
-    scores = scores.reshape(-1)
-    if scores.shape[0] != hidden.shape[0]:
-        raise ValueError(f"router returned {tuple(scores.shape)} scores for {hidden.shape[0]} rows")
-    return scores
-
-
-def step_decisions(
-    logits: torch.Tensor,
-    hidden: torch.Tensor,
-    rid: torch.Tensor,
-    steps: torch.Tensor,
-    router: Callable[..., torch.Tensor],
-    takes_rows: bool,
-    tau: float,
-    vocab_size: int,
-    sampling: Sampling,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's decision for rows that sample alike, in tensor ops only (no host read, no shape from data,
-    so it traces into a captured step): the proposed tokens (b,) long and the hard flags (b,) bool (router score
-    below ``tau``: the LLM writes this token). logits (b, V), hidden (b, H), rid/steps (b,)."""
-    scores = router_scores(router, takes_rows, hidden, rid, steps)
-    t, p, seed = sampling
-    return select_tokens(cut_logits(logits, vocab_size), t, p, seed, rid, steps), scores < tau
 
 
 _PINNED: dict[tuple[torch.device, tuple[int, ...], torch.dtype], torch.Tensor] = {}

@@ -31,7 +31,6 @@ warns once and runs eagerly.
 
 from __future__ import annotations
 
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,17 +39,12 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from citer.decoding.choice import step_decisions
+from citer.decoding.decide import decide
+from citer.decoding.step_compile import own_code
 
 # Graphs per call kind: a static and a dynamic one per pool shape (and size 1 apart), well under this.
 _RECOMPILES = 64
 _STATIC_POOLS = 8
-
-
-def _own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """``fn`` with a code object of its own, so its compiled graphs and dynamic sizes are its own."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class CompiledHidden:
@@ -84,7 +78,7 @@ class CompiledHidden:
         fn = self._fns.get(kind)
         if fn is None:
             tag = f"{id(self.lean):x}_{''.join('1' if k else '0' for k in kind)}"
-            body = _own_code(type(self.lean).eager_hidden, tag)
+            body = own_code(type(self.lean).eager_hidden, tag)
             fn = self._fns[kind] = torch.compile(body, fullgraph=True, dynamic=None, options=self._options)
         return fn
 
@@ -120,7 +114,7 @@ class CompiledHidden:
         fn = self._decide_fns.get(mask is None)
         if fn is None:
             tag = f"{id(self.lean):x}_{'0' if mask is None else '1'}"
-            body = _own_code(_decide_body, tag)
+            body = own_code(_decide_body, tag)
             fn = self._decide_fns[mask is None] = torch.compile(
                 body, fullgraph=True, dynamic=None, options=self._options
             )
@@ -171,9 +165,7 @@ def _decide_body(
     """The traced body of :meth:`CompiledHidden.decided`: forward, head, decision."""
     hidden = lean.eager_hidden(ids, pos, mask, cache, n_pos, fused_decode)[:, 0]  # (B, H)
     logits = lean.logits(hidden)  # (B, V)
-    tokens, hard = step_decisions(
-        logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling
-    )
+    tokens, hard = decide(logits, hidden, rid, steps, d)
     return logits, hidden, tokens, hard
 
 

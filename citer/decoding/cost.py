@@ -30,7 +30,7 @@ in the projection; wall time (measured) is reported beside it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -336,27 +336,37 @@ class CallTally:
 
 
 @contextlib.contextmanager
-def call_tally(slm: Any, llm: Any) -> Iterator[CallTally]:
-    """For the block, a :class:`CallTally` of every forward call of ``slm`` and ``llm`` (HF modules' calls)."""
-    tally = CallTally()
+def forward_calls(slm: Any, llm: Any, on_call: Callable[[str, int, int], None]) -> Iterator[None]:
+    """For the block, ``on_call(model, new, seen)`` at every forward call of ``slm`` ("slm") and ``llm`` ("llm"),
+    HF modules' calls: ``new`` tokens fed over ``seen`` cached ones (decoders the engine does not run)."""
 
-    def hook(acc: list[int]) -> Any:
+    def hook(which: str) -> Any:
         def pre(module: Any, args: tuple, kwargs: dict) -> None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             past = kwargs.get("past_key_values")
-            seen = int(past.get_seq_length()) if past is not None else 0
-            new = int(ids.shape[1])
-            acc[0] += 1
-            acc[1] += (seen + new) + new  # the context after the call is read, the new columns written
+            on_call(which, int(ids.shape[1]), int(past.get_seq_length()) if past is not None else 0)
 
         return pre
 
     handles = [
-        slm.register_forward_pre_hook(hook(tally.slm), with_kwargs=True),
-        llm.register_forward_pre_hook(hook(tally.llm), with_kwargs=True),
+        m.register_forward_pre_hook(hook(w), with_kwargs=True) for w, m in (("slm", slm), ("llm", llm))
     ]
     try:
-        yield tally
+        yield
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def call_tally(slm: Any, llm: Any) -> Iterator[CallTally]:
+    """For the block, a :class:`CallTally` of every forward call of ``slm`` and ``llm`` (HF modules' calls)."""
+    tally = CallTally()
+
+    def count(which: str, new: int, seen: int) -> None:
+        acc = tally.slm if which == "slm" else tally.llm
+        acc[0] += 1
+        acc[1] += (seen + new) + new  # the context after the call is read, the new columns written
+
+    with forward_calls(slm, llm, count):
+        yield tally

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
-from citer.decoding.choice import router_scores
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
+from citer.decoding.decide import Decision, route
 from citer.decoding.kv_cache import RaggedKVCache
 from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
 from citer.decoding.pairing import (
@@ -42,7 +42,7 @@ from citer.decoding.pairing import (
 )
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
-from citer.decoding.step_compile import Decision, StepMode
+from citer.decoding.step_compile import StepMode
 from citer.decoding.verify import Verification, VerificationError
 
 # static_steps (citer.decoding.static_step): None = the ragged eager call; "eager" = fixed-shape calls, bucketed, run
@@ -268,9 +268,10 @@ class RoutedEngine:
                         f"(max_position_embeddings {mx} - max_new_tokens {max_new_tokens} = {mx - max_new_tokens})"
                     )
 
-    def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """Router scores (b,) for hidden (b, H); ``row_ids``/``steps`` (b,) on the CPU key a random router."""
-        return router_scores(self.router, self._router_ctx, hidden, row_ids, steps)
+    def route(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """The hard flags (b,) bool for hidden (b, H): the rows whose next token the LLM writes
+        (:func:`~citer.decoding.decide.route`); ``row_ids``/``steps`` (b,) on the CPU key a random router."""
+        return route(self.router, self._router_ctx, self.tau, hidden, row_ids, steps)
 
     def session(
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0

@@ -12,8 +12,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from citer.decoding.choice import Sampling, TopLogprobs
+from citer.decoding.choice import TopLogprobs
 from citer.decoding.cost import ModelCost
+from citer.decoding.decide import Sampling
 from citer.decoding.verify import Verification
 
 
@@ -37,7 +38,7 @@ class Engine(Protocol):
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
     ) -> None: ...
 
-    def score(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
+    def route(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
 
     def static_for(self, which: str) -> Any: ...
 

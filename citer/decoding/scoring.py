@@ -102,10 +102,9 @@ def routed_loglikelihood_batch(
     targets = [seqs[r][q + 1] for r, q in zip(rows, pos, strict=True)]
     pad = targets[0]  # never read: pads sit after every scored position
     slm_logits, hidden = _rows(engine.slm, seqs, rows, pos, pad)
-    scores = engine.score(
+    to_llm = engine.route(
         hidden, torch.tensor([ids[r] for r in rows], dtype=torch.long), torch.tensor(steps, dtype=torch.long)
-    )
-    to_llm = (scores < engine.tau).cpu()
+    ).cpu()
     lp, greedy, top = _score_with(slm_logits, targets, engine.vocab_size, top_k)
     if bool(to_llm.any()):
         if engine.llm is None:

@@ -187,11 +187,10 @@ class DecodeSession(CatchUpCalls):
                 # (k,) each: the rows' keys for the noise and their step indices
                 rid, steps = torch.tensor([[r.row_id for r in rows], [r.n_out for r in rows]])
                 hidden = self.hidden.index_select(0, idx) if len(ready) < b else self.hidden  # (k, H)
-                scores = e.score(hidden, rid, steps)  # (k,)
+                hard = e.route(hidden, rid, steps)  # (k,)
                 chosen = choose_token_tensor(
                     logits, [r.sampling for r in rows], rid, steps, e.vocab_size
                 )  # (k,)
-                hard = scores < e.tau
             # One device -> host read per step: the proposals and the router's flags together.
             proposal, to_llm = read_to_host(torch.stack((chosen, hard.to(chosen))))
             lps = token_logprobs(logits, proposal, [r.logprobs for r in rows], e.vocab_size)

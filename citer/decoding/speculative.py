@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from citer.decoding.cost import CostMeter, ModelCost
+from citer.decoding.cost import CostMeter, ModelCost, forward_calls
 from citer.decoding.pairing import VocabCut, embedding_rows, input_device
 from citer.ops.progress import progress
 
@@ -66,28 +66,13 @@ def assistant_setup(slm: Any, llm: Any, draft_tokens: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> Iterator[None]:
-    """Hooks that charge every forward call to ``meter[0]``, and :func:`assistant_setup`, for the block."""
+    """Every forward call charged to ``meter[0]``, and :func:`assistant_setup`, for the block."""
 
-    def hook(key: str):
-        def pre(module: Any, args: tuple, kwargs: dict) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            past = kwargs.get("past_key_values")
-            new = int(ids.shape[1])
-            seen = int(past.get_seq_length()) if past is not None else 0
-            meter[0].forward(key, [0], [new], [seen + new])  # type: ignore[arg-type]
+    def charge(which: str, new: int, seen: int) -> None:
+        meter[0].forward(which, [0], [new], [seen + new])  # type: ignore[arg-type]
 
-        return pre
-
-    handles = [
-        slm.register_forward_pre_hook(hook("slm"), with_kwargs=True),
-        llm.register_forward_pre_hook(hook("llm"), with_kwargs=True),
-    ]
-    try:
-        with assistant_setup(slm, llm, draft_tokens):
-            yield
-    finally:
-        for h in handles:
-            h.remove()
+    with forward_calls(slm, llm, charge), assistant_setup(slm, llm, draft_tokens):
+        yield
 
 
 @torch.no_grad()

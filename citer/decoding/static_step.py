@@ -29,14 +29,13 @@ from typing import Any
 import torch
 import torch._dynamo
 
+from citer.decoding.decide import Decision, decide
 from citer.decoding.lean import LeanDecoder
 from citer.decoding.step_compile import (
-    Decision,
     StepKind,
     StepMode,
     compile_context,
     compiled_pieces,
-    decide_body,
     mark_dims,
     mark_static,
     own_code,
@@ -142,7 +141,7 @@ class StaticSteps:
         if len(out) == 2:  # the router's decision cannot be traced: decided eagerly, after the step
             dev = logits.device
             r, st = (torch.tensor(list(x), dtype=torch.long, device=dev) for x in (rid, steps))
-            return logits, hidden, *decide_body(logits, hidden, r, st, decision)
+            return logits, hidden, *decide(logits, hidden, r, st, decision)
         return logits, hidden, self._keep(out[2][:b]), self._keep(out[3][:b])
 
     def _keep(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,10 +264,10 @@ class StaticSteps:
         if fn is not None:
             return fn
         if self.mode.backend is None or (self.mode.backend == "inductor" and not self.mode.graphs):
-            fn = decide_body
+            fn = decide
         else:
             backend = "eager" if self.mode.backend == "inductor" else self.mode.backend
-            own = own_code(decide_body, f"{id(self):x}_{len(self._decide_fns)}")
+            own = own_code(decide, f"{id(self):x}_{len(self._decide_fns)}")
             traced = torch.compile(own, fullgraph=True, dynamic=None, backend=backend)
 
             def fn(*a: Any, traced: Any = traced) -> tuple[torch.Tensor, torch.Tensor]:

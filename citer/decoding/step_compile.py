@@ -6,7 +6,7 @@ trash column that pad tokens write to and no query attends). ``B``, ``Q`` and ``
 size with another dimension, which would guard on it being 1); only ``K`` is static. So a model compiles once per
 call kind, whatever the batch, as nano-vllm and vLLM compile once and capture per batch size. Each model compiles
 code objects of its own (:func:`own_code`), so the SLM and the LLM share neither graphs nor the recompile limit, and
-a router or τ is never a constant of a forward graph: the step's decision (:func:`decide_body`) is traced apart.
+a router or τ is never a constant of a forward graph: the step's decision (:func:`~citer.decoding.decide.decide`) is traced apart.
 
 ``StepMode.regional`` compiles one decoder layer and the head, called layer by layer (a compile costs one layer's
 trace whatever the depth; a captured step replays without the Python loop); otherwise the whole step is one graph
@@ -33,7 +33,6 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
-from citer.decoding.choice import Sampling, step_decisions
 from citer.decoding.cpu_linear import linear
 from citer.decoding.layers import attn_in, attn_out_mlp, fused_attention, grouped_attention, rms_norm
 from citer.decoding.lean import LeanDecoder
@@ -90,19 +89,6 @@ class StepStats:
             "fallbacks": self.fallbacks,
             "buckets": sorted(self.buckets),
         }
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a step's decision reads besides the model: the router (``takes_rows``: it keys draws on row ids), τ,
-    the shared vocabulary and the rows' one sampling setting (temperature, top_p, seed). One object per (engine,
-    sampling): a capture records the decision of one object."""
-
-    router: Callable[..., torch.Tensor]
-    takes_rows: bool
-    tau: float
-    vocab_size: int
-    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -192,13 +178,6 @@ def step_body(
     for i, L in enumerate(lean.layers):
         x = layer(x, cos, sin, mask, L, keys[i], values[i], tok_slot, cols, slots, lean.shape, kind)
     return head(x, lean.norm, lean.head, last, lean.eps, kind)
-
-
-def decide_body(
-    logits: torch.Tensor, hidden: torch.Tensor, rid: torch.Tensor, steps: torch.Tensor, d: Decision
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode step's decision for every row: tokens (B,) and hard flags (B,) (see ``step_decisions``)."""
-    return step_decisions(logits, hidden, rid, steps, d.router, d.takes_rows, d.tau, d.vocab_size, d.sampling)
 
 
 def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
