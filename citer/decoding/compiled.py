@@ -31,6 +31,7 @@ warns once and runs eagerly.
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,11 +41,16 @@ import torch
 import torch._dynamo
 
 from citer.decoding.decide import decide
-from citer.decoding.step_compile import own_code
 
 # Graphs per call kind: a static and a dynamic one per pool shape (and size 1 apart), well under this.
 _RECOMPILES = 64
 _STATIC_POOLS = 8
+
+
+def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own: dynamo keys graphs, guards, seen sizes and the recompile limit on it."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class CompiledHidden:

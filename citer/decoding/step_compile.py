@@ -20,7 +20,6 @@ Shapes: B = rows, Q = tokens per row, R = pool slots, K = capacity + 1, H = hidd
 from __future__ import annotations
 
 import time
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
+from citer.decoding.compiled import own_code
 from citer.decoding.cpu_linear import linear
 from citer.decoding.layers import attn_in, attn_out_mlp, fused_attention, grouped_attention, rms_norm
 from citer.decoding.lean import LeanDecoder
@@ -178,12 +178,6 @@ def step_body(
     for i, L in enumerate(lean.layers):
         x = layer(x, cos, sin, mask, L, keys[i], values[i], tok_slot, cols, slots, lean.shape, kind)
     return head(x, lean.norm, lean.head, last, lean.eps, kind)
-
-
-def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
-    """``fn`` with a code object of its own: dynamo keys graphs, guards, seen sizes and the recompile limit on it."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def mark_static(t: torch.Tensor) -> None:
