@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -78,8 +79,19 @@ def engines(pair: Any, f: float, block: EngineParams) -> dict[str, Any]:
     }
 
 
+def parse_variants(text: str) -> dict[str, dict[str, Any]]:
+    """``"llm_prefill=admit;llm_schedule=measured,llm_prefill=admit"`` -> {name: engine-block overrides}: other
+    engine settings to time the routed pair with, beside the params' own."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in (v.strip() for v in text.split(";")):
+        if spec:
+            pairs = [kv.split("=", 1) for kv in spec.split(",")]
+            out[spec] = {k.strip(): yaml.safe_load(v) for k, v in pairs}
+    return out
+
+
 def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, reps: int,
-                  block: EngineParams) -> dict[str, Any]:  # fmt: skip
+                  block: EngineParams, variants: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     built = engines(pair, f, block)
@@ -107,6 +119,15 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     )
     row["llm_prefill_share"] = row["llm_prefill_s"] / row["llm_s"]
     row["measured"] = row["llm_s"] / row["routed_s"]
+    row["variants"] = {}
+    for name, over in (variants or {}).items():
+        other = block.model_copy(update=EngineParams.model_validate(block.model_dump() | over).model_dump())
+        eng = engines(pair, f, other)["routed"]
+        secs, got = timed(lambda e=eng: e.generate_batch(prompts, new), reps)
+        if got.tokens != out.tokens:
+            raise RuntimeError(f"variant {name}: tokens differ from the params' engine")
+        row["variants"][name] = {"routed_s": secs, "measured": row["llm_s"] / secs,
+                                 "llm_calls_per_step": got.batch.llm_calls_per_step}  # fmt: skip
     return row
 
 
@@ -121,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_roofline.json"))
+    ap.add_argument("--variants", default="",
+                    help="other engine settings to time routed with, ';'-separated, each 'key=value,...'")  # fmt: skip
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     start, t0 = cpu_times(), time.perf_counter()
@@ -128,11 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     pair = build_pair(a.pair, "cpu", a.dtype)
     rows = []
     for b in [int(x) for x in a.batches.split(",") if x]:
-        rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, block))
+        rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, block,
+                                  parse_variants(a.variants)))  # fmt: skip
         r = rows[-1]
         print(f"b{b}: llm {r['llm_s']:.2f} s (prefill {r['llm_prefill_share']:.0%}), slm {r['slm_s']:.2f} s, routed "
               f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, decode-only "
               f"ceiling {r['decode_ceiling']:.2f}x", flush=True)  # fmt: skip
+        for name, v in r["variants"].items():
+            print(f"    {name}: routed {v['routed_s']:.2f} s, {v['measured']:.2f}x", flush=True)
     report = {
         "bench": "roofline",
         "cpu": cpu_kind(),

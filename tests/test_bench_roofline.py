@@ -39,7 +39,8 @@ def test_the_bench_builds_its_engines_as_citer_route_does(roofline, tmp_path):
     pair = build_pair("tiny", "cpu", "fp32")
     built = roofline.engines(pair, 0.2, block)
     route = route_engine(pair.slm, pair.llm, RandomRouter(0.2, seed=0), 0.5, block, vocab_size=pair.vocab)
-    keys = ("llm_min_rows", "llm_max_wait_steps", "overlap", "static_steps", "tau", "vocab_size")
+    keys = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "overlap", "static_steps", "tau",
+            "vocab_size")  # fmt: skip
     for eng in built.values():
         assert (eng.llm_min_rows, eng.llm_max_wait_steps) == (3, 2)
     assert {k: getattr(built["routed"], k) for k in keys} == {k: getattr(route, k) for k in keys}
@@ -48,7 +49,8 @@ def test_the_bench_builds_its_engines_as_citer_route_does(roofline, tmp_path):
 def test_the_report_holds_its_ceiling_by_its_definition(roofline, tmp_path):
     out = tmp_path / "roofline.json"
     args = ["--pair", "tiny", "--dtype", "fp32", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "6",
-            "--fraction", "0.5", "--reps", "1", "--out", str(out)]  # fmt: skip
+            "--fraction", "0.5", "--reps", "1", "--out", str(out),
+            "--variants", "llm_prefill=admit;llm_schedule=measured,llm_min_rows=2"]  # fmt: skip
     assert roofline.main(args) == 0
     rep = json.loads(out.read_text())
     assert [r["batch"] for r in rep["rows"]] == [1, 2] and rep["engine"]["llm_min_rows"] == 1
@@ -58,3 +60,6 @@ def test_the_report_holds_its_ceiling_by_its_definition(roofline, tmp_path):
         assert r["routed_llm_prompt_tokens"] > 0  # half the tokens go to the LLM: every row's prompt is read
         assert r["ceiling"] == pytest.approx(r["llm_s"] / (r["slm_s"] + read))
         assert r["measured"] == pytest.approx(r["llm_s"] / r["routed_s"])
+        v = r["variants"]
+        assert list(v) == ["llm_prefill=admit", "llm_schedule=measured,llm_min_rows=2"]
+        assert all(x["measured"] == pytest.approx(r["llm_s"] / x["routed_s"]) for x in v.values())

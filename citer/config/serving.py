@@ -22,6 +22,12 @@ class EngineParams(_Block):
 
     llm_min_rows: int = Field(1, ge=1, le=4096)
     llm_max_wait_steps: int = Field(0, ge=0, le=4096)
+    # "measured": the engine calls its LLM queue by a rule derived from its own measured step times
+    # (citer.decoding.call_rule), ignoring the two counts above; "fixed": by the counts.
+    llm_schedule: Literal["fixed", "measured"] = "fixed"
+    # "admit": the LLM reads admitted prompts in one call beside the SLM's prefill; "lazy": in each row's first
+    # catch-up, mixed with other rows' catch-ups.
+    llm_prefill: Literal["lazy", "admit"] = "lazy"
     # The models' lean forward under torch.compile (Inductor): faster steps once compiled (seconds per graph kind,
     # paid at the first requests), rounding of fused float arithmetic; for a long-running server or a big route.
     compile_forward: bool = False

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
+from citer.decoding.call_rule import CallRule, FixedRule, MeasuredRule, StepTimes
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
 from citer.decoding.kv_cache import RaggedKVCache
@@ -81,7 +82,11 @@ class RoutedEngine:
     the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
     models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
     ``llm_min_rows`` (>= 1) and ``llm_max_wait_steps`` (>= 0): shared LLM calls (module docstring); 1 and 0 call the
-    LLM at the step a row is routed to it. ``compile_forward``: both models' lean forwards run under ``torch.compile``
+    LLM at the step a row is routed to it; ``llm_schedule="measured"`` replaces them with the rule that the engine
+    derives from its own measured step times (:mod:`citer.decoding.call_rule`). ``llm_prefill``: ``"lazy"`` lets the
+    LLM read a row's prompt in its first catch-up; ``"admit"`` reads every admitted prompt but its last token in one
+    LLM call beside the SLM's prefill (one large call instead of prompts mixed into small catch-ups; wasted on a row
+    the router never routes). ``compile_forward``: both models' lean forwards run under ``torch.compile``
     (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a
     near tie may pick the other token). ``verify_rho``/``verify_window``/``verify_final``: verified routing
     (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
@@ -102,6 +107,8 @@ class RoutedEngine:
         vocab_size: int | None = None,
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
+        llm_schedule: str = "fixed",
+        llm_prefill: str = "lazy",
         static_steps: str | None = None,
         compile_forward: bool = False,
         verify_rho: float = math.inf,
@@ -147,6 +154,16 @@ class RoutedEngine:
                     f"{name} must be an integer >= {1 if name == 'llm_min_rows' else 0}, got {v!r}"
                 )
         self.llm_min_rows, self.llm_max_wait_steps = llm_min_rows, llm_max_wait_steps
+        if llm_schedule not in ("fixed", "measured"):
+            raise EngineInputError(f"llm_schedule must be 'fixed' or 'measured', got {llm_schedule!r}")
+        self.llm_schedule = llm_schedule
+        self.call_rule: CallRule = (
+            MeasuredRule() if llm_schedule == "measured" else FixedRule(llm_min_rows, llm_max_wait_steps)
+        )
+        self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
+        if llm_prefill not in ("lazy", "admit"):
+            raise EngineInputError(f"llm_prefill must be 'lazy' or 'admit', got {llm_prefill!r}")
+        self.llm_prefill = llm_prefill
         if static_steps not in STATIC_STEPS:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from citer.decoding.call_rule import CallRule, StepTimes
 from citer.decoding.choice import TopLogprobs
 from citer.decoding.cost import ModelCost
 from citer.decoding.decide import Sampling
@@ -29,8 +30,9 @@ class Engine(Protocol):
     gpu: str
     cost_slm: ModelCost
     cost_llm: ModelCost | None
-    llm_min_rows: int
-    llm_max_wait_steps: int
+    call_rule: CallRule
+    times: StepTimes
+    llm_prefill: str
     overlap: bool
     verify: Verification
 

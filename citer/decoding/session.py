@@ -3,13 +3,14 @@
 A :class:`DecodeSession` holds both models' ragged KV caches as slot pools (:class:`~citer.decoding.kv_cache.
 RaggedKVCache`), the SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`DecodeSession.step`:
 
-1. admits waiting requests (one SLM prefill call over the newcomers, up to ``max_rows`` active rows);
+1. admits waiting requests (one SLM prefill call over the newcomers, up to ``max_rows`` active rows; with
+   ``engine.llm_prefill == "admit"`` one LLM call over their prompts too);
 2. routes every row that is not already waiting for the LLM: the router reads its hidden state, the SLM proposes a
    token; rows scoring below tau wait for the LLM instead;
-3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when at least
-   ``llm_min_rows`` rows wait, or one has waited ``llm_max_wait_steps`` steps, or nothing else can advance. A waiting
-   row does not advance (its next token is the LLM's), so sharing one LLM weight read among several rows changes no
-   row's tokens, only when they arrive;
+3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when the engine's call
+   rule says so (:mod:`citer.decoding.call_rule`: at once, by fixed counts, or from its measured step times) or
+   nothing else can advance. A waiting row does not advance (its next token is the LLM's), so sharing one LLM weight
+   read among several rows changes no row's tokens, only when they arrive;
 4. emits one token for every row that advanced, retires rows at EOS or their token budget (their slots are reused),
    and feeds the new tokens to the SLM in one call; held rows ride along in it without writing.
 
@@ -27,6 +28,7 @@ Shapes: b = active rows (slots 0..b-1), V = vocab, H = SLM hidden.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -170,6 +172,7 @@ class DecodeSession(CatchUpCalls):
         self._admit()
         if not self.rows:
             return []
+        t0 = time.perf_counter()
         e, b = self.e, len(self.rows)
         ready = [s for s, r in enumerate(self.rows) if r.waited < 0 and not r.unfed]
         tok: dict[int, int] = {}  # slot -> token emitted this step
@@ -203,6 +206,7 @@ class DecodeSession(CatchUpCalls):
                     tok[s] = proposal[i]
                     if lps[i] is not None:
                         self._lp[s] = lps[i]
+        routed = sum(1 for s in ready if self.rows[s].waited == 0)
         waiting = [s for s in range(b) if self.rows[s].waited >= 0]
         call = waiting if waiting and self._llm_due(waiting, advancing=len(tok)) else []
         held = [s for s in waiting if s not in call]
@@ -219,20 +223,29 @@ class DecodeSession(CatchUpCalls):
                 self.rows[s].unfed = s not in late_done
             self._retire(done + late_done)
             return emitted + late
+        llm_s = 0.0
         if call:
+            tokens = self._queued_tokens(call)
+            t1 = time.perf_counter()
             tok.update(self._llm_call(call))
+            llm_s = time.perf_counter() - t1
+            e.times.llm_call(tokens, llm_s)
         emitted, fed, done = self._emit(tok)
         self._retire(done)
         self._feed_slm(fed | self._unfed())
+        if tok:  # an SLM step ran: its seconds (the step's, less the LLM's call) and the rows it routed
+            e.times.slm_step(time.perf_counter() - t0 - llm_s, routed)
         return emitted
 
+    def _queued_tokens(self, slots: list[int]) -> int:
+        """The tokens an LLM call over ``slots`` reads: each row's since the LLM last saw it."""
+        return sum(len(self.rows[s].seq) - self.rows[s].llm_seen for s in slots)
+
     def _llm_due(self, waiting: list[int], advancing: int) -> bool:
-        e = self.e
         if advancing == 0:  # nothing else moves: waiting longer gains nothing
             return True
-        if len(waiting) >= e.llm_min_rows:
-            return True
-        return max(self.rows[s].waited for s in waiting) >= e.llm_max_wait_steps
+        waited = [self.rows[s].waited for s in waiting]
+        return self.e.call_rule.due(waited, self._queued_tokens(waiting), self.e.times)
 
     def _unfed(self) -> set[int]:
         """Keys of the rows whose last token (the LLM's, in an overlapped step) the SLM has not read yet."""
@@ -310,9 +323,28 @@ class DecodeSession(CatchUpCalls):
             slots = c.add_slots(len(new))
         logits, hidden = ragged_append(self.e.slm, self.slm_cache, [r.seq for r in new], slots=slots)
         self.meter.forward("slm", [r.key for r in new], [len(r.seq) for r in new], [len(r.seq) for r in new])
+        if self.e.llm_prefill == "admit" and self.llm_cache is not None:
+            self._llm_prefill(new, slots)
         self.rows += new
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.hidden = hidden if self.hidden is None else torch.cat([self.hidden, hidden])
+
+    def _llm_prefill(self, new: list[Row], slots: list[int]) -> None:
+        """The LLM reads the admitted rows' prompts but their last token in one call (``llm_prefill="admit"``); the
+        last token stays for the row's first catch-up, whose logits there choose (or check) its first new token."""
+        fed = [(r, s) for r, s in zip(new, slots, strict=True) if r.prompt_len > 1]
+        if not fed:
+            return
+        assert self.llm_cache is not None and self.e.llm is not None
+        chunks = [r.seq[: r.prompt_len - 1] for r, _ in fed]
+        t = time.perf_counter()
+        ragged_append(self.e.llm, self.llm_cache, chunks, slots=[s for _, s in fed])
+        keys, n = [r.key for r, _ in fed], [len(c) for c in chunks]
+        self.e.times.llm_call(sum(n), time.perf_counter() - t)
+        self.meter.forward("llm", keys, n, n)
+        self.meter.llm_fed(keys, n, [0] * len(n))
+        for r, _ in fed:
+            r.llm_seen = r.prompt_len - 1
 
     def _retire(self, slots: list[int]) -> None:
         if not slots:

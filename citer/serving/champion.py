@@ -66,6 +66,8 @@ def route_engine(
         vocab_size=vocab_size,
         llm_min_rows=engine.llm_min_rows,
         llm_max_wait_steps=engine.llm_max_wait_steps,
+        llm_schedule=engine.llm_schedule,
+        llm_prefill=engine.llm_prefill,
         compile_forward=engine.compile_forward,
         overlap=engine.overlap,
         **verify,
