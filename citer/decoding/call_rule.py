@@ -8,8 +8,8 @@ share the call, each saving the LLM's fixed cost per call (its weights read once
 
 - nothing else advances (waiting gains nothing), or
 - ``arrivals`` x ``A`` <= ``t_slm``: the calls a step of waiting is expected to merge save less than the step costs, or
-- the oldest row has waited as long as the call it waits for takes (``A`` + ``c`` x the queued tokens): a routed
-  token's latency at most doubles, so a row is never starved for the sake of the batch.
+- the oldest row has waited as long as the call's fixed part (``A``): a routed token's wait never exceeds the
+  weight pass it shares, so a row is never starved for the sake of the batch.
 
 Until it has timed a few calls of each model it calls at once, as the fixed rule's defaults do. The rule moves only
 when tokens arrive, never which: every row's tokens are the same as at once (tests/decoding/test_session.py).
@@ -77,7 +77,7 @@ class FixedRule:
     min_rows: int = 1
     max_wait_steps: int = 0
 
-    def due(self, waited: list[int], queued_tokens: int, times: StepTimes) -> bool:
+    def due(self, waited: list[int], times: StepTimes) -> bool:
         return len(waited) >= self.min_rows or max(waited) >= self.max_wait_steps
 
 
@@ -85,14 +85,14 @@ class FixedRule:
 class MeasuredRule:
     """The rule of the module docstring, on the engine's :class:`StepTimes`."""
 
-    def due(self, waited: list[int], queued_tokens: int, times: StepTimes) -> bool:
+    def due(self, waited: list[int], times: StepTimes) -> bool:
         fit, t_slm = times.llm_fit(), times.slm_seconds()
         if fit is None or t_slm is None or t_slm <= 0.0:
             return True
-        a, c = fit
+        a = fit[0]
         if times.arrivals() * a <= t_slm:
             return True
-        return max(waited) * t_slm >= a + c * queued_tokens
+        return max(waited) * t_slm >= a
 
 
 CallRule = FixedRule | MeasuredRule

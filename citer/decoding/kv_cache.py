@@ -20,6 +20,11 @@ from citer.decoding.forward import decoder_forward
 from citer.decoding.lean import lean_decoder, runs_compiled
 from citer.decoding.pairing import input_device
 
+# What packing a call's queries costs per layer (a scatter and a gather, ~20 us on a CPU core), in the multiply-adds
+# a core does meanwhile (~250 G/s, the rate of the LLM's products on the Zen 4 host in docs/results.md): an estimate
+# that packs a 1.7B LLM's catch-ups at any padding and leaves small models' to the doubling rule.
+PACK_COST_MACS = 5_000_000
+
 
 class RaggedKVCache(Cache):
     """Per-row KV cache: per layer a (R, kv_heads, capacity + 1, head_dim) buffer; row r holds ``lengths[r]`` columns.
@@ -236,12 +241,16 @@ def ragged_append(
     if packed is None:
         # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
         n_keys = sum(cache.lengths[s] for s in sl) + sum(gaps)
-        # Eager, packing pays for its scatter and gather ops only where padding would at least double the tokens;
-        # compiled (citer.decoding.compiled), those fuse away and any padding is wasted matrix work.
+        # Eager, packing costs a scatter and a gather of the queries per layer; padding costs the pad tokens' linears:
+        # pack where padding would at least double the tokens, or where the pad tokens' multiply-adds exceed what
+        # the packing ops cost (a large model's catch-ups). Compiled (citer.decoding.compiled), those ops fuse away
+        # and any padding is wasted matrix work.
+        lean = lean_decoder(model)
         if runs_compiled(model):
             pays = sum(gaps) < b * q
         else:
-            pays = 2 * sum(gaps) <= b * q
+            waste = (b * q - sum(gaps)) * (lean.layer_macs if lean is not None else 0)
+            pays = 2 * sum(gaps) <= b * q or waste >= PACK_COST_MACS
         packed = b > 1 and pays and sum(gaps) * n_keys <= 1 << 22
     if packed:
         return _packed_append(model, cache, chunks, sl, gaps, every)

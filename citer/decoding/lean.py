@@ -108,6 +108,12 @@ class LeanDecoder:
                 )
             )
 
+    @property
+    def layer_macs(self) -> int:
+        """Multiply-adds a token costs one layer's linears (its four matrices): what a padded token wastes per layer."""
+        L = self.layers[0]
+        return sum(w.numel() for w in (L.wqkv, L.wo, L.wgu, L.wd))
+
     def static_tensors(self) -> list[torch.Tensor]:
         """Every weight tensor a forward reads (embedding, head, final norm, every layer's weights, biases and norms,
         the RoPE tables built so far): what a captured step must find at the same address at every replay."""

@@ -245,7 +245,7 @@ class DecodeSession(CatchUpCalls):
         if advancing == 0:  # nothing else moves: waiting longer gains nothing
             return True
         waited = [self.rows[s].waited for s in waiting]
-        return self.e.call_rule.due(waited, self._queued_tokens(waiting), self.e.times)
+        return self.e.call_rule.due(waited, self.e.times)
 
     def _unfed(self) -> set[int]:
         """Keys of the rows whose last token (the LLM's, in an overlapped step) the SLM has not read yet."""

@@ -40,23 +40,21 @@ def test_the_fit_recovers_the_call_line_and_waits_for_enough_calls():
 
 def test_measured_rule_waits_only_while_waiting_pays():
     rule = MeasuredRule()
-    assert rule.due([0], 10, StepTimes())  # nothing measured yet: at once
+    assert rule.due([0], StepTimes())  # nothing measured yet: at once
     cheap_slm = _times(0.2, 0.01, 0.05, 1.0)  # a step of waiting (0.05 s) < the call it may merge (1 x 0.2 s)
-    assert not rule.due([0], 10, cheap_slm)
-    # ... until the oldest waited as long as its call takes (0.2 + 0.01 x 10 s): 5 steps of 0.05 s no, 7 yes
-    assert not rule.due([5, 0], 10, cheap_slm) and rule.due([7, 0], 10, cheap_slm)
+    assert not rule.due([0], cheap_slm)
+    # ... until the oldest waited as long as a call's fixed part (0.2 s): 3 steps of 0.05 s no, 5 yes
+    assert not rule.due([3, 0], cheap_slm) and rule.due([5, 0], cheap_slm)
     costly_slm = _times(0.2, 0.01, 0.5, 1.0)  # a step costs more than the merged call saves
-    assert rule.due([0], 10, costly_slm)
+    assert rule.due([0], costly_slm)
     rare = _times(0.2, 0.01, 0.05, 0.125)  # one routed row every 8 steps: 0.125 x 0.2 <= 0.05
-    assert rule.due([0], 10, rare)
+    assert rule.due([0], rare)
 
 
 def test_fixed_rule_counts_rows_and_steps():
-    assert FixedRule().due([0], 1, StepTimes())
+    assert FixedRule().due([0], StepTimes())
     r = FixedRule(3, 2)
-    assert (
-        not r.due([0, 1], 5, StepTimes()) and r.due([0, 1, 0], 5, StepTimes()) and r.due([2], 5, StepTimes())
-    )
+    assert not r.due([0, 1], StepTimes()) and r.due([0, 1, 0], StepTimes()) and r.due([2], StepTimes())
 
 
 class FrozenTimes(StepTimes):
@@ -82,9 +80,8 @@ def test_a_measured_schedule_changes_no_token_shares_calls_and_bounds_each_wait(
     a, b = at_once.generate_batch(prompts, 20), measured.generate_batch(prompts, 20)
     assert b.tokens == a.tokens and b.from_llm == a.from_llm
     assert b.batch.llm_calls < a.batch.llm_calls and b.batch.wait_row_steps > 0
-    # No row waits longer than its call takes: (0.2 + 0.01 x the queued tokens) / t_slm steps per routed token.
-    bound = (0.2 + 0.01 * 16 * (8 + 20)) / t_slm
-    assert max(r.wait_steps for r in b.rows) <= bound * max(r.llm_tokens for r in b.rows)
+    # No routed token waits longer than a call's fixed part: 0.2 s / t_slm steps.
+    assert max(r.wait_steps for r in b.rows) <= round(0.2 / t_slm) * max(r.llm_tokens for r in b.rows)
 
 
 def test_a_measured_schedule_learns_from_the_engines_own_calls(pair):
