@@ -17,12 +17,15 @@ ratio from the raw reps. ``--tiny``: tiny models, the fixed-shape steps traced (
 Peers in environments of their own (``--llama-cpp-python``, ``--vllm-python``) run this file with that environment's
 Python, ``PYTHON bench/speed.py peer {llama_cpp,vllm} DIR`` (only the standard library is imported before), from the
 same random weights: llama.cpp from a GGUF file written here (the tensors as llama.cpp's converter writes them,
-``speed_measure.gguf_arrays``), vLLM's CPU backend from an HF directory. Each prints one JSON line.
+``speed_measure.gguf_arrays``) and from its copies quantized by llama.cpp's own quantizer (``--llama-cpp-quants``:
+what CPU users run), through its batch API at every batch; vLLM's CPU backend from an HF directory. Each prints one
+JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import importlib.util
 import json
@@ -72,25 +75,147 @@ def write_gguf(src: Path, out: Path) -> None:
 
 
 def time_llama_cpp(src: Path) -> dict:
-    import numpy as np
-    from llama_cpp import Llama
+    """llama.cpp decoding ``cfg["batch"]`` rows greedily from the GGUF file written from ``src`` (in the model's
+    dtype), then from that file quantized by llama.cpp's own quantizer to each of ``cfg["quants"]`` (``Q8_0``,
+    ``Q4_K_M``, ...). Files already in ``src`` are reused: the bench keeps the directory across batches, so a model is
+    written and quantized once. The quantized runs come under ``quantized``, by lower-case type name."""
+    import llama_cpp
 
     cfg = json.loads((src / "config.json").read_text())
+    log = _LlamaLog(llama_cpp)
+    llama_cpp.llama_backend_init()
     gguf_path = src / "model.gguf"
     if not gguf_path.exists():
         write_gguf(src, gguf_path)
-    llm = Llama(model_path=str(gguf_path), n_ctx=cfg["prompt_len"] + cfg["new_tokens"] + 8, n_batch=cfg["prompt_len"],
-                n_threads=cfg["threads"], n_threads_batch=cfg["threads"], verbose=False)  # fmt: skip
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, cfg["vocab_size"], cfg["prompt_len"])]
+    out = {**_llama_cpp_greedy(llama_cpp, gguf_path, cfg), "precision": cfg["dtype"],
+           "system_info": llama_cpp.llama_print_system_info().decode().strip()}  # fmt: skip
+    out["quantized"] = {}
+    for q in cfg.get("quants", []):
+        path, meta = src / f"model-{q.lower()}.gguf", src / f"model-{q.lower()}.json"
+        if not meta.exists():
+            meta.write_text(json.dumps(quantize_gguf(llama_cpp, gguf_path, path, q, cfg["threads"], log)))
+        out["quantized"][q.lower()] = {
+            **_llama_cpp_greedy(llama_cpp, path, cfg),
+            **json.loads(meta.read_text()),
+        }
+    return out
 
-    def once() -> None:
-        llm.reset()
-        llm.eval(prompt)
-        for _ in range(cfg["new_tokens"]):
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(cfg["vocab_size"],))
-            llm.eval([int(np.argmax(logits))])  # greedy, as every other row
 
-    return _walls(once, cfg["reps"], "llama_cpp")
+class _LlamaLog:
+    """llama.cpp's log lines (its own callback prints them all to stderr): the warnings kept, for the quantizer's
+    fallbacks to reach the report."""
+
+    def __init__(self, llama_cpp: Any) -> None:
+        self.text: list[str] = []
+        self._last = 0
+
+        def keep(level: int, text: bytes, _: Any) -> None:
+            # ggml.h's ggml_log_level: 3 WARN, 4 ERROR, 5 CONT (continues the line before); not llama_cpp._logger's
+            # older numbering
+            level = self._last if level == 5 else level
+            self._last = level
+            if level in (3, 4):
+                self.text.append(text.decode("utf-8", "replace"))
+
+        self._cb = llama_cpp.llama_log_callback(keep)  # held: llama.cpp keeps only the pointer
+        llama_cpp.llama_log_set(self._cb, None)
+
+    def take(self) -> list[str]:
+        """The warning and error lines logged since the last call."""
+        lines = [" ".join(x.split()) for x in "".join(self.text).splitlines() if x.strip()]
+        self.text.clear()
+        return lines
+
+
+def quantize_gguf(llama_cpp: Any, src: Path, out: Path, qtype: str, threads: int, log: _LlamaLog) -> dict:
+    """``src`` quantized to ``qtype`` (a ``LLAMA_FTYPE_MOSTLY_*`` name) by ``llama_model_quantize``, llama.cpp's
+    rules for which tensor gets which type included: the seconds, the tensors' types as written, the bytes a decode
+    call reads, and llama.cpp's warnings (tensors whose rows do not fit a type's blocks fall back to another)."""
+    import gguf
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None:
+        raise ValueError(f"llama_cpp {llama_cpp.__version__} has no LLAMA_FTYPE_MOSTLY_{qtype.upper()}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    log.take()
+    t = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    secs = time.perf_counter() - t
+    warnings = log.take()
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize {qtype}: returned {rc}; {warnings[-1:]}")
+    types: dict[str, int] = {}
+    tensors = gguf.GGUFReader(str(out)).tensors
+    for x in tensors:
+        types[x.tensor_type.name] = types.get(x.tensor_type.name, 0) + 1
+    names = {x.name for x in tensors}
+    # what a decode call reads: every tensor but an untied input embedding (rows looked up, as ModelCost counts)
+    read = sum(
+        int(x.n_bytes) for x in tensors if x.name != "token_embd.weight" or "output.weight" not in names
+    )
+    fallbacks = [w for w in warnings if "falling back" in w or "fallback" in w]
+    return {"quantize_s": round(secs, 2), "file_bytes": out.stat().st_size, "weight_bytes": read,
+            "tensor_types": dict(sorted(types.items())), "quantize_fallbacks": fallbacks,
+            "quantize_warnings": [w for w in warnings if w not in fallbacks]}  # fmt: skip
+
+
+def _llama_cpp_greedy(llama_cpp: Any, path: Path, cfg: dict) -> dict:
+    """Greedy decoding of ``cfg["batch"]`` random prompts of ``prompt_len`` ids, ``new_tokens`` each, with llama.cpp's
+    batch API: one sequence id per row, every row's prompt in one prefill batch, then every row's next token in one
+    batch per step (the prefill's logits give the first token, as every other row counts). Context settings are
+    llama.cpp's defaults but for sizes and threads. A warm-up and ``reps`` timed runs, the last run's tokens."""
+    import numpy as np
+
+    lc, batch = llama_cpp, int(cfg["batch"])
+    n_prompt, n_new, vocab = cfg["prompt_len"], cfg["new_tokens"], cfg["vocab_size"]
+    prompts = np.random.default_rng(0).integers(3, vocab, (batch, n_prompt))  # row 0: the batch-1 prompt
+    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path.name}")
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = batch * (n_prompt + n_new + 8)
+    cp.n_batch = batch * n_prompt
+    cp.n_ubatch = min(cp.n_batch, 512)
+    cp.n_seq_max = batch
+    cp.n_threads = cp.n_threads_batch = cfg["threads"]
+    ctx = lc.llama_init_from_model(model, cp)
+    pre, step = lc.llama_batch_init(batch * n_prompt, 0, 1), lc.llama_batch_init(batch, 0, 1)
+    try:
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {path.name}")
+        pre.n_tokens, step.n_tokens = batch * n_prompt, batch
+        for s in range(batch):
+            for p in range(n_prompt):
+                i = s * n_prompt + p
+                pre.token[i], pre.pos[i], pre.n_seq_id[i], pre.seq_id[i][0] = int(prompts[s, p]), p, 1, s
+                pre.logits[i] = p == n_prompt - 1
+            step.n_seq_id[s], step.seq_id[s][0], step.logits[s] = 1, s, True
+        tokens = np.zeros((batch, n_new), dtype=np.int64)
+
+        def decode(b: Any) -> np.ndarray:
+            rc = lc.llama_decode(ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc}")
+            return np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(batch, vocab)).argmax(-1)
+
+        def once() -> None:
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            tokens[:, 0] = decode(pre)
+            for t in range(1, n_new):
+                for s in range(batch):
+                    step.token[s], step.pos[s] = int(tokens[s, t - 1]), n_prompt + t - 1
+                tokens[:, t] = decode(step)
+
+        out = _walls(once, cfg["reps"], "llama_cpp")
+    finally:
+        lc.llama_batch_free(pre)
+        lc.llama_batch_free(step)
+        if ctx:
+            lc.llama_free(ctx)
+        lc.llama_model_free(model)
+    return {**out, "tokens": tokens.tolist(), "flash_attn": "llama.cpp default (auto)"}
 
 
 def _walls(once: Any, reps: int, package: str) -> dict:
@@ -138,7 +263,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.speed_measure import measure  # noqa: E402
+from bench.speed_measure import measure, peer_missing  # noqa: E402
 from bench.speed_report import (  # noqa: E402
     DTYPES,
     PAIRS,
@@ -159,6 +284,15 @@ from citer.decoding.cost import GPU_BANDWIDTH  # noqa: E402
 def run_pairs(args: argparse.Namespace) -> int:
     """Every pair and dtype of the command within the time budget (batches in order), then the targets."""
     run = BenchRun(args)
+    if args.llama_cpp_python and (why := peer_missing(args.llama_cpp_python, "import llama_cpp, gguf")):
+        run.note(f"llama.cpp rows skipped: {why}")
+        args.llama_cpp_python, args.llama_cpp_quants, args.llama_cpp_batches = "", [], []
+        run.report["settings"].update(llama_cpp_python="", llama_cpp_quants=[], llama_cpp_batches=[])
+    elif not args.llama_cpp_python and args.device == "cpu":
+        run.note("llama.cpp rows skipped: no --llama-cpp-python")
+    types = "; ".join(f"llama_cpp.LLAMA_FTYPE_MOSTLY_{q}" for q in args.llama_cpp_quants)
+    if types and (why := peer_missing(args.llama_cpp_python, f"import llama_cpp; {types}")):
+        raise SystemExit(f"--llama-cpp-quants: {why}")
     print(f"device: {run.report['device']['name']}; torch {torch.__version__}; bandwidth limit "
           f"{run.bandwidth / 1e9:.1f} GB/s ({run.report['bandwidth']['source']}); load {run.report['host'].get('loadavg_1m')}",
           flush=True)  # fmt: skip
@@ -192,6 +326,7 @@ def run_pairs(args: argparse.Namespace) -> int:
                 # Compiled code holds its models' weights (guards, constants) until dynamo forgets it: without the
                 # reset the next dtype's pair is built beside this one (an OOM kill here at SmolLM2 fp32).
                 models = None
+                run.drop_scratch()
                 torch._dynamo.reset()
                 gc.collect()
                 if args.device.startswith("cuda"):
@@ -389,7 +524,13 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
                     help="also our engine without compiles (default: on for cpu)")  # fmt: skip
     ap.add_argument("--hf-forward", action="store_true", help="engine rows also through the HF forward")
     ap.add_argument("--llama-cpp-python", default="",
-                    help="a Python with llama-cpp-python and gguf: llama.cpp rows (batch 1) from the same weights")  # fmt: skip
+                    help="a Python with llama-cpp-python and gguf: llama.cpp rows from the same weights")  # fmt: skip
+    ap.add_argument("--llama-cpp-quants", default=None,
+                    help="llama.cpp also at these types, quantized by its own quantizer (LLAMA_FTYPE_MOSTLY_* names; "
+                    "default Q8_0,Q4_K_M,Q4_0; none: the model's dtype only)")  # fmt: skip
+    ap.add_argument(
+        "--llama-cpp-batches", type=_ints, default=None, help="llama.cpp rows' batches (default: all)"
+    )
     ap.add_argument("--vllm-python", default="", help="a Python with vllm (CPU backend): vLLM LLM-only rows")
     ap.add_argument("--static-steps", default="auto",
                     help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
@@ -420,6 +561,15 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     a.new_tokens = a.new_tokens or (64 if cuda else 32)
     a.alphas = ([0.9] if cuda or a.quick else [0.5, 0.9]) if a.alphas is None else a.alphas
     a.compile_batches = a.compile_batches or a.batches
+    quants = "Q8_0,Q4_K_M,Q4_0" if a.llama_cpp_quants is None else a.llama_cpp_quants
+    a.llama_cpp_quants = [
+        q.strip().upper() for q in quants.split(",") if q.strip().lower() not in ("", "none")
+    ]
+    if any(not q.replace("_", "").isalnum() for q in a.llama_cpp_quants):
+        ap.error(f"--llama-cpp-quants {quants!r}: LLAMA_FTYPE_MOSTLY_* names, e.g. Q8_0,Q4_K_M,Q4_0")
+    a.llama_cpp_batches = (a.llama_cpp_batches or a.batches) if a.llama_cpp_python else []
+    if not a.llama_cpp_python:
+        a.llama_cpp_quants = []
     if a.overlap_fractions is None:
         a.overlap_fractions = [] if cuda else [0.1]
     if a.compile_reserve is None:

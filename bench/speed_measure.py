@@ -3,7 +3,8 @@ budget, each variant's row saved after every rep.
 
 - LLM alone first (the baselines): ``hf_llm_static_compiled`` (``generate`` with a static cache, compiled: CUDA
   graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine, ``--static-steps``), ``engine_llm_eager``, ``hf_llm``
-  (eager ``generate``), the peers (``llama_cpp_llm``, ``vllm_llm``);
+  (eager ``generate``), the peers (``llama_cpp_llm``, ``vllm_llm``; llama.cpp also quantized by its own quantizer,
+  ``llama_cpp_llm_q8_0``..., each row's ``precision`` its type);
 - then ``engine_slm``, a random router at LLM probability p (``routed_f{p}``; at batch > 1 ``shared_f{p}``,
   ``overlap_f{p}``, ``overlap_shared_f{p}``), at batch 1 assisted generation with the SLM drafting
   (``assisted_alpha{a}``: both models forced to agree at a fraction a of positions), and with ``--hf-forward`` every
@@ -12,6 +13,7 @@ budget, each variant's row saved after every rep.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from collections.abc import Callable
@@ -23,7 +25,7 @@ import torch
 
 from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, plain_bytes
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
-from citer.decoding.cost import call_tally
+from citer.decoding.cost import ModelCost, call_tally
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.lean import lean_decoder, set_forward_path
 from citer.decoding.speculative import assistant_setup
@@ -119,9 +121,10 @@ def variants(
         base.append(engine("engine_llm_eager", e, 1.0, model="llm"))
     base.append(Variant("hf_llm", hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}))
     llama = SPECS[PAIRS[models.name][1]]["family"] == "llama"
-    if a.llama_cpp_python and batch == 1 and not llama:
+    llama_cpp = bool(a.llama_cpp_python) and batch in a.llama_cpp_batches
+    if llama_cpp and not llama:
         run.note(f"{models.name}: no llama.cpp rows (the peer writes Llama-architecture GGUF files only)")
-    if a.llama_cpp_python and batch == 1 and llama:
+    if llama_cpp and llama:
         base.append(_peer(run, models, "llm", "llama_cpp", batch))
     if a.vllm_python:
         base.append(_peer(run, models, "llm", "vllm", batch))
@@ -141,7 +144,7 @@ def variants(
             rest.append(engine(f"overlap_f{p:g}", e, p))
             e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw, **share)
             rest.append(engine(f"overlap_shared_f{p:g}", e, p, **share))
-    if a.llama_cpp_python and batch == 1 and llama:
+    if llama_cpp and llama:
         rest.append(_peer(run, models, "slm", "llama_cpp", batch))
     if batch == 1:
         for alpha in a.alphas:
@@ -213,10 +216,24 @@ def gguf_arrays(model: Any) -> dict[str, Any]:
     return out
 
 
+def peer_missing(python: str, code: str) -> str | None:
+    """Why ``python`` cannot run ``code`` (a peer's imports, the names it needs), in one line; None where it can."""
+    import subprocess
+
+    try:
+        res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python}: {type(exc).__name__}: {exc}"
+    if res.returncode:
+        return f"{python} -c {code!r}: {(res.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
+
+
 def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -> Variant:
     """A peer decoding one model of the pair alone in an environment of its own (``bench/speed.py peer``), from the
-    same random weights: llama.cpp (``--llama-cpp-python``; the weights as ``.npy`` files it writes into a GGUF file)
-    or vLLM's CPU backend (``--vllm-python``; an HF model directory)."""
+    same random weights: llama.cpp (``--llama-cpp-python``; the weights as ``.npy`` files it writes into a GGUF file,
+    kept with its quantized copies in the run's scratch directory for the next batch) or vLLM's CPU backend
+    (``--vllm-python``; an HF model directory)."""
     import json
     import subprocess
     import tempfile
@@ -228,13 +245,17 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
     python = a.llama_cpp_python if peer == "llama_cpp" else a.vllm_python
 
     def go(n: int) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix=f"citer_{peer}_") as tmp:
-            out = Path(tmp)
+        with contextlib.ExitStack() as stack:
             if peer == "vllm":
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"citer_{peer}_"))
+                out = Path(tmp)
                 model.save_pretrained(out / "hf")
             else:
-                for name, arr in gguf_arrays(model).items():
-                    np.save(out / f"{name}.npy", arr)
+                out = run.scratch(f"{peer}_{models.name}_{models.dtype}_{which}")
+                tmp = str(out)
+                if not (out / "model.gguf").exists():
+                    for name, arr in gguf_arrays(model).items():
+                        np.save(out / f"{name}.npy", arr)
             c = model.config
             cfg = dict(dtype=models.dtype, dtype_name=str(model.dtype).removeprefix("torch."), batch=batch,
                        hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -242,12 +263,15 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
                        num_key_value_heads=c.num_key_value_heads, rope_theta=float(c.rope_parameters["rope_theta"]),
                        rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
                        max_position_embeddings=c.max_position_embeddings, prompt_len=a.prompt_len, new_tokens=n,
-                       reps=a.reps, threads=torch.get_num_threads())  # fmt: skip
+                       reps=a.reps, threads=torch.get_num_threads(),
+                       quants=a.llama_cpp_quants if peer == "llama_cpp" else [])  # fmt: skip
             (out / "config.json").write_text(json.dumps(cfg))
             script = Path(__file__).with_name("speed.py")
             env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
             cmd = [python, str(script), "peer", peer, tmp]
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
+            for npy in out.glob("*.npy"):  # in the GGUF file now
+                npy.unlink()
             line = next((x for x in res.stdout.splitlines() if x.startswith('{"reps_s"')), None)
             if res.returncode != 0 or line is None:
                 raise RuntimeError(f"{peer}: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
@@ -255,6 +279,11 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
 
     meta = {"method": peer, "model": which, "f": 1.0 if which == "llm" else 0.0, "peer": peer}
     return Variant(f"{peer}_{which}", go, meta, external=True)
+
+
+# A peer's fields its rows keep (the generated tokens stay out of the report).
+_PEER_FIELDS = ("system_info", "flash_attn", "quantize_s", "file_bytes", "weight_bytes", "tensor_types",
+                "quantize_fallbacks", "quantize_warnings")  # fmt: skip
 
 
 def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float) -> Variant:
@@ -319,7 +348,9 @@ def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
 
 
 def _external(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> None:
-    """A peer in a process of its own: it warms up and times its reps; they fill its row like any other's."""
+    """A peer in a process of its own: it warms up and times its reps; they fill its row like any other's. A peer that
+    also ran quantized copies of the model (llama.cpp: ``quantized``) fills a row for each, ``{name}_{type}``, its
+    precision that type and its bytes per call those of the quantized file."""
     where = f"{models.name} {models.dtype} b{batch} {v.name}"
     if run.left() < 60:
         run.note(f"{where}: skipped, {run.left():.0f}s left")
@@ -329,13 +360,20 @@ def _external(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> None:
     except Exception as exc:
         run.error(where, exc)
         return
-    row = _row_of(run, models, batch, v)
-    row["reps_s"] = [round(x, 5) for x in got["reps_s"]]
-    row["warmup_s"] = round(got["warmup_s"], 3)
-    row["peer_version"] = got.get("version")
-    _fill(run, models, batch, v, row, {})
-    run.save()
-    run.print_row(row)
+    runs = [(v, got, {})]
+    for q, res in got.get("quantized", {}).items():
+        sub = Variant(f"{v.name}_{q}", v.run, {**v.meta, "precision": q}, external=True)
+        same = {k: got[k] for k in ("version", "system_info") if k in got}
+        runs.append((sub, {**same, **res}, {"weight_bytes": res["weight_bytes"]}))
+    for var, res, info in runs:
+        row = _row_of(run, models, batch, var)
+        row["reps_s"] = [round(x, 5) for x in res["reps_s"]]
+        row["warmup_s"] = round(res["warmup_s"], 3)
+        row["peer_version"] = res.get("version")
+        row.update({f"peer_{k}": res[k] for k in _PEER_FIELDS if k in res})
+        _fill(run, models, batch, var, row, info)
+        run.save()
+        run.print_row(row)
 
 
 def _warm_up(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> bool:
@@ -379,8 +417,8 @@ def _row_of(run: BenchRun, models: BuiltPair, batch: int, v: Variant) -> dict[st
     for r in run.report["rows"]:
         if (r["pair"], r["dtype"], r["batch"], r["variant"]) == key:
             return r
-    r = {"pair": models.name, "dtype": models.dtype, "batch": batch, "variant": v.name, **v.meta,
-         "new_tokens": run.args.new_tokens, "prompt_len": run.args.prompt_len, "reps_s": []}  # fmt: skip
+    r = {"pair": models.name, "dtype": models.dtype, "precision": models.dtype, "batch": batch, "variant": v.name,
+         **v.meta, "new_tokens": run.args.new_tokens, "prompt_len": run.args.prompt_len, "reps_s": []}  # fmt: skip
     run.report["rows"].append(r)
     return r
 
@@ -412,6 +450,8 @@ def _fill(
         row["llm_fraction"] = 1.0 if llm_alone else 0.0 if alone else st.llm_fraction
     else:
         cost = models.costs[0] if v.meta.get("model") == "slm" else models.costs[1]
+        if "weight_bytes" in info:  # a quantized copy: its own bytes per call, the same KV
+            cost = ModelCost(info["weight_bytes"], cost.kv_bytes_per_token)
         row["bytes_per_token"] = plain_bytes(cost, batch, a.prompt_len, n_new) / (batch * n_new)
         row["llm_fraction"] = v.meta.get("f")
         row["llm_calls_per_step"] = 0.0 if v.meta.get("model") == "slm" else 1.0

@@ -13,7 +13,9 @@ import importlib.metadata
 import json
 import os
 import resource
+import shutil
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -44,6 +46,10 @@ SPECS: dict[str, dict[str, Any]] = {
     # --tiny: the same structure (GQA, a tied SLM head, different vocab rows), seconds on a CPU.
     "tiny-slm": dict(family="qwen2", hidden=32, inter=64, layers=2, heads=4, kv=2, vocab=512, tie=True),
     "tiny-llm": dict(family="qwen2", hidden=64, inter=128, layers=3, heads=4, kv=2, vocab=520, tie=False),
+    # --tiny --pairs tiny-llama: the SmolLM2 pair's structure in seconds (Llama, tied heads, one vocab; the SLM's rows
+    # of 96 fit no 256-wide K-quant block, the LLM's 256 do), for the llama.cpp peer's paths.
+    "tiny-llama-slm": dict(family="llama", hidden=96, inter=192, layers=2, heads=4, kv=2, vocab=512, tie=True),
+    "tiny-llama-llm": dict(family="llama", hidden=256, inter=512, layers=2, heads=4, kv=4, vocab=512, tie=True),
 }
 # fmt: on
 # Pair name -> (SLM spec, LLM spec).
@@ -53,6 +59,7 @@ PAIRS: dict[str, tuple[str, str]] = {
     "smollm2": ("smollm2-135m", "smollm2-1.7b"),
     "embedded": ("embedded-slm", "embedded-llm"),
     "tiny": ("tiny-slm", "tiny-llm"),
+    "tiny-llama": ("tiny-llama-slm", "tiny-llama-llm"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -189,6 +196,7 @@ class BenchRun:
         self.device = args.device
         self.t_start = time.perf_counter()
         self.cpu_start = cpu_times()
+        self._scratch: Path | None = None
         bw = read_bandwidth(self.device) if not args.tiny else {"best": 1e10}
         gpu = args.gpu
         self.bandwidth = GPU_BANDWIDTH[gpu] if gpu else bw["best"]
@@ -223,7 +231,7 @@ class BenchRun:
     def _device_info(self) -> dict[str, Any]:
         if not self.device.startswith("cuda"):
             return {"name": _cpu_name() + (" (--tiny smoke run; timings mean nothing)" if self.args.tiny else ""),
-                    "cuda": False, "threads": torch.get_num_threads()}  # fmt: skip
+                    "cuda": False, "threads": torch.get_num_threads(), "vector": cpu_vector()}  # fmt: skip
         p = torch.cuda.get_device_properties(0)
         return {
             "name": torch.cuda.get_device_name(0),
@@ -255,6 +263,21 @@ class BenchRun:
         self.report["elapsed_s"] = round(self.elapsed(), 1)
         self.report["host"]["others_cpu_share"] = others_cpu_share(self.cpu_start, cpu_times())
         write_text(self.args.out, json.dumps(self.report, indent=1, default=float) + "\n")
+
+    def scratch(self, name: str) -> Path:
+        """A directory ``name`` kept across batches (a peer's GGUF files, written and quantized once per model and
+        dtype) until :meth:`drop_scratch`."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="citer_bench_"))
+        d = self._scratch / name
+        d.mkdir(exist_ok=True)
+        return d
+
+    def drop_scratch(self) -> None:
+        """Removes the scratch directories (gigabytes at real shapes) once their models are done with."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         """(wall seconds, result) of ``fn()``, the device synced before and after."""
@@ -308,6 +331,21 @@ def others_cpu_share(start: tuple[float, float, float], now: tuple[float, float,
     return round(max(0.0, other) / (wall * (os.cpu_count() or 1)), 3)
 
 
+# /proc/cpuinfo flags that decide which kernels a CPU decoder can use (torch's oneDNN, llama.cpp's ggml).
+VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")  # fmt: skip
+
+
+def cpu_vector() -> list[str]:
+    """This CPU's vector extensions among ``VECTOR_FLAGS`` (``Features`` on ARM), in that order."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in VECTOR_FLAGS if f in have]
+    return []
+
+
 def _cpu_name() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -352,22 +390,37 @@ def derive_timings(report: dict[str, Any], stat: str = "median") -> None:
 
 
 ROUTED = ("routed", "shared", "overlap")
-# The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine (as it runs, and eager).
+# The LLM-only decoders a routed row is compared with: HF eager and compiled, our engine (as it runs, and eager), the
+# peers; llama.cpp's quantized copies too (``llama_cpp_llm_q4_0``...: ``is_llm_only``).
 LLM_ONLY = ("hf_llm", "hf_llm_static_compiled", "engine_llm", "engine_llm_eager", "llama_cpp_llm", "vllm_llm")
 # The routed f=0.1 decoders a target takes the best of: plain, shared LLM calls, overlapped, both.
 ROUTED_F01 = ("routed_f0.1", "shared_f0.1", "overlap_f0.1", "overlap_shared_f0.1")
 
 
+def is_llm_only(variant: str) -> bool:
+    """A row of an LLM-only decoder, at any precision: the fastest of them is the baseline, whatever its bits."""
+    return variant in LLM_ONLY or variant.startswith("llama_cpp_llm_")
+
+
+def label(r: dict[str, Any]) -> str:
+    """A row's name in the targets: its variant and precision (a quantized copy's, with the dtype it came from)."""
+    prec, dtype = r.get("precision", r["dtype"]), r["dtype"]
+    return f"{r['variant']} ({prec})" if prec == dtype else f"{r['variant']} ({prec} from {dtype})"
+
+
 def expected_llm_only(settings: dict[str, Any], batch: int, pair: str) -> list[str]:
     """The LLM-only baselines a run with ``settings`` set out to measure at ``batch``: a target compares against all
-    of them, and names the ones missing rather than compare against fewer."""
+    of them, and names the ones missing rather than compare against fewer. llama.cpp: at ``llama_cpp_batches`` (a
+    report from before that setting: batch 1), in the model's dtype and at each of ``llama_cpp_quants``."""
     out = ["hf_llm", "engine_llm"]
     if settings.get("compile") and batch in settings.get("compile_batches", []):
         out.append("hf_llm_static_compiled")
     if settings.get("engine_eager"):
         out.append("engine_llm_eager")
-    if settings.get("llama_cpp_python") and batch == 1 and SPECS[PAIRS[pair][1]]["family"] == "llama":
+    llama = SPECS[PAIRS[pair][1]]["family"] == "llama"
+    if settings.get("llama_cpp_python") and batch in settings.get("llama_cpp_batches", [1]) and llama:
         out.append("llama_cpp_llm")
+        out += [f"llama_cpp_llm_{q.lower()}" for q in settings.get("llama_cpp_quants", [])]
     if settings.get("vllm_python"):
         out.append("vllm_llm")
     return out
@@ -375,8 +428,9 @@ def expected_llm_only(settings: dict[str, Any], batch: int, pair: str) -> list[s
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The issues' targets per pair, from the derived rows: routed f=0.1 over the best LLM-only decoder per batch
-    (every dtype measured: the best of each side), the engine's LLM-only step against the bandwidth limit, routed
-    against assisted generation."""
+    (every dtype and precision measured, llama.cpp's quantized copies included: the best of each side), and over the
+    best llama.cpp row alone, the engine's LLM-only step against the bandwidth limit, routed against assisted
+    generation."""
     rows = [r for r in report["rows"] if "tokens_per_s" in r]
     settings = report.get("settings", {})
     out: dict[str, Any] = {}
@@ -385,7 +439,7 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         mine = [r for r in rows if r["pair"] == pair]
         for b in sorted({r["batch"] for r in mine}):
             at = [r for r in mine if r["batch"] == b]
-            llm_only = [r for r in at if r["variant"] in LLM_ONLY]
+            llm_only = [r for r in at if is_llm_only(r["variant"])]
             routed = [r for r in at if r["variant"] in ROUTED_F01]
             missing = sorted(set(expected_llm_only(settings, b, pair)) - {r["variant"] for r in llm_only})
             if missing:
@@ -394,14 +448,23 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
                 best = max(llm_only, key=lambda r: r["tokens_per_s"])
                 top = max(routed, key=lambda r: r["tokens_per_s"])
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = top["tokens_per_s"] / best["tokens_per_s"]
-                s[f"b{b}_best_llm_only"] = f"{best['variant']} ({best['dtype']})"
-                s[f"b{b}_best_routed_f0.1"] = f"{top['variant']} ({top['dtype']})"
+                s[f"b{b}_best_llm_only"] = label(best)
+                s[f"b{b}_best_routed_f0.1"] = label(top)
                 if "ratio_to_ideal" in top:
                     s[f"b{b}_best_routed_f0.1_ratio_to_ideal"] = top["ratio_to_ideal"]
             elif routed and missing:
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = f"baseline missing: {', '.join(missing)}"
             elif not routed and settings.get("fractions"):
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = "routed rows missing: none measured at this batch"
+            llama = [r for r in llm_only if r["variant"].startswith("llama_cpp_llm")]
+            llama_missing = [m for m in missing if m.startswith("llama_cpp_llm")]
+            if routed and llama_missing:
+                s[f"b{b}_routed_f0.1_over_best_llama_cpp"] = f"baseline missing: {', '.join(llama_missing)}"
+            elif routed and llama:
+                fast = max(llama, key=lambda r: r["tokens_per_s"])
+                top = max(routed, key=lambda r: r["tokens_per_s"])
+                s[f"b{b}_routed_f0.1_over_best_llama_cpp"] = top["tokens_per_s"] / fast["tokens_per_s"]
+                s[f"b{b}_best_llama_cpp"] = label(fast)
             eng = [r for r in at if r["variant"] == "engine_llm" and "ratio_to_bw" in r]
             if eng:
                 fast = min(eng, key=lambda r: r["ratio_to_bw"])

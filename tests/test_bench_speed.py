@@ -272,3 +272,241 @@ def test_the_gguf_files_for_llama_cpp_are_the_model_transformers_reads_back(spee
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, back(ids).logits)
+
+
+# --------------------------------------------------------------------------- llama.cpp: quantized peers, every batch
+def _row(variant: str, tps: float, batch: int = 1, dtype: str = "bf16", precision: str | None = None) -> dict:
+    return {"pair": "smollm2", "dtype": dtype, "precision": precision or dtype, "batch": batch, "variant": variant,
+            "tokens_per_s": tps}  # fmt: skip
+
+
+LLAMA_SETTINGS = {"llama_cpp_python": "py", "llama_cpp_quants": ["Q8_0", "Q4_K_M", "Q4_0"],
+                  "llama_cpp_batches": [1, 8], "fractions": [0.1]}  # fmt: skip
+
+
+def test_the_best_llm_only_decoder_is_the_fastest_at_any_precision(speed):
+    """A quantized llama.cpp row faster than every full-precision decoder is the baseline (named with its precision
+    and the dtype it was quantized from); llama.cpp's SLM rows never are; a quantized row the run set out to measure
+    and did not is named, at that batch only."""
+    report = sys.modules["bench.speed_report"]
+    quant = {"q8_0": 8.0, "q4_k_m": 11.0, "q4_0": 12.0}
+    rows = [_row("hf_llm", 5.0), _row("engine_llm", 7.0), _row("engine_llm", 6.0, dtype="fp32"),
+            _row("llama_cpp_llm", 4.0), *[_row(f"llama_cpp_llm_{q}", v, precision=q) for q, v in quant.items()],
+            _row("llama_cpp_slm_q4_0", 90.0, precision="q4_0"), _row("routed_f0.1", 18.0)]  # fmt: skip
+    at8 = [{**r, "batch": 8} for r in rows if r["variant"] != "llama_cpp_llm_q4_k_m"]
+    t = report.targets({"pairs": {"smollm2": {}}, "settings": LLAMA_SETTINGS, "rows": rows + at8})["smollm2"]
+    assert t["b1_best_llm_only"] == "llama_cpp_llm_q4_0 (q4_0 from bf16)"
+    assert t["b1_routed_f0.1_over_best_llm_only"] == pytest.approx(18.0 / 12.0)
+    assert t["b1_best_llama_cpp"] == "llama_cpp_llm_q4_0 (q4_0 from bf16)"
+    assert t["b1_routed_f0.1_over_best_llama_cpp"] == pytest.approx(1.5)
+    assert t["b1_best_routed_f0.1"] == "routed_f0.1 (bf16)" and "b1_baseline_missing" not in t
+    assert t["b8_baseline_missing"] == ["llama_cpp_llm_q4_k_m"]
+    assert t["b8_routed_f0.1_over_best_llm_only"] == "baseline missing: llama_cpp_llm_q4_k_m"
+    assert t["b8_routed_f0.1_over_best_llama_cpp"] == "baseline missing: llama_cpp_llm_q4_k_m"
+    # without the quantized rows the fastest full-precision decoder is the baseline again
+    plain = [r for r in rows if r.get("precision") == r["dtype"]]
+    settings = {**LLAMA_SETTINGS, "llama_cpp_quants": []}
+    t = report.targets({"pairs": {"smollm2": {}}, "settings": settings, "rows": plain})["smollm2"]
+    assert t["b1_best_llm_only"] == "engine_llm (bf16)" and t["b1_best_llama_cpp"] == "llama_cpp_llm (bf16)"
+    assert t["b1_routed_f0.1_over_best_llama_cpp"] == pytest.approx(18.0 / 4.0)
+
+
+def test_committed_cpu_reports_keep_their_targets(speed):
+    """Reports written before llama.cpp ran quantized and batched (no ``precision``, no ``llama_cpp_quants``, llama.cpp
+    at batch 1 only) derive the targets they hold, apart from the llama.cpp ratios added since."""
+    report = sys.modules["bench.speed_report"]
+    for name in ("bench_cpu.json", "bench_cpu_fp32.json"):
+        rep = json.loads((REPO / "reports" / name).read_text())
+        again = report.targets(rep)
+        for pair, held in rep["targets"].items():
+            fresh = {k: v for k, v in again[pair].items() if "llama_cpp" not in k}
+            assert fresh.keys() == held.keys(), (name, pair)
+            for k, v in held.items():
+                assert fresh[k] == (pytest.approx(v) if isinstance(v, float) else v), (name, pair, k)
+
+
+def test_a_peer_s_quantized_runs_fill_rows_of_their_own(speed, tmp_path):
+    """One llama.cpp call's result (the model's dtype and each quantized copy) becomes a row per precision, each with
+    the bytes its own file reads per call and what llama.cpp's quantizer did; the tokens stay out of the report."""
+    measure, report = sys.modules["bench.speed_measure"], sys.modules["bench.speed_report"]
+    args = speed.parse_args(["--tiny", "--pairs", "tiny-llama", "--new-tokens", "4", "--prompt-len", "5",
+                             "--llama-cpp-python", "py", "--out", str(tmp_path / "r.json")])  # fmt: skip
+    run = report.BenchRun(args)
+    models = report.build_pair("tiny-llama", "cpu", "fp32")
+    one = {"reps_s": [0.4, 0.2, 0.3], "warmup_s": 0.5, "tokens": [[1, 2, 3, 4]], "flash_attn": "auto"}
+    got = {**one, "version": "9.9", "precision": "fp32", "system_info": "CPU : AVX2 = 1",
+           "quantized": {"q8_0": {**one, "reps_s": [0.2, 0.1, 0.3], "weight_bytes": 1000, "quantize_s": 0.1,
+                                  "tensor_types": {"F32": 5, "Q8_0": 14}, "quantize_fallbacks": []},
+                         "q4_k_m": {**one, "weight_bytes": 600, "tensor_types": {"Q4_K": 10, "Q6_K": 4},
+                                    "quantize_fallbacks": ["warning: x -> falling back to q5_0"]}}}  # fmt: skip
+    v = measure.Variant(
+        "llama_cpp_llm", lambda n: got, {"method": "llama_cpp", "model": "llm", "f": 1.0}, external=True
+    )
+    measure._external(run, models, 1, v)
+    rows = {r["variant"]: r for r in run.report["rows"]}
+    assert list(rows) == ["llama_cpp_llm", "llama_cpp_llm_q8_0", "llama_cpp_llm_q4_k_m"]
+    assert [r["precision"] for r in rows.values()] == ["fp32", "q8_0", "q4_k_m"]
+    q8, q4 = rows["llama_cpp_llm_q8_0"], rows["llama_cpp_llm_q4_k_m"]
+    assert q8["ms_per_token"] == pytest.approx(1e3 * 0.2 / 4) and q8["peer_tensor_types"]["Q8_0"] == 14
+    assert q4["peer_quantize_fallbacks"] == ["warning: x -> falling back to q5_0"]
+    assert q8["peer_version"] == "9.9" and q8["peer_system_info"] == "CPU : AVX2 = 1"
+    kv = models.costs[1].kv_bytes_per_token
+    for r, wb in ((q8, 1000), (q4, 600), (rows["llama_cpp_llm"], models.costs[1].weight_bytes)):
+        cost = sys.modules["citer.decoding.cost"].ModelCost(wb, kv)
+        assert r["bytes_per_token"] == pytest.approx(report.plain_bytes(cost, 1, 5, 4) / 4)
+    assert all("tokens" not in r and "peer_tokens" not in r for r in rows.values())
+
+
+def test_llama_cpp_settings_default_to_three_quantized_types_at_every_batch(speed):
+    a = speed.parse_args(["--device", "cpu", "--llama-cpp-python", "py", "--out", "x.json"])
+    assert a.llama_cpp_quants == ["Q8_0", "Q4_K_M", "Q4_0"] and a.llama_cpp_batches == [1, 8]
+    a = speed.parse_args(["--device", "cpu", "--llama-cpp-python", "py", "--llama-cpp-quants", "none",
+                          "--llama-cpp-batches", "1", "--out", "x.json"])  # fmt: skip
+    assert a.llama_cpp_quants == [] and a.llama_cpp_batches == [1]
+    a = speed.parse_args(["--device", "cpu", "--out", "x.json"])
+    assert a.llama_cpp_quants == [] and a.llama_cpp_batches == []
+
+
+def test_a_python_without_llama_cpp_skips_its_rows_with_one_line(speed, tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--tiny", "--pairs", "tiny-llama", "--batches", "1", "--new-tokens", "2", "--prompt-len", "3", "--reps",
+            "1", "--alphas", "", "--static-steps", "none", "--llama-cpp-python", str(tmp_path / "no-python"),
+            "--out", str(out)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rep = json.loads(out.read_text())
+    skipped = [n for n in rep["notes"] if n.startswith("llama.cpp rows skipped")]
+    assert len(skipped) == 1 and "\n" not in skipped[0] and "no-python" in skipped[0]
+    assert rep["errors"] == [] and not any(r["variant"].startswith("llama_cpp") for r in rep["rows"])
+    assert (
+        rep["settings"]["llama_cpp_python"] == ""
+        and "b1_baseline_missing" not in rep["targets"]["tiny-llama"]
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_python():
+    """The Python named by ``CITER_LLAMA_CPP_PYTHON`` when it imports llama_cpp and gguf (a venv of its own: the
+    project's does not hold llama-cpp-python)."""
+    py = os.environ.get("CITER_LLAMA_CPP_PYTHON", "")
+    if not py:
+        pytest.skip("CITER_LLAMA_CPP_PYTHON unset: no llama.cpp to run")
+    why = sys.modules["bench.speed_measure"].peer_missing(py, "import llama_cpp, gguf")
+    if why:
+        pytest.skip(why)
+    return py
+
+
+def _tiny_llama(hidden: int, inter: int, vocab: int = 256) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # wider logits than the default init's: greedy picks far from ties
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def _run_peer(speed, python: str, model: torch.nn.Module, where, **cfg) -> dict:
+    import numpy as np
+
+    from bench.speed_measure import gguf_arrays
+
+    where.mkdir()
+    for name, arr in gguf_arrays(model).items():
+        np.save(where / f"{name}.npy", arr)
+    c = model.config
+    keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "rms_norm_eps", "vocab_size", "max_position_embeddings")  # fmt: skip
+    full = {k: getattr(c, k) for k in keys} | {"dtype": "fp32", "rope_theta": c.rope_parameters["rope_theta"],
+                                               "threads": 2, "reps": 1, **cfg}  # fmt: skip
+    (where / "config.json").write_text(json.dumps(full))
+    res = subprocess.run([python, str(REPO / "bench" / "speed.py"), "peer", "llama_cpp", str(where)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_llama_cpp_batched_greedy_decodes_as_transformers(speed, llama_cpp_python, tmp_path):
+    """llama.cpp's batch API as the peer drives it (one sequence id per row, every row in one batch per step) decodes
+    each row of a float32 model as transformers' greedy ``generate`` does, at batch 1 and 3."""
+    import numpy as np
+
+    model = _tiny_llama(128, 256)
+    prompt_len, n_new = 7, 6
+    for batch in (1, 3):
+        got = _run_peer(speed, llama_cpp_python, model, tmp_path / f"b{batch}", batch=batch, prompt_len=prompt_len,
+                        new_tokens=n_new, quants=[])  # fmt: skip
+        prompts = torch.tensor(np.random.default_rng(0).integers(3, 256, (batch, prompt_len)))
+        with torch.no_grad():
+            ref = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n_new,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        assert got["tokens"] == ref[:, prompt_len:].tolist(), batch
+        assert len(got["reps_s"]) == 1 and got["precision"] == "fp32" and got["quantized"] == {}
+
+
+def test_llama_cpp_quantizes_with_its_own_rules_and_says_where_it_fell_back(
+    speed, llama_cpp_python, tmp_path
+):
+    """Q8_0, Q4_K_M and Q4_0 copies from llama.cpp's quantizer, each decoded: rows of 256 take K-quant blocks, rows
+    of 96 cannot and llama.cpp's fallbacks are reported; fewer bits, fewer bytes per call."""
+    runs = {}
+    for hidden, inter in ((256, 512), (96, 192)):
+        runs[hidden] = _run_peer(speed, llama_cpp_python, _tiny_llama(hidden, inter), tmp_path / f"h{hidden}",
+                                 batch=2, prompt_len=5, new_tokens=3, quants=["Q8_0", "Q4_K_M", "Q4_0"])  # fmt: skip
+    for got in runs.values():
+        q = got["quantized"]
+        assert list(q) == ["q8_0", "q4_k_m", "q4_0"]
+        assert all(
+            len(r["tokens"]) == 2 and len(r["tokens"][0]) == 3 and len(r["reps_s"]) == 1 for r in q.values()
+        )
+        assert q["q4_0"]["weight_bytes"] < q["q8_0"]["weight_bytes"]
+        assert q["q8_0"]["tensor_types"].get("Q8_0", 0) >= 2 * 7  # every layer's projections
+        assert q["q4_0"]["tensor_types"].get("Q4_0", 0) >= 2 * 6
+    wide, narrow = runs[256]["quantized"], runs[96]["quantized"]
+    assert wide["q4_k_m"]["tensor_types"].get("Q4_K", 0) > 0 and wide["q4_k_m"]["quantize_fallbacks"] == []
+    assert "Q4_K" not in narrow["q4_k_m"]["tensor_types"]
+    assert any("falling back" in w for w in narrow["q4_k_m"]["quantize_fallbacks"])
+    assert any("required fallback quantization" in w for w in narrow["q4_k_m"]["quantize_fallbacks"])
+
+
+def test_the_bench_races_llama_cpp_at_every_precision_and_batch(speed, llama_cpp_python, tmp_path):
+    """``--llama-cpp-python`` at tiny Llama shapes through the real peer path: llama.cpp in the model's dtype and at
+    Q8_0, Q4_K_M and Q4_0 for both models at batch 1 and 2, every row timed, and the targets' baseline the fastest
+    LLM-only row of any precision."""
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--pairs", "tiny-llama", "--batches", "1,2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
+            "2", "--alphas", "", "--llama-cpp-python", llama_cpp_python, "--out", str(out)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["errors"] == [], rep["errors"]
+    rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
+    for b in (1, 2):
+        for m in ("llm", "slm"):
+            for q, prec in (("", "fp32"), ("_q8_0", "q8_0"), ("_q4_k_m", "q4_k_m"), ("_q4_0", "q4_0")):
+                r = rows[b, f"llama_cpp_{m}{q}"]
+                assert r["precision"] == prec and len(r["reps_s"]) == 2 and r["tokens_per_s"] > 0, (b, m, q)
+        assert rows[b, "llama_cpp_llm_q4_0"]["bytes_per_token"] < rows[b, "llama_cpp_llm"]["bytes_per_token"]
+        assert rows[b, "llama_cpp_llm_q4_k_m"]["peer_quantize_fallbacks"] == []  # the LLM's rows of 256
+        assert rows[b, "llama_cpp_slm_q4_k_m"]["peer_quantize_fallbacks"]  # the SLM's rows of 96
+        t = rep["targets"]["tiny-llama"]
+        assert f"b{b}_baseline_missing" not in t
+        llm_only = [
+            r for (bb, v), r in rows.items() if bb == b and sys.modules["bench.speed_report"].is_llm_only(v)
+        ]
+        best = max(llm_only, key=lambda r: r["tokens_per_s"])
+        assert t[f"b{b}_best_llm_only"].split(" ")[0] == best["variant"]
+        assert isinstance(t[f"b{b}_routed_f0.1_over_best_llama_cpp"], float)
+
+
+def test_a_type_llama_cpp_does_not_know_stops_the_run_before_it_starts(speed, llama_cpp_python, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--pairs", "tiny-llama", "--llama-cpp-python", llama_cpp_python, "--llama-cpp-quants",
+            "Q8_0,Q3_X", "--out", str(out)]  # fmt: skip
+    with pytest.raises(SystemExit, match="LLAMA_FTYPE_MOSTLY_Q3_X"):
+        speed.main(argv)
+    assert not out.exists()
