@@ -63,3 +63,4 @@ def test_the_report_holds_its_ceiling_by_its_definition(roofline, tmp_path):
         v = r["variants"]
         assert list(v) == ["llm_prefill=admit", "llm_schedule=measured,llm_min_rows=2"]
         assert all(x["measured"] == pytest.approx(r["llm_s"] / x["routed_s"]) for x in v.values())
+        assert all(x["same_rows"] == 1.0 for x in v.values())  # float32: the same tokens, other schedules
