@@ -334,7 +334,17 @@ def roofline_block(reports: Path) -> Block:
     note = (f"{r['pair']} shapes, {r['dtype']}, prompt {r['prompt_len']}, {r['new_tokens']} new tokens, f = "
             f"{r['fraction']}, engine {r['engine']}, median of {r['reps']}; {r['cpu']}, {r['threads']} threads, "
             f"torch {r['torch']}, other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
-    return table(head, rows) + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
+    out = table(head, rows)
+    # Other engine settings timed in the same run (``--variants``), beside the params' own (first line per batch).
+    alt = [[str(x["batch"]), name, f"{v['routed_s']:.2f} s", f"{v['measured']:.2f}×", f"{v['same_rows']:.0%}",
+            f"{v['llm_calls_per_step']:.2f}"]
+           for x in r["rows"] for name, v in [("params' engine", {"routed_s": x["routed_s"], "measured": x["measured"],
+                                               "same_rows": 1.0, "llm_calls_per_step": x["routed_llm_calls_per_step"]}),
+                                              *x.get("variants", {}).items()]] if any(x.get("variants") for x in r["rows"]) else []  # fmt: skip
+    if alt:
+        out += "\n\n" + table(["batch", "routed engine", "routed", "measured", "rows as the params' engine's",
+                                "LLM calls a step"], alt)  # fmt: skip
+    return out + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
 
 
 LOAD_STAGES = ("bootstrap", "finetune", "iterate", "sweep")  # the costly ones, in pipeline order
