@@ -380,6 +380,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "stability": stability_block,
     "speed_cpu": speed_block,
     "speed_cpu_float": lambda reports: speed_block(reports, "bench_cpu_fp32.json"),
+    "speed_cpu_llama_cpp": lambda reports: speed_block(reports, "bench_cpu_llama_cpp.json"),
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
     "roofline": roofline_block,
 }
