@@ -133,7 +133,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for b in sorted({r["batch"] for r in rows}):
         at = [r for r in rows if r["batch"] == b]
         best = max(at, key=lambda r: r["llm_only_tok_s"])
-        out[f"b{b}_best_llm_only"] = f"llama.cpp {best['precision']} ({best['llm_only_tok_s']:.2f} tok/s)"
+        out[f"b{b}_best_llm_only"] = f"llama.cpp {best['llm_precision']} ({best['llm_only_tok_s']:.2f} tok/s)"
         for r in at:
             out[f"b{b}_routed_{r['precision']}_over_best_llm_only"] = (
                 r["routed_tok_s"] / best["llm_only_tok_s"]
@@ -141,7 +141,15 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         top = max(at, key=lambda r: r["routed_tok_s"])
         out[f"b{b}_best_routed"] = top["precision"]
         out[f"b{b}_best_routed_over_best_llm_only"] = top["routed_tok_s"] / best["llm_only_tok_s"]
+        out[f"b{b}_ceiling_over_best_llm_only"] = ceiling_over_best(at)
     return out
+
+
+def ceiling_over_best(rows: list[dict[str, Any]]) -> float:
+    """The most any pair of one batch's rows could gain over the fastest LLM-only decoder among them: each pair's
+    ceiling (over its own LLM alone) rescaled to that decoder."""
+    best = max(r["llm_only_tok_s"] for r in rows)
+    return max(r["ceiling_over_own_llm"] * r["llm_only_tok_s"] / best for r in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

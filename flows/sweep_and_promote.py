@@ -134,6 +134,7 @@ def sweep_decode(params_path: str = "params.yaml") -> tuple[Any, Any, dict[str, 
             log=logger.info,
             passes=passes,
             layer_routers=width_routers(proj, slm, len(tok), routers["citer"], pair),
+            engine=p.engine,
         )
     return result, champion, rmeta, int(slm.config.hidden_size)
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from citer.config.base import (
     _Block,
+    _FieldError,
 )
 
 
@@ -34,6 +35,26 @@ class EngineParams(_Block):
     # Queue the SLM's step while the LLM's catch-up is in flight (on CUDA, a stream of its own); the LLM's tokens
     # reach the SLM a step later. Same tokens; pays where the device overlaps the calls (a GPU), not on a CPU.
     overlap: bool = False
+    # Which kernels decode: "torch" (this engine, every option above) or "llama_cpp" (both models as GGUF files on
+    # llama.cpp's CPU kernels, citer.decoding.llama_cpp_engine; needs llama-cpp-python: CITER_LLAMA_CPP=1 bash
+    # scripts/setup.sh). Honoured by citer route and the sweep's passes, so tau is chosen on the runner that serves;
+    # citer serve needs the torch runner (its scheduler steps sessions).
+    runner: Literal["torch", "llama_cpp"] = "torch"
+    # The llama.cpp type the pipeline's models are converted to (llama.cpp's quantizer for the quantized ones):
+    # F32, BF16, F16, Q8_0, Q6_K, Q5_K_M, Q5_0, Q4_K_M, Q4_0, ... ; K-quants need widths that are multiples of 256.
+    llama_cpp_type: str = Field("Q8_0", pattern=r"^(F32|BF16|F16|Q[2-8](_[01K])?(_[SML])?)$")
+
+    @model_validator(mode="after")
+    def _one_runner(self) -> EngineParams:
+        torch_only = {"llm_min_rows": 1, "llm_max_wait_steps": 0, "llm_schedule": "fixed", "llm_prefill": "lazy",
+                      "compile_forward": False, "overlap": False}  # fmt: skip
+        if self.runner == "llama_cpp":
+            for name, default in torch_only.items():
+                if getattr(self, name) != default:
+                    raise _FieldError(
+                        "runner", self.runner, f"llama_cpp runs no {name} (set it to {default!r})"
+                    )
+        return self
 
 
 class InferenceParams(_Block):

@@ -20,7 +20,6 @@ chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded 
 from __future__ import annotations
 
 import math
-import numbers
 import time
 import weakref
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
+from citer.decoding.rows import check_prompts
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
 from citer.decoding.step_compile import StepMode
@@ -258,32 +258,10 @@ class RoutedEngine:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
     ) -> None:
         """Raise :class:`EngineInputError` for prompts or a budget these models cannot take."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if len(prompts) == 0:
-            raise EngineInputError("prompts: empty list, nothing to generate")
-        if row_ids is not None and (len(row_ids) != len(prompts) or len(set(row_ids)) != len(row_ids)):
-            raise EngineInputError(f"row_ids: need {len(prompts)} distinct ids, got {list(row_ids)[:8]}...")
-        vocab = self.vocab_size
         limits = [("slm", _max_positions(self.slm))]
         if self.llm is not None:
             limits.append(("llm", _max_positions(self.llm)))
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise EngineInputError(f"prompts[{i}]: empty prompt")
-            # Plain ints in range, checked in C (min/max); anything else gets the per-token look that names it.
-            if all(type(t) is int for t in p) and 0 <= min(p) and max(p) < vocab:
-                bad = []
-            else:
-                bad = [t for t in p if not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
-            if bad:
-                raise EngineInputError(f"prompts[{i}]: token ids outside [0, {vocab}): {bad[:5]}")
-            for name, mx in limits:
-                if len(p) > mx - max_new_tokens:
-                    raise EngineInputError(
-                        f"prompts[{i}]: {len(p)} tokens is longer than the {name} context allows "
-                        f"(max_position_embeddings {mx} - max_new_tokens {max_new_tokens} = {mx - max_new_tokens})"
-                    )
+        check_prompts(prompts, max_new_tokens, row_ids, self.vocab_size, limits)
 
     def route(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """The hard flags (b,) bool for hidden (b, H): the rows whose next token the LLM writes

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from citer.decoding.cost import ModelCost
 from citer.models.gguf import GgufError
 
 
@@ -62,7 +63,8 @@ class LlamaCppModel:
     """A GGUF model in a llama.cpp context holding ``rows`` sequences of up to ``row_tokens`` tokens each.
 
     ``hidden``: the context also returns each fed row's final-norm hidden state (llama.cpp's embeddings output with
-    pooling none), as the SLM's router needs. :meth:`feed` appends tokens to rows; :meth:`reset` empties them all.
+    pooling none), as the SLM's router needs. :meth:`feed` appends tokens to rows; :meth:`clear` empties one row,
+    :meth:`reset` all; :meth:`fit` makes the context larger (the weights stay loaded).
     """
 
     path: Path
@@ -85,6 +87,13 @@ class LlamaCppModel:
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise GgufError(f"{self.path}: llama.cpp could not load it ({_last_log()})")
+        self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
+        self.hidden_size = int(lc.llama_model_n_embd(self._model))
+        self.max_positions = int(lc.llama_model_n_ctx_train(self._model))
+        self._make_context()
+
+    def _make_context(self) -> None:
+        lc = _lib()
         cp = lc.llama_context_default_params()
         cp.n_seq_max = self.rows
         cp.n_ctx = self.rows * self.row_tokens
@@ -99,9 +108,36 @@ class LlamaCppModel:
         if not self._ctx:
             self.close()
             raise RuntimeError(f"{self.path}: llama.cpp could not make a context ({_last_log()})")
-        self.vocab_size = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model)))
-        self.hidden_size = int(lc.llama_model_n_embd(self._model))
         self.lengths = [0] * self.rows
+
+    def fit(self, rows: int, row_tokens: int) -> None:
+        """A context of at least ``rows`` rows of ``row_tokens`` tokens (a new, empty one where this is smaller)."""
+        if rows <= self.rows and row_tokens <= self.row_tokens:
+            return
+        _lib().llama_free(self._ctx)
+        self.rows, self.row_tokens = max(rows, self.rows), max(row_tokens, self.row_tokens)
+        self._make_context()
+
+    def clear(self, row: int) -> None:
+        """Row ``row`` empty (its sequence's cache entries removed), for the next prompt to take it."""
+        lc = _lib()
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), row, -1, -1)
+        self.lengths[row] = 0
+
+    def cost(self) -> ModelCost:
+        """What a decode call reads, as the engine's meter counts it: the file's tensors but an untied input
+        embedding (rows looked up), and the K and V of one token at llama.cpp's default cache type (F16)."""
+        import gguf
+
+        tensors = gguf.GGUFReader(str(self.path)).tensors
+        names = {t.name for t in tensors}
+        weight = sum(
+            int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or "output.weight" not in names
+        )
+        lc = _lib()
+        layers, kv_heads = lc.llama_model_n_layer(self._model), lc.llama_model_n_head_kv(self._model)
+        head_dim = self.hidden_size // lc.llama_model_n_head(self._model)
+        return ModelCost(weight_bytes=weight, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2)
 
     def close(self) -> None:
         lc = _BACKEND.get("lc")

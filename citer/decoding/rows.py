@@ -5,6 +5,7 @@ Shapes: k = rows, V = vocab.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,6 +52,39 @@ class Engine(Protocol):
 
 class EngineInputError(ValueError):
     """Bad arguments to the engine; raised before any generation."""
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    row_ids: Sequence[int] | None,
+    vocab: int,
+    limits: Sequence[tuple[str, int]],
+) -> None:
+    """Raise :class:`EngineInputError` for prompts or a budget models cannot take: ids outside ``[0, vocab)``, a
+    prompt plus ``max_new_tokens`` beyond a model's positions (``limits``: (name, max positions))."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if len(prompts) == 0:
+        raise EngineInputError("prompts: empty list, nothing to generate")
+    if row_ids is not None and (len(row_ids) != len(prompts) or len(set(row_ids)) != len(row_ids)):
+        raise EngineInputError(f"row_ids: need {len(prompts)} distinct ids, got {list(row_ids)[:8]}...")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise EngineInputError(f"prompts[{i}]: empty prompt")
+        # Plain ints in range, checked in C (min/max); anything else gets the per-token look that names it.
+        if all(type(t) is int for t in p) and 0 <= min(p) and max(p) < vocab:
+            bad = []
+        else:
+            bad = [t for t in p if not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+        if bad:
+            raise EngineInputError(f"prompts[{i}]: token ids outside [0, {vocab}): {bad[:5]}")
+        for name, mx in limits:
+            if len(p) > mx - max_new_tokens:
+                raise EngineInputError(
+                    f"prompts[{i}]: {len(p)} tokens is longer than the {name} context allows "
+                    f"(max_position_embeddings {mx} - max_new_tokens {max_new_tokens} = {mx - max_new_tokens})"
+                )
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

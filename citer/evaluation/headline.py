@@ -347,6 +347,35 @@ def roofline_block(reports: Path) -> Block:
     return out + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
 
 
+def llama_cpp_routed_block(reports: Path) -> Block:
+    """bench/llama_cpp_routed.py: routed pairs on llama.cpp's kernels at each precision, against the fastest LLM-only
+    decoder of the run at any precision, with routing's ceiling beside."""
+    r = _load(reports, "bench_cpu_llama_cpp_routed.json")
+    best = {
+        b: max(x["llm_only_tok_s"] for x in r["rows"] if x["batch"] == b)
+        for b in {x["batch"] for x in r["rows"]}
+    }
+    rows = [[str(x["batch"]), x["precision"], f"{x['llm_only_tok_s']:.1f}", f"{x['slm_only_tok_s']:.0f}",
+             f"{x['routed_tok_s']:.1f}", f"{x['routed_over_own_llm']:.2f}×", f"{x['ceiling_over_own_llm']:.2f}×",
+             f"{x['routed_tok_s'] / best[x['batch']]:.2f}×", f"{x['routed_over_ideal']:.2f}",
+             f"{x['llm_prompt_tok_s']:.0f}"] for x in r["rows"]]  # fmt: skip
+    head = ["batch", "SLM + LLM precision", "LLM alone tok/s", "SLM alone tok/s", "routed tok/s",
+            "routed ÷ its LLM alone", "ceiling ÷ its LLM alone", "routed ÷ best LLM-only", "routed ÷ step-time ideal",
+            "LLM prompt tok/s"]  # fmt: skip
+    s, d = r["settings"], r["device"]
+    # a pair's ceiling over its own LLM alone, rescaled to the batch's fastest LLM-only decoder
+    ceil = {b: max(x["ceiling_over_own_llm"] * x["llm_only_tok_s"] / best[b] for x in r["rows"] if x["batch"] == b)
+            for b in best}  # fmt: skip
+    bests = "; ".join(f"batch {b}: {r['ratios'][f'b{b}_best_llm_only']}, routing's ceiling over it {ceil[b]:.2f}×"
+                      for b in sorted(best))  # fmt: skip
+    note = (f"SmolLM2 shapes ({s['pair']}), prompt {s['prompt_len']}, {s['new_tokens']} new tokens, f = {s['f']}, "
+            f"median of {s['reps']}; {d['cpu']}, {d['threads']} threads, llama-cpp-python {r['llama_cpp_python']}; "
+            f"other processes' share of the cores {r['others_cpu_share']}; best LLM-only: {bests}")  # fmt: skip
+    return table(head, rows) + f"\n\nFrom `reports/bench_cpu_llama_cpp_routed.json` ({note}).", [
+        "bench_cpu_llama_cpp_routed.json"
+    ]
+
+
 LOAD_STAGES = ("bootstrap", "finetune", "iterate", "sweep")  # the costly ones, in pipeline order
 QUIET_BOUND_S = 480.0  # the newcomer's bound: the default run within 8 minutes on 2 quiet cores
 
@@ -383,6 +412,7 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "speed_cpu_llama_cpp": lambda reports: speed_block(reports, "bench_cpu_llama_cpp.json"),
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
     "roofline": roofline_block,
+    "llama_cpp_routed": llama_cpp_routed_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from citer.config import SweepParams
+from citer.config.serving import EngineParams
 from citer.data.formats import Format
 from citer.decoding.baselines import AlwaysSLM, RandomRouter, Router
 from citer.decoding.cost import call_tally
@@ -78,6 +79,9 @@ class PassBench:
     params: SweepParams
     splits: dict[str, Split] = field(default_factory=dict)
     routers: dict[str, Router] = field(default_factory=dict)
+    # The params' engine block: which kernels decode (``runner``: torch, or llama_cpp on GGUF files of
+    # ``llama_cpp_type``), so τ is chosen on the runner that serves.
+    engine_params: EngineParams = field(default_factory=EngineParams)
 
     @property
     def eos(self) -> int:
@@ -105,8 +109,10 @@ class PassBench:
             )
         return self.routers[spec.router]
 
-    def engine(self, spec: PassSpec) -> RoutedEngine:
+    def engine(self, spec: PassSpec) -> Any:
         solo = {"llm": self.llm, "slm": self.slm}.get(spec.kind)
+        if self.engine_params.runner == "llama_cpp":
+            return self._llama_cpp_engine(spec, solo)
         return RoutedEngine(
             solo if solo is not None else self.slm,
             None if solo is not None else self.llm,
@@ -119,10 +125,41 @@ class PassBench:
             **dict(spec.engine),
         )
 
-    def pricings(self) -> tuple[Pricing, Pricing | None]:
-        """The pair that ran (to check a pass's counts against its bytes) and the reference pair (``price_at``)."""
+    def _llama_cpp_engine(self, spec: PassSpec, solo: Any) -> Any:
+        from citer.decoding.llama_cpp_engine import LlamaCppEngine
+        from citer.models.to_gguf import gguf_for
+
+        if spec.engine:
+            raise SweepError(
+                f"pass {spec.name!r}: engine options {dict(spec.engine)} need engine.runner torch (the llama_cpp "
+                "runner has no verified routing)"
+            )
+        t = self.engine_params.llama_cpp_type
+        if solo is not None:
+            return LlamaCppEngine(
+                gguf_for(solo, t), None, AlwaysSLM(), 1.0, self.eos, self.vocab, self.params.gpu
+            )
+        return LlamaCppEngine(gguf_for(self.slm, t), gguf_for(self.llm, t), self.router(spec), spec.tau, self.eos,
+                              self.vocab, self.params.gpu)  # fmt: skip
+
+    def pricings(self, runner: str | None = None) -> tuple[Pricing, Pricing | None]:
+        """The pair that ran (to check a pass's counts against its bytes; ``runner``, default the params', names
+        whose bytes: the torch models' or their GGUF files') and the reference pair (``price_at``)."""
         ref = self.params.price_at
-        return Pricing.measured(self.slm, self.llm), Pricing.reference(ref) if ref is not None else None
+        reference = Pricing.reference(ref) if ref is not None else None
+        if (runner or self.engine_params.runner) == "llama_cpp":
+            from citer.decoding.llama_cpp_runner import LlamaCppModel
+            from citer.models.to_gguf import gguf_for
+
+            t = self.engine_params.llama_cpp_type
+            with LlamaCppModel(gguf_for(self.slm, t), 1, 8) as s:
+                slm_cost = s.cost()
+            llm_cost = None
+            if self.llm is not None:
+                with LlamaCppModel(gguf_for(self.llm, t), 1, 8) as m:
+                    llm_cost = m.cost()
+            return Pricing.of_costs(self.slm, slm_cost, llm_cost), reference
+        return Pricing.measured(self.slm, self.llm), reference
 
     def run(self, spec: PassSpec) -> PassOutcome:
         split = self.splits[spec.split]
@@ -169,7 +206,8 @@ class PassBench:
         sp, totals = speculative_result(
             outputs, self.tokenizer, split.rows[:m], self.fmt, p.gpu, min(p.decoding_batch, n)
         )
-        sp.price(counts, RouterShape(), 0, *self.pricings(), f"pass {spec.name!r}")
+        # assisted generation runs on the torch models whatever the runner: priced at their bytes
+        sp.price(counts, RouterShape(), 0, *self.pricings("torch"), f"pass {spec.name!r}")
         return PassOutcome(sp, time.perf_counter() - t0, totals, m)
 
 

@@ -154,6 +154,13 @@ class Pricing:
         llm_cost = ModelCost.from_model(llm) if llm is not None else ModelCost(0, 0)
         return cls("measured", ModelCost.from_model(slm), llm_cost, int(slm.config.hidden_size), elt)
 
+    @classmethod
+    def of_costs(cls, slm: Any, slm_cost: ModelCost, llm_cost: ModelCost | None) -> Pricing:
+        """The pair that ran, at other per-call costs than its torch models' (the GGUF files a llama.cpp runner
+        decoded); the router's read stays the torch SLM's dtype, where the router runs."""
+        elt = next(iter(slm.parameters())).element_size()
+        return cls("measured", slm_cost, llm_cost or ModelCost(0, 0), int(slm.config.hidden_size), elt)
+
     def price(self, counts: CallCounts, router_bytes: int) -> float:
         """Bytes of ``counts`` at this pair; ``router_bytes``: what each router-reading call reads here."""
         return float(

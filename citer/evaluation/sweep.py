@@ -28,9 +28,11 @@ from typing import Any
 import torch
 
 from citer.config import SweepParams
+from citer.config.serving import EngineParams
 from citer.data.formats import Format
 from citer.decoding.baselines import ConfidenceRouter, Router, router_read_bytes
 from citer.decoding.cost import GPU_BANDWIDTH
+from citer.decoding.verify import Verification
 from citer.evaluation.oracle import OracleRouter, oracle_flags, oracle_summary
 from citer.evaluation.passes import PassResult, encode_prompts, examples_hash, speculative_row, to_row
 from citer.evaluation.plan import (
@@ -184,6 +186,7 @@ def run_sweep(
     log: Log | None = None,
     passes: PassMap = run_in_order,
     layer_routers: Mapping[str, Router] | None = None,
+    engine: EngineParams | None = None,
 ) -> SweepResult:
     """Every method on dev (to choose) and test (to report). ``routers``: ``citer`` required, any of
     :data:`ROUTER_KEYS` optional. ``train_rows`` trains the query-level router (omitted: no query method).
@@ -193,7 +196,9 @@ def run_sweep(
     flow maps them over ``runtime.task_runner``); the rows do not depend on it. ``layer_routers``
     (``citer@<tag>`` -> the CITER router at each ``router.layers_grid`` width, :mod:`citer.evaluation.widths`):
     each is decoded on dev, the rule picks one, and it is ``citer`` on test (``routers['citer']`` then goes
-    unused)."""
+    unused). ``engine`` (the params' block): ``runner: llama_cpp`` decodes every routed and reference pass on
+    llama.cpp (:class:`~citer.decoding.llama_cpp_engine.LlamaCppEngine`); it runs no verified routing, so the
+    verified methods are left out (noted) and a champion registered with verification is refused."""
     if "citer" not in routers:
         raise SweepError("routers: key 'citer' missing (the trained router is required)")
     unknown = sorted(set(routers) - set(ROUTER_KEYS))
@@ -205,7 +210,20 @@ def run_sweep(
     for r in [*routers.values(), *grid.values(), champion]:
         if isinstance(r, torch.nn.Module):
             r.eval()
-    bench = PassBench(slm, llm, tokenizer, fmt, params)
+    engine = engine or EngineParams()
+    plain = Verification.from_tags({}).engine_kwargs()
+    if (
+        engine.runner != "torch"
+        and champion is not None
+        and champion_verify
+        and dict(champion_verify) != plain
+    ):
+        raise SweepError(
+            f"engine.runner {engine.runner}: the champion was promoted with verified routing ({dict(champion_verify)}), "
+            "which this runner does not run; sweep with runner: torch, or register this runner's routers under "
+            "another registry.model_name"
+        )
+    bench = PassBench(slm, llm, tokenizer, fmt, params, engine_params=engine)
     run = _Passes(bench, passes, log or (lambda _m: None))
     dev = bench.splits["dev"] = _split(tokenizer, dev_rows, fmt, params.n_examples, "dev")
     test = bench.splits["test"] = _split(tokenizer, test_rows, fmt, params.n_examples, "test")
@@ -271,7 +289,9 @@ def run_sweep(
     )
     methods = [*scored, "random"] + (["query"] if query is not None else [])
     chosen = {m: best_row(dev_out, rule, m, feasible_only=True) for m in methods}
-    stages = _verify_stages(params, dev_out, scored, scores, llm is not None)
+    stages = _verify_stages(params, dev_out, scored, scores, llm is not None and engine.runner == "torch")
+    if engine.runner != "torch" and params.verify.enabled:
+        notes["verify"] = {"skipped": f"engine.runner {engine.runner} runs no verified routing"}
     if stages is not None:
         # 3. dev: verified routing in stages (ρ x fraction, then windows at the best point).
         specs = stages.stage1()

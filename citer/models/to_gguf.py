@@ -25,6 +25,7 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}  # fmt: skip
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}  # HF model_type -> GGUF architecture
 GGUF_TYPES = ("F32", "BF16", "F16")
+CONVERTER_VERSION = 1  # part of a cached file's key: a change to how files are written makes new ones
 
 
 def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -71,7 +72,7 @@ def write_gguf(model: Any, path: str | os.PathLike[str], dtype: str = "F32") -> 
     c = model.config
     tensors = gguf_tensors(model)
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     arch = ARCHITECTURES[c.model_type]
     w = gguf.GGUFWriter(str(tmp), arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -132,10 +133,47 @@ def quantize_gguf(
     params.ftype = ftype
     params.nthread = threads or torch.get_num_threads()
     out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     rc = lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
     if rc != 0:
         tmp.unlink(missing_ok=True)
         raise GgufError(f"{src}: llama_model_quantize to {qtype} returned {rc}")
     os.replace(tmp, out)
     return out
+
+
+def cache_dir() -> Path:
+    """Where converted files are kept: ``CITER_GGUF_CACHE``, else ``~/.cache/citer/gguf`` (outside the project: a
+    DVC-tracked models directory stays as its stages wrote it)."""
+    return Path(os.environ.get("CITER_GGUF_CACHE") or Path.home() / ".cache" / "citer" / "gguf")
+
+
+def weights_digest(model: Any) -> str:
+    """A digest of the model's config and every tensor's name, dtype, shape and bytes: the cache key of its files."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:20]
+
+
+def gguf_for(model: Any, qtype: str, where: str | os.PathLike[str] | None = None) -> Path:
+    """The GGUF file of ``model`` in llama.cpp type ``qtype`` (F32, BF16, F16, or a quantization such as Q8_0,
+    Q4_K_M, Q4_0: written in F32, then quantized by llama.cpp's own quantizer), cached in ``where`` (default
+    :func:`cache_dir`) under the digest of the weights, so a model is converted once."""
+    d = Path(where) if where is not None else cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    key = f"{weights_digest(model)}-v{CONVERTER_VERSION}"
+    out = d / f"{key}-{qtype.lower()}.gguf"
+    if out.exists():
+        return out
+    if qtype.upper() in GGUF_TYPES:
+        return write_gguf(model, out, qtype.upper())
+    full = d / f"{key}-f32.gguf"
+    if not full.exists():
+        write_gguf(model, full, "F32")
+    return quantize_gguf(full, out, qtype)

@@ -4,6 +4,7 @@ registry alias, with the SLM, LLM and τ its version names) as an engine. Batch 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -53,9 +54,21 @@ def route_engine(
     pad_token_id: int | None = None,
     vocab_size: int | None = None,
     **verify: Any,
-) -> RoutedEngine:
-    """The routed engine as ``citer route`` and ``citer serve`` run it: the params' ``engine:`` block on the pair;
-    ``bench/roofline.py`` builds its engines here too, so what it measures is what they run."""
+) -> Any:
+    """The routed engine as ``citer route`` and ``citer serve`` run it: the params' ``engine:`` block on the pair
+    (``runner: llama_cpp``: both models as GGUF files of ``llama_cpp_type`` on llama.cpp, a
+    :class:`~citer.decoding.llama_cpp_engine.LlamaCppEngine`); ``bench/roofline.py`` builds its engines here too, so
+    what it measures is what they run."""
+    if engine.runner == "llama_cpp":
+        from citer.decoding.llama_cpp_engine import LlamaCppEngine
+        from citer.models.to_gguf import gguf_for
+
+        if any(v not in (None, 0, 0.0, False, math.inf) for v in verify.values()):
+            raise ChampionError(
+                f"engine.runner llama_cpp runs no verified routing ({verify}); use runner: torch"
+            )
+        t = engine.llama_cpp_type
+        return LlamaCppEngine(gguf_for(slm, t), gguf_for(llm, t), router, tau, eos_token_id, vocab_size)
     return RoutedEngine(
         slm,
         llm,

@@ -316,6 +316,11 @@ def serve_champion(
     host, port = host or s.host, port or s.port
     api_key = (os.environ.get(s.api_key_env) or "").strip() or None
     check_bind(host, api_key, allow_remote_without_key=s.allow_remote_without_key, api_key_env=s.api_key_env)
+    if proj.params.engine.runner != "torch":
+        raise ValueError(
+            f"params.yaml engine.runner: {proj.params.engine.runner!r}: citer serve steps the torch engine's "
+            "sessions; serve with runner: torch (citer route and the sweep take llama_cpp)"
+        )
     engine, tok, info = load_champion(
         proj, llm_fraction=llm_fraction, allow_pair_mismatch=allow_pair_mismatch
     )
