@@ -376,6 +376,45 @@ def llama_cpp_routed_block(reports: Path) -> Block:
     ]
 
 
+def real_model_agreement_block(reports: Path) -> Block:
+    """bench/real_model_agreement.py: each runner and precision against float32 on the real model."""
+    r = _load(reports, "bench_real_model_agreement.json")
+    rows = [[x["runner"], x["precision"], f"{x['teacher_forced_agreement']:.1%} ({x['agreeing_tokens']}/{x['tokens']})",
+             f"{x['answers_identical']}/{x['questions']}",
+             ", ".join("–" if d is None else str(d) for d in x["first_divergence"])] for x in r["rows"]]  # fmt: skip
+    head = ["runner", "precision", "teacher-forced top-1 agreement", "answers identical",
+            "first divergence per question (–: none)"]  # fmt: skip
+    note = (f"{r['model']}, {len(r['questions'])} questions in its chat template, {r['new_tokens']} new tokens; "
+            f"reference: {r['reference']}; {r['cpu']}, {r['threads']} threads")  # fmt: skip
+    if r.get("llama_cpp_skipped"):
+        note += f"; llama.cpp rows skipped: {r['llama_cpp_skipped']}"
+    return table(head, rows) + f"\n\nFrom `reports/bench_real_model_agreement.json` ({note}).", [
+        "bench_real_model_agreement.json"
+    ]
+
+
+def precision_sweep_block(reports: Path) -> Block:
+    """bench/precision_sweep.py: each method's dev-chosen point on test at each llama.cpp type, beside F32's."""
+    r = _load(reports, "bench_precision_sweep.json")
+    types = list(r["types"])
+    by = {t: {x["method"]: x for x in r["types"][t]["rows"]} for t in types}
+    methods = list(by[types[0]])
+
+    def cell(x: dict[str, Any] | None) -> str:
+        if x is None:
+            return "–"
+        tau = "" if x.get("tau") is None else f", τ {x['tau']:.3f}"
+        return f"{x['accuracy']:.3f}{ci(x.get('accuracy_ci'), lambda v: f'{v:.3f}')} ({x['bytes_moved_rel_llm']:.2f}× bytes{tau})"
+
+    rows = [[m, *(cell(by[t].get(m)) for t in types)] for m in methods]
+    head = ["method", *(f"{t}: test accuracy [95%] (bytes / LLM-only)" for t in types)]
+    secs = ", ".join(f"{t} {r['types'][t]['seconds']:.0f} s" for t in types)
+    note = f"the pipeline's pair ({r['pair']['slm']}, {r['pair']['llm']}), points chosen on dev; {r['cpu']}; {secs}"
+    return table(head, rows) + f"\n\nFrom `reports/bench_precision_sweep.json` ({note}).", [
+        "bench_precision_sweep.json"
+    ]
+
+
 LOAD_STAGES = ("bootstrap", "finetune", "iterate", "sweep")  # the costly ones, in pipeline order
 QUIET_BOUND_S = 480.0  # the newcomer's bound: the default run within 8 minutes on 2 quiet cores
 
@@ -413,6 +452,8 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
     "roofline": roofline_block,
     "llama_cpp_routed": llama_cpp_routed_block,
+    "real_model_agreement": real_model_agreement_block,
+    "precision_sweep": precision_sweep_block,
 }
 _MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
