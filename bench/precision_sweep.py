@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     from flows.sweep_and_promote import sweep_routers, width_routers
 
     t0 = time.time()
-    proj = load_project(str(Path(a.project) / "params.yaml"))
+    out_path = Path(a.out).resolve()
+    os.chdir(a.project)  # the project's relative paths (models, routers, data) are its root's
+    proj = load_project("params.yaml")
     prm = proj.params
     slm, llm, tok = proj.load_pair()
     pair = pair_digests(proj.slm_ref, proj.llm_ref)
@@ -83,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_kind(),
         "elapsed_s": round(time.time() - t0, 1),
     }
-    write_text(Path(a.out), json.dumps(report, indent=1) + "\n")
-    if Path(a.out).resolve().parent == ROOT / "reports":
+    write_text(out_path, json.dumps(report, indent=1) + "\n")
+    if out_path.parent == ROOT / "reports":
         from citer.tracking.provenance import stamp_bench
 
-        stamp_bench(a.out, "precision_sweep", {"types": a.types}, time.time() - t0)
+        stamp_bench(out_path, "precision_sweep", {"types": a.types}, time.time() - t0)
     return 0
 
 

@@ -24,6 +24,8 @@ from citer.decoding.llama_cpp_routed import routed_generate
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.rows import EngineInputError, check_prompts, check_sampling
 
+MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
+
 
 class LlamaCppEngine:
     """Routed generation on llama.cpp between the GGUF files ``slm`` and ``llm`` (``llm=None``: the SLM alone, with
@@ -79,8 +81,9 @@ class LlamaCppEngine:
         max_rows: int | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
-        """Generate for every prompt, at most ``max_rows`` (default all) at once, rows joining as others finish;
-        ``row_ids`` (default 0..n-1) key the random router and the sampler, as in the torch engine."""
+        """Generate for every prompt, at most ``max_rows`` (default all, at most :data:`MAX_SEQUENCES`) at once, rows
+        joining as others finish; ``row_ids`` (default 0..n-1) key the random router and the sampler, as in the torch
+        engine."""
         models = [self.slm] if self.llm is None else [self.slm, self.llm]
         check_prompts(prompts, max_new_tokens, row_ids, self.vocab_size,
                       [(n, m.max_positions) for n, m in zip(("slm", "llm"), models, strict=False)])  # fmt: skip
@@ -89,7 +92,7 @@ class LlamaCppEngine:
             raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")
         if max_rows is not None and max_rows < 1:
             raise EngineInputError(f"max_rows must be >= 1, got {max_rows}")
-        rows = min(len(prompts), max_rows or len(prompts))
+        rows = min(len(prompts), max_rows or len(prompts), MAX_SEQUENCES)
         need = max(len(p) for p in prompts) + max_new_tokens
         for m in models:
             m.fit(rows, 1 << math.ceil(math.log2(need)))  # powers of two: few context rebuilds
@@ -97,7 +100,7 @@ class LlamaCppEngine:
         t0 = time.perf_counter()
         run = routed_generate(
             self.slm, self.llm, prompts, self.router if self.llm is not None else None, self.tau, max_new_tokens,
-            self.eos, (float(temperature), float(top_p), int(seed)), row_ids, self.vocab_size, meter,
+            self.eos, (float(temperature), float(top_p), int(seed)), row_ids, self.vocab_size, meter, rows,
         )  # fmt: skip
         stats, batch = meter.finish(time.perf_counter() - t0)
         return GenerationResult(run.tokens, run.from_llm, stats, batch, [[] for _ in prompts])

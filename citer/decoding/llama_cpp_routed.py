@@ -53,11 +53,13 @@ def routed_generate(
     row_ids: Sequence[int] | None = None,
     vocab_size: int | None = None,
     meter: CostMeter | None = None,
+    max_rows: int | None = None,
 ) -> RoutedRun:
     """Decode every prompt, at most ``slm.rows`` (and ``llm.rows``) at once, a row ending at an id of ``eos_ids``
     (kept) or after ``max_new_tokens``. ``llm=None`` (and ``router=None``): the first model alone. ``row_ids``
     (default 0..n-1) key a random router and the sampler; ``vocab_size`` (default the smaller model's) cuts logits
-    before a choice; ``meter`` (rows 0..n-1 in prompt order) is charged every call."""
+    before a choice; ``meter`` (rows 0..n-1 in prompt order) is charged every call; ``max_rows``: fewer rows at once
+    than the contexts hold."""
     if llm is not None and not slm.hidden:
         raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
     if (llm is None) != (router is None):
@@ -84,7 +86,7 @@ def routed_generate(
     seqs = [list(map(int, p)) for p in prompts]  # prompt + tokens written, per prompt
     todo = list(range(len(prompts)))[::-1]  # prompts not started, next last
     slot_of: dict[int, int] = {}  # prompt -> the sequence id it holds in both contexts
-    free = list(range(min(m.rows for m in models)))[::-1]
+    free = list(range(min([m.rows for m in models] + ([max_rows] if max_rows else []))))[::-1]
     for m in models:
         m.reset()
     feed: dict[int, list[int]] = {}  # prompt -> tokens the SLM has not read

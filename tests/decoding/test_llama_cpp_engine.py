@@ -66,6 +66,19 @@ def test_engine_writes_the_torch_engines_tokens_and_meters_its_calls(answering_p
     assert eng.generate_batch(prompts, 10, row_ids=list(range(10, 16)), max_rows=2).tokens == want.tokens
 
 
+def test_more_rows_than_llama_cpp_has_sequence_ids_take_turns(answering_pair, gguf_cache, monkeypatch):
+    import citer.decoding.llama_cpp_engine as lce
+
+    p = answering_pair
+    eng = _engine(p, RandomRouter(0.3, seed=4), gguf_cache)
+    prompts = _prompts(p.tok)
+    want = eng.generate_batch(prompts, 8).tokens
+    monkeypatch.setattr(
+        lce, "MAX_SEQUENCES", 3
+    )  # llama.cpp's own is 256: the sweep's 300 rows then take turns
+    assert eng.generate_batch(prompts, 8).tokens == want and eng.slm.rows >= 3
+
+
 def test_quantized_files_cost_less_and_keep_most_tokens(answering_pair, gguf_cache):
     p = answering_pair
     router = RandomRouter(0.3, seed=4)
