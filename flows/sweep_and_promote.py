@@ -199,6 +199,7 @@ def sweep_flow(params_path: str = "params.yaml") -> dict[str, Any]:
                 labels_hash=rmeta.get("data_hash", ""),
                 data_version=file_digest(proj.path(p.data.train), "md5"),  # as DVC records it
                 git_commit=git_head(proj.root),
+                runner=p.engine.runner_name(),
                 files={
                     "router_dir": proj.portable_ref(router_dir),
                     "data_train": proj.portable_ref(p.data.train),

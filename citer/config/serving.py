@@ -44,6 +44,10 @@ class EngineParams(_Block):
     # F32, BF16, F16, Q8_0, Q6_K, Q5_K_M, Q5_0, Q4_K_M, Q4_0, ... ; K-quants need widths that are multiples of 256.
     llama_cpp_type: str = Field("Q8_0", pattern=r"^(F32|BF16|F16|Q[2-8](_[01K])?(_[SML])?)$")
 
+    def runner_name(self) -> str:
+        """What decodes, as a registered version records it: ``torch``, or ``llama_cpp:<type>``."""
+        return "torch" if self.runner == "torch" else f"llama_cpp:{self.llama_cpp_type}"
+
     @model_validator(mode="after")
     def _one_runner(self) -> EngineParams:
         torch_only = {"llm_min_rows": 1, "llm_max_wait_steps": 0, "llm_schedule": "fixed", "llm_prefill": "lazy",

@@ -363,8 +363,10 @@ def version_tags(
     data_version: str,
     git_commit: str,
     files: dict[str, str] | None = None,
+    runner: str = "torch",
 ) -> dict[str, Any]:
-    """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics.
+    """The tags a registered router version carries: what rebuilds its decoder, where it came from, its metrics;
+    ``runner`` (:meth:`~citer.config.serving.EngineParams.runner_name`): what decoded the passes its τ was chosen on.
 
     ``slm``, ``llm`` and the ``files`` refs (router directory, data files) are recorded as the project records them:
     relative to its root, or hub ids, so a copied project's registry names the copy's own files.
@@ -389,6 +391,7 @@ def version_tags(
             "selected_on": "dev",
             "target_llm_fraction": best.extra.get("target_llm_fraction"),
             "method": best.method,
+            "runner": runner,
         }
         | (Verification.from_tags(best.extra).tags() if "verify_rho" in best.extra else {})
     )

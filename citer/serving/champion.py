@@ -104,6 +104,12 @@ def build_champion(proj: Project, deployment: Deployment) -> Champion:
             f"hidden size {slm.config.hidden_size}"
         )
     router = router.to(slm.device).eval()
+    chosen_on, runs_on = rv.tags.get("runner", "torch"), params.engine.runner_name()
+    if chosen_on != runs_on:
+        raise ChampionError(
+            f"router '{rv.name}' v{rv.version}: its τ was chosen on runner {chosen_on}, params.yaml's engine decodes "
+            f"with {runs_on}; run the sweep with this engine block (citer eval sweep) or set it back"
+        )
     engine = route_engine(
         slm, llm, router, tau, params.engine, tok.eos_token_id, tok.pad_token_id, **rv.verify_kwargs
     )

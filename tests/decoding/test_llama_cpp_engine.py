@@ -106,7 +106,8 @@ def test_engine_refuses_what_it_cannot_run(answering_pair, gguf_cache):
 
 def test_params_choose_the_runner_and_refuse_torch_only_options():
     assert EngineParams().runner == "torch"
-    assert EngineParams(runner="llama_cpp", llama_cpp_type="Q4_K_M").llama_cpp_type == "Q4_K_M"
+    assert EngineParams(runner="llama_cpp", llama_cpp_type="Q4_K_M").runner_name() == "llama_cpp:Q4_K_M"
+    assert EngineParams(llama_cpp_type="Q4_0").runner_name() == "torch"  # the type matters only to llama_cpp
     with pytest.raises(ValueError, match="llama_cpp runs no llm_min_rows"):
         EngineParams(runner="llama_cpp", llm_min_rows=4)
     with pytest.raises(ValueError, match="llama_cpp_type"):

@@ -464,7 +464,9 @@ def test_version_tags_and_record_carry_every_field(sweep_rows):
         "selected_on": "dev",
         "target_llm_fraction": 0.25,
         "method": "citer",
+        "runner": "torch",  # what decoded the passes τ was chosen on
     }  # the dev score quantiles are a file logged with the version (citer.tracking.registry), not a tag
+    assert version_tags(best, rule, **common, runner="llama_cpp:Q8_0")["runner"] == "llama_cpp:Q8_0"
     dev = R("citer", 0.6, 0.78, 0.34)
     dev.extra["target_llm_fraction"] = 0.2
     plan = PromotionPlan(best, Decision(False, "kept", "3"), dev)

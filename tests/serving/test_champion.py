@@ -71,6 +71,23 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     assert load_champion(proj).engine.overlap
     params.engine.overlap = False
 
+    # a version whose τ was chosen on llama.cpp's 8-bit files decodes only there
+    register(32, 0.4, runner="llama_cpp:Q8_0")
+    with pytest.raises(
+        ChampionError, match="chosen on runner llama_cpp:Q8_0, params.yaml's engine decodes with torch"
+    ):
+        load_champion(proj)
+    from citer.config.serving import EngineParams
+    from citer.decoding.llama_cpp_runner import missing
+
+    if missing() is None:
+        monkeypatch.setenv("CITER_GGUF_CACHE", str(tmp_path / "gguf"))
+        params.engine = EngineParams(runner="llama_cpp", llama_cpp_type="Q8_0")
+        engine, tok, _ = load_champion(proj)
+        assert engine.runner == "llama_cpp" and engine.tau == 0.9  # serve.tau still overrides (above)
+        assert engine.generate(tok.encode("Question: 1\nAnswer:", add_special_tokens=False), 5).tokens[0]
+        params.engine = EngineParams()
+
     register(16, 0.5)  # a champion whose router was trained for another SLM
     with pytest.raises(ChampionError, match="hidden_size=16"):
         load_champion(proj)
