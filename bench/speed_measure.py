@@ -181,36 +181,14 @@ def _static_compile(run: BenchRun) -> dict[str, Any]:
     return kw
 
 
-# HF Llama parameter names -> GGUF tensor names (llama.cpp's llama architecture)
-_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
-
-
-def llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """A q or k projection's rows reordered as llama.cpp's ``convert_hf_to_gguf.py`` does for Llama models (its
-    RoPE rotates adjacent pairs, HF's the two halves of each head); ``n_head``: the projection's heads."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def gguf_arrays(model: Any) -> dict[str, Any]:
-    """A Llama-architecture HF model's tensors under their GGUF names, as llama.cpp's converter writes them (q/k rows
-    permuted, a tied head left out); numpy arrays, bf16 as its bits (uint16: numpy has no bf16)."""
-    c = model.config
+    """A Llama-architecture HF model's tensors under their GGUF names, as llama.cpp's converter writes them
+    (:func:`citer.models.to_gguf.gguf_tensors`: q/k rows permuted, a tied head left out); numpy arrays, bf16 as its
+    bits (uint16: numpy has no bf16), for the peer's environment to write without torch."""
+    from citer.models.to_gguf import gguf_tensors
+
     out = {}
-    for k, t in model.state_dict().items():
-        if k == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        if k.startswith("model.layers."):
-            parts = k.split(".")
-            part = ".".join(parts[3:-1])
-            name = f"blk.{parts[2]}.{_GGUF[part]}.weight"
-            if part in ("self_attn.q_proj", "self_attn.k_proj"):
-                heads = c.num_attention_heads if part == "self_attn.q_proj" else c.num_key_value_heads
-                t = llama_cpp_permute(t, heads)
-        else:
-            name = {"model.embed_tokens.weight": "token_embd.weight",
-                    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[k]  # fmt: skip
+    for name, t in gguf_tensors(model).items():
         t = t.contiguous()
         out[name] = t.view(torch.int16).numpy().view("uint16") if t.dtype is torch.bfloat16 else t.numpy()
     return out
