@@ -4,11 +4,14 @@
 ``DIR`` is a project whose pipeline has run (``dvc repro``: its models, labels and routers). For each of ``--types``
 (F32, then the block-32 types Q8_0 and Q4_0: the embedded models' widths are not multiples of 256, which K-quants
 need) the sweep decodes every pass on llama.cpp with ``engine.runner: llama_cpp`` at that type
-(:func:`citer.evaluation.sweep.run_sweep`, the routers the sweep stage compares, no champion: this measures the
-methods, it promotes nothing), chooses each method's point on dev by the params' rule and reports it on test with
-95% intervals. F32 is full precision on the same runner, so a row's difference from it is the quantization's.
-Not a DVC stage: a bench of the method across precisions. Writes ``reports/bench_precision_sweep.json`` (``--out``),
-stamped in ``reports/provenance.json``; docs/results.md renders it (``citer report docs``).
+(:func:`citer.evaluation.sweep.run_sweep`: each method's point chosen on dev by the params' rule, reported on test
+with 95% intervals), F32 being full precision on the same runner, so a row's difference from it is the
+quantization's. The grid is the sweep's protocol on fewer points, so three precisions fit in minutes on two cores
+(llama.cpp decodes the tiny embedded models slower than the torch engine: its calls cost more than their
+arithmetic): the last iteration's CITER router, the SLM's confidence and random routing at ``--fractions``, no
+champion (it promotes nothing), no router ablations, widths or query router. Not a DVC stage: a bench of the method
+across precisions. Writes ``reports/bench_precision_sweep.json`` (``--out``), stamped in
+``reports/provenance.json``; docs/results.md renders it (``citer report docs``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--project", default=".", help="a project directory whose pipeline has run")
     p.add_argument("--types", default="F32,Q8_0,Q4_0")
+    p.add_argument(
+        "--fractions", default="0.02,0.05,0.1,0.2,0.3", help="the LLM-token fractions of each method"
+    )
     p.add_argument("--out", default=str(ROOT / "reports" / "bench_precision_sweep.json"))
     a = p.parse_args(argv)
     from citer.decoding.llama_cpp_runner import missing
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from citer.evaluation.sweep import run_sweep
     from citer.project import load_project
     from citer.routing.iterations import pair_digests
-    from flows.sweep_and_promote import sweep_routers, width_routers
+    from flows.sweep_and_promote import sweep_routers
 
     t0 = time.time()
     out_path = Path(a.out).resolve()
@@ -67,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     slm, llm, tok = proj.load_pair()
     pair = pair_digests(proj.slm_ref, proj.llm_ref)
     routers, _ = sweep_routers.fn(proj, slm, len(tok), pair)
-    grid = width_routers.fn(proj, slm, len(tok), routers["citer"], pair)
+    fractions = [float(f) for f in a.fractions.split(",")]
+    sweep = prm.sweep.model_copy(update={"llm_fractions": fractions, "speculative": False})
     out: dict[str, Any] = {}
     for t in [x.strip() for x in a.types.split(",") if x.strip()]:
         t1 = time.time()
-        result = run_sweep(slm, llm, tok, proj.read_split("dev"), proj.read_split("test"), prm.data.format, routers,
-                           prm.sweep, train_rows=proj.read_split("train"), layer_routers=grid,
+        result = run_sweep(slm, llm, tok, proj.read_split("dev"), proj.read_split("test"), prm.data.format,
+                           {"citer": routers["citer"]}, sweep,
                            engine=EngineParams(runner="llama_cpp", llama_cpp_type=t))  # fmt: skip
-        out[t] = {"rows": chosen_rows(result, prm.sweep), "seconds": round(time.time() - t1, 1),
+        out[t] = {"rows": chosen_rows(result, sweep), "seconds": round(time.time() - t1, 1),
                   "notes": {k: v for k, v in result.notes.items() if k in ("verify", "dev_examples", "test_examples")}}  # fmt: skip
         acc = {r["method"]: round(r["accuracy"], 3) for r in out[t]["rows"]}
         print(f"{t}: {acc} ({out[t]['seconds']} s)", flush=True)
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "precision_sweep",
         "pair": {"slm": proj.slm_name, "llm": prm.models.llm},
         "rule": prm.sweep.rule.model_dump(),
+        "fractions": fractions,
         "types": out,
         "cpu": cpu_kind(),
         "elapsed_s": round(time.time() - t0, 1),
