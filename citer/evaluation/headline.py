@@ -403,6 +403,8 @@ def precision_sweep_block(reports: Path) -> Block:
     def cell(x: dict[str, Any] | None) -> str:
         if x is None:
             return "–"
+        if x.get("no_point_meets_rule"):
+            return "no dev point meets the rule"
         tau = "" if x.get("tau") is None else f", τ {x['tau']:.3f}"
         return f"{x['accuracy']:.3f}{ci(x.get('accuracy_ci'), lambda v: f'{v:.3f}')} ({x['bytes_moved_rel_llm']:.2f}× bytes{tau})"
 
