@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         out[t] = {"rows": rows, "seconds": round(time.time() - t1, 1),
                   "notes": {k: v for k, v in result.notes.items() if k in ("verify", "dev_examples", "test_examples")}}  # fmt: skip
-        acc = {r["method"]: round(r["accuracy"], 3) for r in out[t]["rows"]}
+        acc = {r["method"]: round(r["accuracy"], 3) if "accuracy" in r else None for r in out[t]["rows"]}
         print(f"{t}: {acc} ({out[t]['seconds']} s)", flush=True)
     report = {
         "bench": "precision_sweep",
