@@ -155,6 +155,9 @@ class LlamaCppModel:
             lc.llama_model_free(self._model)
             self._model = None
 
+    def __del__(self) -> None:  # the weights and cache are llama.cpp's memory: a dropped engine frees them
+        self.close()
+
     def __enter__(self) -> LlamaCppModel:
         return self
 
