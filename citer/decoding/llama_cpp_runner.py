@@ -127,19 +127,8 @@ class LlamaCppModel:
         self.lengths[row] = 0
 
     def cost(self) -> ModelCost:
-        """What a decode call reads, as the engine's meter counts it: the file's tensors but an untied input
-        embedding (rows looked up), and the K and V of one token at llama.cpp's default cache type (F16)."""
-        import gguf
-
-        tensors = gguf.GGUFReader(str(self.path)).tensors
-        names = {t.name for t in tensors}
-        weight = sum(
-            int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or "output.weight" not in names
-        )
-        lc = _lib()
-        layers, kv_heads = lc.llama_model_n_layer(self._model), lc.llama_model_n_head_kv(self._model)
-        head_dim = self.hidden_size // lc.llama_model_n_head(self._model)
-        return ModelCost(weight_bytes=weight, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2)
+        """What a decode call reads (:func:`gguf_cost` of the file)."""
+        return gguf_cost(self.path)
 
     def close(self) -> None:
         lc = _BACKEND.get("lc")
@@ -228,3 +217,33 @@ def gguf_type_counts(path: str | os.PathLike[str]) -> dict[str, int]:
     for t in gguf.GGUFReader(str(path)).tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def gguf_cost(path: str | os.PathLike[str]) -> ModelCost:
+    """What a decode call of the GGUF file's model reads, as the engine's meter counts it, from the file alone (no
+    model loaded): its tensors but an untied input embedding (rows looked up), and the K and V of one token at
+    llama.cpp's default cache type (F16)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(name: str) -> int | None:
+        f = reader.fields.get(f"{arch}.{name}")
+        return None if f is None else int(f.parts[f.data[0]][0])
+
+    f = reader.fields["general.architecture"]
+    arch = bytes(f.parts[f.data[0]]).decode()
+    names = {t.name for t in reader.tensors}
+    weight = sum(
+        int(t.n_bytes)
+        for t in reader.tensors
+        if t.name != "token_embd.weight" or "output.weight" not in names
+    )
+    heads, layers = field("attention.head_count"), field("block_count")
+    kv_heads = field("attention.head_count_kv") or heads
+    head_dim = field("attention.key_length") or (field("embedding_length") or 0) // (heads or 1)
+    if not (heads and layers and head_dim and kv_heads):
+        raise GgufError(
+            f"{path}: no {arch}.block_count/attention.head_count/embedding_length to size its cache"
+        )
+    return ModelCost(weight_bytes=weight, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2)

@@ -147,18 +147,15 @@ class PassBench:
         whose bytes: the torch models' or their GGUF files') and the reference pair (``price_at``)."""
         ref = self.params.price_at
         reference = Pricing.reference(ref) if ref is not None else None
-        if (runner or self.engine_params.runner) == "llama_cpp":
-            from citer.decoding.llama_cpp_runner import LlamaCppModel
+        if (
+            runner or self.engine_params.runner
+        ) == "llama_cpp":  # the files' bytes, read without loading them
+            from citer.decoding.llama_cpp_runner import gguf_cost
             from citer.models.to_gguf import gguf_for
 
             t = self.engine_params.llama_cpp_type
-            with LlamaCppModel(gguf_for(self.slm, t), 1, 8) as s:
-                slm_cost = s.cost()
-            llm_cost = None
-            if self.llm is not None:
-                with LlamaCppModel(gguf_for(self.llm, t), 1, 8) as m:
-                    llm_cost = m.cost()
-            return Pricing.of_costs(self.slm, slm_cost, llm_cost), reference
+            llm_cost = gguf_cost(gguf_for(self.llm, t)) if self.llm is not None else None
+            return Pricing.of_costs(self.slm, gguf_cost(gguf_for(self.slm, t)), llm_cost), reference
         return Pricing.measured(self.slm, self.llm), reference
 
     def run(self, spec: PassSpec) -> PassOutcome:

@@ -211,13 +211,7 @@ def run_sweep(
         if isinstance(r, torch.nn.Module):
             r.eval()
     engine = engine or EngineParams()
-    plain = Verification.from_tags({}).engine_kwargs()
-    if (
-        engine.runner != "torch"
-        and champion is not None
-        and champion_verify
-        and dict(champion_verify) != plain
-    ):
+    if engine.runner != "torch" and champion is not None and not Verification.plain(champion_verify):
         raise SweepError(
             f"engine.runner {engine.runner}: the champion was promoted with verified routing ({dict(champion_verify)}), "
             "which this runner does not run; sweep with runner: torch, or register this runner's routers under "

@@ -4,12 +4,12 @@ registry alias, with the SLM, LLM and τ its version names) as an engine. Batch 
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, NamedTuple
 
 from citer.config.serving import EngineParams
 from citer.decoding.engine import RoutedEngine
+from citer.decoding.verify import Verification
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
 from citer.tracking.deployed import ChampionError, Deployment, open_champion
@@ -63,7 +63,7 @@ def route_engine(
         from citer.decoding.llama_cpp_engine import LlamaCppEngine
         from citer.models.to_gguf import gguf_for
 
-        if any(v not in (None, 0, 0.0, False, math.inf) for v in verify.values()):
+        if not Verification.plain(verify):
             raise ChampionError(
                 f"engine.runner llama_cpp runs no verified routing ({verify}); use runner: torch"
             )
