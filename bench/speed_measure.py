@@ -27,7 +27,7 @@ from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, plain_bytes
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.cost import ModelCost, call_tally
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.lean import lean_decoder, set_forward_path
+from citer.decoding.lean import lean_decoder
 from citer.decoding.speculative import assistant_setup
 from citer.decoding.step_compile import step_stats
 
@@ -151,19 +151,23 @@ def variants(
             rest.append(_assisted(run, models, ids, alpha))
     if a.hf_forward:  # the lean forward's A/B: the same engines through the HF modules' forward
         eager = [v for v in (*base, *rest) if v.engine is not None and not v.compiles]
-        rest += [_hf_forward(v, (slm, llm)) for v in eager]
+        rest += [_hf_forward(v) for v in eager]
     return base, rest
 
 
-def _hf_forward(v: Variant, models: tuple[Any, Any]) -> Variant:
+def _hf_forward(v: Variant) -> Variant:
+    """``v``'s engine with its runners on the HF modules' forward for the timed calls (then back)."""
+
     def go(n: int) -> dict[str, Any]:
-        for m in models:
-            set_forward_path(m, "hf")
+        runners = [r for r in (v.engine.slm_runner, v.engine.llm_runner) if r is not None]
+        kinds = [r.forward_kind for r in runners]
+        for r in runners:
+            r.forward_kind = "hf"
         try:
             return v.run(n)
         finally:
-            for m in models:
-                set_forward_path(m, "auto")
+            for r, k in zip(runners, kinds, strict=True):
+                r.forward_kind = k
 
     return Variant(f"{v.name}_hf_forward", go, v.meta, v.engine)
 

@@ -105,7 +105,7 @@ def test_hf_forward_times_the_same_engines_through_the_hf_modules(speed, tmp_pat
     for name in ("engine_llm", "engine_slm", "routed_f0.1", "shared_f0.1"):
         lean, hf = rows[name], rows[f"{name}_hf_forward"]
         assert set(lean["forward"].values()) == {"lean"}
-        assert all(v.startswith("hf: pinned") for v in hf["forward"].values()), hf["forward"]
+        assert set(hf["forward"].values()) == {"hf: forward='hf'"}, hf["forward"]
         assert hf["llm_fraction"] == lean["llm_fraction"]  # the same router seed and rows: the same decisions
     assert rows["routed_f0.1_hf_forward"]["ratio_to_ideal"] > 0  # against the HF-forward engines alone
     # Shared LLM calls read the LLM's weights at no more steps than routing alone, at the same p.

@@ -24,7 +24,7 @@ import torch
 
 from citer.decoding.choice import TopLogprobs, choose_tokens, token_logprobs
 from citer.decoding.cost import CostMeter
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.kv_cache import RaggedKVCache
 from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Engine, Row
 from citer.decoding.verify import first_cuts
@@ -104,7 +104,7 @@ class CatchUpCalls:
         chunks = [r.seq[r.llm_seen :] for r in rows]
         every = e.verify.on  # verification reads the LLM's distribution at every caught-up position
         with self.side.run():
-            logits, _ = ragged_append(e.llm, self.llm_cache, chunks, slots=slots, every=every)
+            logits, _ = e.llm_runner.feed(self.llm_cache, chunks, slots=slots, every=every)
         keys = [r.key for r in rows]
         self.meter.forward("llm", keys, [len(c) for c in chunks], [len(r.seq) for r in rows])
         self.meter.llm_fed(

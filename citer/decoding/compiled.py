@@ -1,13 +1,13 @@
-"""The lean forward under ``torch.compile`` (Inductor) with dynamic sizes: :func:`compile_lean`.
+"""The lean forward under ``torch.compile`` (Inductor) with dynamic sizes: :func:`compiled_hidden`.
 
 Why: a decode step of a small model is bound by its op count, not its arithmetic. Eager, a lean layer is ~30 ops of
 3-10 us each on a CPU core. Inductor fuses the norms, RoPE, SiLU-gate, cache writes and (CPU) the one-query attention
 of decode steps into a few C++ loops, calls the library kernels for the matrix products and multi-token attention,
 and (CPU) calls it all from a C++ wrapper instead of a Python one. Compiled, a catch-up packs its rows whenever their
-chunks differ in length (``kv_cache.ragged_append``): packing's scatter and gather fuse away, padding is wasted work.
+chunks differ in length (``ModelRunner.feed``, :mod:`citer.decoding.runner`): packing's scatter and gather fuse away, padding is wasted work.
 Measured on the embedded pair: docs/results.md (the committed ``reports/bench_engine_v0.json``, row ``today_compiled``).
 
-How: each model gets its own compiled copy of ``LeanDecoder.eager_hidden`` (:mod:`citer.decoding.lean`) per call
+How: each model gets its own compiled copy of ``LeanDecoder.hidden`` (:mod:`citer.decoding.lean`) per call
 kind: no cache, decode step, padded or packed catch-up, with or without a mask, named slots or the prefix.
 ``torch.compile`` keys graphs, guards and the sizes it has seen change (automatic dynamic) on the code object: one
 shared copy would make the SLM's head count a symbol once the LLM's differs, and every call would try every kind's
@@ -24,9 +24,10 @@ so the session reads one result instead of running a dozen eager ops after the f
 hold is tried once, warned about, and decided eagerly from then on.
 
 What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
-the other token. That is why it is opt-in (``RoutedEngine(compile_forward=True)``, ``engine.compile_forward``), for
-long runs (a server, a big ``citer route``) where the compile time is paid once. A forward that fails to compile
-warns once and runs eagerly.
+the other token. That is why it is opt-in (``RoutedEngine(forward="compiled")``, ``engine.compile_forward``), for
+long runs (a server, a big ``citer route``) where the compile time is paid once. The graphs are the model's (one
+:class:`CompiledHidden` per lean decoder), shared by every runner that compiles it; a forward that fails to compile
+warns once and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
 
 
 class CompiledHidden:
-    """``LeanDecoder.hidden`` of one model through its own compiled graphs (module docstring). Takes the decoder
-    without importing its module: :mod:`citer.decoding.lean` builds this object, so the import runs one way."""
+    """``LeanDecoder.hidden`` of one model through its own compiled graphs (module docstring)."""
 
     def __init__(self, lean: Any) -> None:
         self.lean = lean
+        self.failed = False  # a compile failed: the runners over this model run its forward eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILES)
         # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
         self._options = {} if lean.embed.is_cuda else {"cpp_wrapper": True}
@@ -84,7 +85,7 @@ class CompiledHidden:
         fn = self._fns.get(kind)
         if fn is None:
             tag = f"{id(self.lean):x}_{''.join('1' if k else '0' for k in kind)}"
-            body = own_code(type(self.lean).eager_hidden, tag)
+            body = own_code(type(self.lean).hidden, tag)
             fn = self._fns[kind] = torch.compile(body, fullgraph=True, dynamic=None, options=self._options)
         return fn
 
@@ -112,7 +113,7 @@ class CompiledHidden:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """A decode step (ids, pos (B, 1)) over ``cache`` with the next step's decision in the same graph: logits
         (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each row's draws and
-        ``decision`` is a :class:`~citer.decoding.step_compile.Decision`. None, having run nothing, when the router
+        ``decision`` is a :class:`~citer.decoding.decide.Decision`. None, having run nothing, when the router
         cannot be traced; the caller then decides eagerly, and so does every later call with that router."""
         if decision.router in self._untraceable:
             return None
@@ -149,11 +150,11 @@ class CompiledHidden:
             return self._fn(kind)(lean, ids, pos, mask, cache, n_pos, self._fused_decode)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Raised tracing or compiling, before the graph ran; a rerun writes the same K/V to the same columns.
-            lean.compiled = None
+            self.failed = True
             warnings.warn(
                 f"the lean forward cannot be compiled here ({err}); running it eagerly", stacklevel=3
             )
-            return lean.eager_hidden(ids, pos, mask, cache, n_pos)
+            return lean.hidden(ids, pos, mask, cache, n_pos)
 
 
 def _decide_body(
@@ -169,12 +170,18 @@ def _decide_body(
     d: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The traced body of :meth:`CompiledHidden.decided`: forward, head, decision."""
-    hidden = lean.eager_hidden(ids, pos, mask, cache, n_pos, fused_decode)[:, 0]  # (B, H)
+    hidden = lean.hidden(ids, pos, mask, cache, n_pos, fused_decode)[:, 0]  # (B, H)
     logits = lean.logits(hidden)  # (B, V)
     tokens, hard = decide(logits, hidden, rid, steps, d)
     return logits, hidden, tokens, hard
 
 
-def compile_lean(lean: Any) -> None:
-    """Route ``lean``'s forward through :class:`CompiledHidden` (nothing compiles until its first call)."""
-    lean.compiled = CompiledHidden(lean)
+_COMPILED: weakref.WeakKeyDictionary[Any, CompiledHidden] = weakref.WeakKeyDictionary()
+
+
+def compiled_hidden(lean: Any) -> CompiledHidden:
+    """The compiled forward of ``lean`` (one per lean decoder; nothing compiles until its first call)."""
+    got = _COMPILED.get(lean)
+    if got is None:
+        got = _COMPILED[lean] = CompiledHidden(lean)
+    return got

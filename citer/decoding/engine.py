@@ -12,7 +12,9 @@ At batch > 1 some row needs the LLM at almost every step, so the LLM's weights w
 it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
 ``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.catch_up`).
 
-Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call.
+Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call;
+each model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, the one place that picks the forward
+(lean or HF, eager or compiled, ragged or fixed-shape) from the engine's ``forward`` and ``static_steps``.
 Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
 chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded to different sizes.
 """
@@ -33,7 +35,6 @@ from citer.decoding.call_rule import CallRule, FixedRule, MeasuredRule, StepTime
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
 from citer.decoding.kv_cache import RaggedKVCache
-from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
@@ -41,6 +42,7 @@ from citer.decoding.pairing import (
     shared_vocab_size,
 )
 from citer.decoding.rows import check_prompts
+from citer.decoding.runner import FORWARDS, ModelRunner
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
 from citer.decoding.step_compile import StepMode
@@ -86,9 +88,11 @@ class RoutedEngine:
     derives from its own measured step times (:mod:`citer.decoding.call_rule`). ``llm_prefill``: ``"lazy"`` lets the
     LLM read a row's prompt in its first catch-up; ``"admit"`` reads every admitted prompt but its last token in one
     LLM call beside the SLM's prefill (one large call instead of prompts mixed into small catch-ups; wasted on a row
-    the router never routes). ``compile_forward``: both models' lean forwards run under ``torch.compile``
-    (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a
-    near tie may pick the other token). ``verify_rho``/``verify_window``/``verify_final``: verified routing
+    the router never routes). ``forward``: ``"auto"`` runs each model's lean forward where it covers the family
+    (:mod:`citer.decoding.lean`), HF's elsewhere; ``"hf"`` HF's for both (the oracle); ``"compiled"`` the lean
+    forwards under ``torch.compile`` (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per
+    graph kind; fused rounding, so a near tie may pick the other token). The choice is this engine's: another engine
+    over the same models runs them as it was asked to. ``verify_rho``/``verify_window``/``verify_final``: verified routing
     (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
     SLM's call while its LLM catch-up is in flight (on CUDA, on a stream of its own) and feeds the LLM's tokens to the
     SLM a step later (:mod:`citer.decoding.catch_up`): the same tokens, a step that costs the longer call rather than
@@ -110,7 +114,7 @@ class RoutedEngine:
         llm_schedule: str = "fixed",
         llm_prefill: str = "lazy",
         static_steps: str | None = None,
-        compile_forward: bool = False,
+        forward: str = "auto",
         verify_rho: float = math.inf,
         verify_window: int = 0,
         verify_final: bool = False,
@@ -167,16 +171,14 @@ class RoutedEngine:
         if static_steps not in STATIC_STEPS:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps
-        if not isinstance(compile_forward, bool):
-            raise EngineInputError(f"compile_forward must be true or false, got {compile_forward!r}")
-        if compile_forward:  # a property of the models' forward (forward_paths says which path each took)
-            for m in (slm, llm):
-                if m is not None:
-                    set_forward_path(m, "compiled")
+        if forward not in FORWARDS:
+            raise EngineInputError(f"forward must be one of {list(FORWARDS)}, got {forward!r}")
+        mode = STATIC_STEPS[static_steps]
+        self.slm_runner = ModelRunner(slm, forward, mode)
+        self.llm_runner = ModelRunner(llm, forward, mode) if llm is not None else None
         if not isinstance(overlap, bool):
             raise EngineInputError(f"overlap must be true or false, got {overlap!r}")
         self.overlap = overlap
-        self._static: dict[str, StaticSteps | None] = {}
         self._caches: tuple[RaggedKVCache, RaggedKVCache | None] | None = None
         self._lease: weakref.ref[object] | None = None  # the session the pools are lent to
         self._decisions: dict[tuple[float, float, int], Decision] = {}
@@ -189,14 +191,9 @@ class RoutedEngine:
 
     def static_for(self, which: str) -> StaticSteps | None:
         """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``static_steps`` asks for them and the model
-        runs the lean forward; None keeps the ragged eager call."""
-        if self.static_steps is None:
-            return None
-        if which not in self._static:
-            lean = lean_decoder(self.slm if which == "slm" else self.llm)
-            mode = STATIC_STEPS[self.static_steps]
-            self._static[which] = None if lean is None or mode is None else StaticSteps(lean, mode)
-        return self._static[which]
+        runs the lean forward; None keeps the ragged call."""
+        runner = self.slm_runner if which == "slm" else self.llm_runner
+        return runner.static if runner is not None else None
 
     def caches_for(self, session: object) -> tuple[RaggedKVCache, RaggedKVCache | None]:
         """The engine's two KV pools, lent to ``session`` while no other live session holds them (emptied, their
@@ -214,16 +211,8 @@ class RoutedEngine:
         return self._caches
 
     def _new_caches(self) -> tuple[RaggedKVCache, RaggedKVCache | None]:
-        # Fixed-shape steps want few pool shapes: rows rounded to powers of two, columns to multiples of 128.
-        rounded = True if self.static_steps is not None else None
-        slm = RaggedKVCache(self.slm, 0, 0, round_shapes=rounded)
-        llm = RaggedKVCache(self.llm, 0, 0, round_shapes=rounded) if self.llm is not None else None
-        mode = STATIC_STEPS[self.static_steps]
-        for c, which in ((slm, "slm"), (llm, "llm")):
-            if c is not None:
-                c.static = self.static_for(which)
-                c.min_rows = mode.min_size if mode is not None else 1
-        return slm, llm
+        slm = self.slm_runner.new_pool()
+        return slm, self.llm_runner.new_pool() if self.llm_runner is not None else None
 
     def reserve(self, rows: int, columns: int) -> None:
         """Size the engine's pools for ``rows`` rows of up to ``columns`` tokens now, before anything is timed or
@@ -248,10 +237,10 @@ class RoutedEngine:
 
     @property
     def forward_paths(self) -> dict[str, str]:
-        """Which forward each model runs: ``"lean"`` (:mod:`citer.decoding.lean`) or ``"hf: <why not lean>"``."""
-        out = {"slm": forward_path(self.slm)}
-        if self.llm is not None:
-            out["llm"] = forward_path(self.llm)
+        """Which forward each model runs: ``"lean"``, ``"lean+compiled"`` or ``"hf: <why not lean>"``."""
+        out = {"slm": self.slm_runner.path}
+        if self.llm_runner is not None:
+            out["llm"] = self.llm_runner.path
         return out
 
     def check_prompts(

@@ -7,17 +7,15 @@ parameters become views of it, so both paths read the same memory -- and runs th
 tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the cache's own ``update`` so every cache
 layout (:class:`~citer.decoding.kv_cache.RaggedKVCache` padded or packed, or none) keeps working.
 
-:func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`forward_path`; callers
-then keep the HF forward. ``CITER_FORWARD=hf`` (or :func:`set_forward_path`) forces the HF forward.
+:func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`unsupported_reason`;
+callers then keep the HF forward. Which forward a call takes is not decided here but by the model's runner in an
+engine (:class:`~citer.decoding.runner.ModelRunner`).
 Shapes: B = rows, T = tokens per row, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +60,6 @@ class LeanDecoder:
         with torch.inference_mode(infer), torch.no_grad():
             self._build(model)
         self._source = _fingerprint(model)
-        # Set by citer.decoding.compiled.compile_lean: the compiled forward hidden() calls instead of the ops.
-        self.compiled: Callable[..., torch.Tensor] | None = None
         dec = model.get_decoder()
         self._embed_mod, self._head_mod = dec.embed_tokens, model.get_output_embeddings()
 
@@ -163,38 +159,13 @@ class LeanDecoder:
         mask: torch.Tensor | None,
         cache: object | None,
         n_pos: int,
-    ) -> torch.Tensor:
-        """ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend) or additive float, None = causal over T;
-        ``cache.update(k, v, layer)`` stores this call's K/V and returns the keys/values to attend (B, kv, K, D).
-        Returns the last layer's output after the final norm, (B, T, H). With :attr:`compiled` set
-        (:mod:`citer.decoding.compiled`), calls without a cache or over a cache that says ``compiles`` run its
-        graphs; the rest, and calls inside another compiled function, run eagerly."""
-        compiled = self.compiled_for(cache)
-        if compiled is not None:
-            return compiled(ids, pos, mask, cache, n_pos)
-        return self.eager_hidden(ids, pos, mask, cache, n_pos)
-
-    def compiled_for(self, cache: object | None) -> Any:
-        """:attr:`compiled` where a call over ``cache`` may run it (see :meth:`hidden`), else None."""
-        if (
-            self.compiled is not None
-            and getattr(cache, "compiles", cache is None)
-            and not torch.compiler.is_compiling()
-        ):
-            return self.compiled
-        return None
-
-    def eager_hidden(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: object | None,
-        n_pos: int,
         fused_decode: bool = False,
     ) -> torch.Tensor:
-        """:meth:`hidden`'s arithmetic, op by op (the body ``torch.compile`` traces). ``fused_decode``: one-query
-        rows attend through :func:`fused_attention`, for a compiler to fuse (the same math, other rounding)."""
+        """ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend) or additive float,
+        None = causal over T; ``cache.update(k, v, layer)`` stores this call's K/V and returns the keys/values to
+        attend (B, kv, K, D). Returns the last layer's output after the final norm, (B, T, H). Op by op: the body
+        :mod:`citer.decoding.compiled` traces. ``fused_decode``: one-query rows attend through
+        :func:`fused_attention`, for a compiler to fuse (the same math, other rounding)."""
         t = ids.shape[1]
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
@@ -246,8 +217,6 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why :class:`LeanDecoder` cannot run ``model`` (None: it can)."""
-    if os.environ.get("CITER_FORWARD", "").lower() == "hf":
-        return "CITER_FORWARD=hf"
     cfg = model.config.get_text_config(decoder=True)
     kind = getattr(cfg, "model_type", None)
     if kind not in FAMILIES:
@@ -274,67 +243,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-_DECODERS: weakref.WeakKeyDictionary[nn.Module, LeanDecoder | str] = weakref.WeakKeyDictionary()
-_PINNED_HF: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# Models whose lean forward runs under torch.compile (set_forward_path(model, "compiled")).
-_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_DECODERS: weakref.WeakKeyDictionary[nn.Module, LeanDecoder] = weakref.WeakKeyDictionary()
 
 
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:
-    """The model's lean decoder, built on first use and rebuilt if its weights moved; None where it does not apply."""
-    if model in _PINNED_HF:
-        return None
+    """The model's lean decoder, built on first use and rebuilt if its weights moved; None where it does not apply
+    (:func:`unsupported_reason` says why). One per model: building it fuses the model's matrices in place."""
     got = _DECODERS.get(model)
-    if isinstance(got, LeanDecoder) and not got.stale(model) and not model.training:
+    if got is not None and not got.stale(model) and not model.training:
         return got
-    reason = unsupported_reason(model)
-    if reason is not None:
-        _DECODERS[model] = f"hf: {reason}"
+    if unsupported_reason(model) is not None:
         return None
-    dec = LeanDecoder(model)
-    # A view rebuilt after the weights moved compiles again: the old graphs read the old tensors.
-    if model in _COMPILED:
-        from citer.decoding.compiled import compile_lean
-
-        compile_lean(dec)
-    _DECODERS[model] = dec
+    dec = _DECODERS[model] = LeanDecoder(model)
     return dec
-
-
-def set_forward_path(model: nn.Module, path: str) -> None:
-    """``"hf"`` pins the HF forward for this model; ``"auto"`` lets :func:`lean_decoder` choose (a lean decoder
-    already built is kept, so a benchmark can switch paths between timed calls); ``"compiled"`` runs the lean forward
-    under ``torch.compile`` (:mod:`citer.decoding.compiled`) where the lean forward applies."""
-    if path not in ("hf", "auto", "compiled"):
-        raise ValueError(f"forward path must be 'hf', 'auto' or 'compiled', got {path!r}")
-    if path == "hf":
-        _PINNED_HF.add(model)
-        return
-    _PINNED_HF.discard(model)
-    got = _DECODERS.get(model)
-    if path == "auto":
-        _COMPILED.discard(model)
-        if isinstance(got, LeanDecoder):
-            got.compiled = None
-        return
-    _COMPILED.add(model)
-    if isinstance(got, LeanDecoder) and got.compiled is None:
-        from citer.decoding.compiled import compile_lean
-
-        compile_lean(got)
-
-
-def runs_compiled(model: nn.Module) -> bool:
-    """True when ``model``'s calls go through its compiled lean forward (:mod:`citer.decoding.compiled`)."""
-    dec = lean_decoder(model)
-    return dec is not None and dec.compiled is not None
-
-
-def forward_path(model: nn.Module) -> str:
-    """``"lean"``, ``"lean+compiled"`` or ``"hf: <reason>"``: which forward the engine takes for this model."""
-    if model in _PINNED_HF:
-        return "hf: pinned by set_forward_path"
-    dec = lean_decoder(model)
-    if dec is None:
-        return str(_DECODERS.get(model, "hf"))
-    return "lean+compiled" if dec.compiled is not None else "lean"

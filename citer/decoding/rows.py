@@ -36,6 +36,8 @@ class Engine(Protocol):
     llm_prefill: str
     overlap: bool
     verify: Verification
+    slm_runner: Any  # citer.decoding.runner.ModelRunner: how each model's calls run
+    llm_runner: Any
 
     def check_prompts(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from citer.decoding.forward import decoder_forward, right_padded
+from citer.decoding.padding import right_padded
 from citer.decoding.pairing import cut_logits, input_device
+from citer.decoding.runner import ModelRunner
 from citer.decoding.session import EngineInputError
 
 
@@ -52,7 +53,7 @@ def _rows(
     ids, _ = right_padded(seqs, pad)
     dev = input_device(model)
     pick = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev))
-    return decoder_forward(model, ids.to(dev), None, None, None, last_index=pick)
+    return ModelRunner(model).forward(ids.to(dev), last_index=pick)
 
 
 def _score_with(

@@ -42,8 +42,6 @@ from citer.decoding.choice import (
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter, RowStats
-from citer.decoding.kv_cache import ragged_append
-from citer.decoding.lean import runs_compiled
 from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
@@ -286,16 +284,12 @@ class DecodeSession(CatchUpCalls):
                 r.unfed = False
         # Held rows (waiting for the LLM) ride along with an empty chunk so the call stays over the slot prefix.
         chunks = [[r.seq[-1]] if r.key in fed else [] for r in self.rows]
-        # Fixed-shape steps decide the next step in their graph (proposals, flags (b,)) if every row samples alike
-        # and the router can be traced (else None).
-        # So do decode steps of a compiled forward (citer.decoding.compiled).
-        sampling, static, out, decide = {r.sampling for r in self.rows}, self.slm_cache.static, None, None
-        if len(sampling) == 1 and (static is not None or runs_compiled(self.e.slm)):
+        # Fixed-shape and compiled steps decide the next step in their graph (proposals, flags (b,)) if every row
+        # samples alike and the router can be traced.
+        sampling, runner, decide = {r.sampling for r in self.rows}, self.e.slm_runner, None
+        if len(sampling) == 1 and (runner.static is not None or runner.compiled is not None):
             decide = ([r.row_id for r in self.rows], [r.n_out for r in self.rows], self.e.decision(*sampling))
-        if static is not None and decide is not None:
-            out = static.decided(self.slm_cache, chunks, *decide)
-        if out is None:
-            out = ragged_append(self.e.slm, self.slm_cache, chunks, decide=decide)
+        out = runner.feed(self.slm_cache, chunks, decide=decide)
         self._decided = (out[2], out[3], fed) if len(out) == 4 else None
         logits, hidden = out[:2]  # (b, V), (b, H)
         fed = [s for s, c in enumerate(chunks) if c]
@@ -321,7 +315,7 @@ class DecodeSession(CatchUpCalls):
         for c in caches:
             c.ensure_capacity(need)
             slots = c.add_slots(len(new))
-        logits, hidden = ragged_append(self.e.slm, self.slm_cache, [r.seq for r in new], slots=slots)
+        logits, hidden = self.e.slm_runner.feed(self.slm_cache, [r.seq for r in new], slots=slots)
         self.meter.forward("slm", [r.key for r in new], [len(r.seq) for r in new], [len(r.seq) for r in new])
         if self.e.llm_prefill == "admit" and self.llm_cache is not None:
             self._llm_prefill(new, slots)
@@ -338,7 +332,7 @@ class DecodeSession(CatchUpCalls):
         assert self.llm_cache is not None and self.e.llm is not None
         chunks = [r.seq[: r.prompt_len - 1] for r, _ in fed]
         t = time.perf_counter()
-        ragged_append(self.e.llm, self.llm_cache, chunks, slots=[s for _, s in fed])
+        self.e.llm_runner.feed(self.llm_cache, chunks, slots=[s for _, s in fed])
         keys, n = [r.key for r, _ in fed], [len(c) for c in chunks]
         self.e.times.llm_call(sum(n), time.perf_counter() - t)
         self.meter.forward("llm", keys, n, n)

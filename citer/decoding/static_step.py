@@ -107,7 +107,7 @@ class StaticSteps:
         self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``chunks[i]`` to slot ``slots[i]``; logits (b, V) and hidden (b, H) at each row's last fed token
-        (an empty chunk holds its row, as in :func:`~citer.decoding.kv_cache.ragged_append`); ``every``: (b, Q, .)
+        (an empty chunk holds its row, as in :meth:`~citer.decoding.runner.ModelRunner.feed`); ``every``: (b, Q, .)
         at every position, Q = the longest chunk."""
         b = len(chunks)
         q = max(len(c) for c in chunks)

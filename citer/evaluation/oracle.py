@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from citer.decoding.forward import right_padded
+from citer.decoding.padding import right_padded
 from citer.decoding.pairing import cut_logits
 from citer.evaluation.passes import batches
 

@@ -19,7 +19,7 @@ import torch
 
 from citer.config import QueryRouterParams
 from citer.decoding.cost import CostMeter, ModelCost
-from citer.decoding.forward import right_padded
+from citer.decoding.padding import right_padded
 from citer.evaluation.passes import PassResult, batches
 from citer.evaluation.pricing import CallCounts
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from citer.decoding.baselines import Router, wants_row_ids
-from citer.decoding.forward import right_padded
+from citer.decoding.padding import right_padded
 from citer.evaluation.passes import batches
 
 QUANTILE_POINTS = 101  # fractions 0.00, 0.01, ..., 1.00

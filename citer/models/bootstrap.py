@@ -22,7 +22,7 @@ from citer.config import ArchParams, BootstrapParams, PretrainParams
 from citer.data.formats import Format
 from citer.data.jsonl import read_jsonl
 from citer.data.prompts import CHAT_TEMPLATE, build_prompt, build_target
-from citer.decoding.forward import right_padded
+from citer.decoding.padding import right_padded
 from citer.models.loading import count_params
 from citer.ops.io import atomic_dir
 from citer.ops.progress import progress

@@ -81,7 +81,7 @@ def route_engine(
         llm_max_wait_steps=engine.llm_max_wait_steps,
         llm_schedule=engine.llm_schedule,
         llm_prefill=engine.llm_prefill,
-        compile_forward=engine.compile_forward,
+        forward="compiled" if engine.compile_forward else "auto",
         overlap=engine.overlap,
         **verify,
     )

@@ -12,15 +12,17 @@ import torch
 from test_lean import FAMILIES, PROMPTS, build
 
 from citer.decoding.baselines import RandomRouter
+from citer.decoding.compiled import compiled_hidden
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
-from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
+from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.lean import lean_decoder
+from citer.decoding.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
 
 
-def _generate(slm, llm, prompts, n, compile_forward=False):
-    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5, compile_forward=compile_forward)
+def _generate(slm, llm, prompts, n, forward="auto"):
+    eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5, forward=forward)
     res = eng.generate_batch(prompts, n)
     return res.tokens, res.from_llm, eng.forward_paths
 
@@ -32,26 +34,21 @@ def test_the_compiled_forward_routes_the_eager_tokens(family="qwen3"):
     slm, llm = build(family, seed=1, hidden=32, layers=1), build(family, seed=2, hidden=64, layers=2)
     prompts = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 10]]
     with torch.inference_mode():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
+            got = [_generate(slm, llm, p, 12, forward="compiled") for p in (prompts, prompts[:3])]
+        assert len(compiled_hidden(lean_decoder(llm))._fns) >= 2  # step and catch-up graphs really ran
+        assert compiled_hidden(lean_decoder(slm))._decide_fns  # the SLM's steps decided inside their graph
+        # the engine's caches round their pools (5 and 3 rows -> 8 and 4), compiled for as static shapes
+        assert {p[0] for p in compiled_hidden(lean_decoder(llm))._pools} == {8, 4}
+        # Engines built after a compiled one over the same models run them as they were asked: eagerly.
         want = [_generate(slm, llm, p, 12) for p in (prompts, prompts[:3])]
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
-                got = [_generate(slm, llm, p, 12, compile_forward=True) for p in (prompts, prompts[:3])]
-            assert lean_decoder(slm).compiled is not None and lean_decoder(llm).compiled is not None
-            assert len(lean_decoder(llm).compiled._fns) >= 2  # step and catch-up graphs really ran
-            assert lean_decoder(slm).compiled._decide_fns  # the SLM's steps decided inside their graph
-            # the engine's caches round their pools (5 and 3 rows -> 8 and 4), compiled for as static shapes
-            assert {p[0] for p in lean_decoder(llm).compiled._pools} == {8, 4}
-        finally:
-            for m in (slm, llm):
-                set_forward_path(m, "auto")
     for (tok_w, llm_w, paths_w), (tok_g, llm_g, paths_g) in zip(want, got, strict=True):
         assert tok_g == tok_w
         assert llm_g == llm_w
         assert any(any(r) for r in llm_g)  # the LLM wrote tokens: catch-ups ran
         assert paths_w == {"slm": "lean", "llm": "lean"}
         assert paths_g == {"slm": "lean+compiled", "llm": "lean+compiled"}
-    assert forward_path(slm) == "lean"  # "auto" drops the compiled forward
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,13 +65,14 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
     outs = {}
     with torch.inference_mode():
         for path in ("auto", "compiled"):
-            set_forward_path(model, path)
+            runner = ModelRunner(model, forward=path)
             cache = RaggedKVCache(model, 3, 64)
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
-                outs[path] = [ragged_append(model, cache, c)[0] for c in chunks]
-        assert len(lean_decoder(model).compiled._fns) == 2  # the step graph and the packed (varlen) one ran
-    set_forward_path(model, "auto")
+                outs[path] = [runner.feed(cache, c)[0] for c in chunks]
+        assert (
+            len(compiled_hidden(lean_decoder(model))._fns) == 2
+        )  # the step graph and the packed (varlen) one ran
     for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
@@ -93,21 +91,19 @@ def test_a_forward_that_cannot_compile_warns_once_and_runs_eagerly():
     model = build("qwen2", seed=4)
     chunks = [[5, 6, 7], [8, 9]]
     with torch.inference_mode():
-        want = ragged_append(model, RaggedKVCache(model, 2, 32), chunks)[0]
-        set_forward_path(model, "compiled")
-        try:
-            with pytest.warns(UserWarning, match="cannot be compiled"):
-                got = ragged_append(model, _HostReadingCache(model, 2, 32), chunks)[0]
-            assert lean_decoder(model).compiled is None  # later calls go straight to the eager forward
-            assert forward_path(model) == "lean"
-        finally:
-            set_forward_path(model, "auto")
+        want = ModelRunner(model).feed(RaggedKVCache(model, 2, 32), chunks)[0]
+        runner = ModelRunner(model, forward="compiled")
+        assert runner.path == "lean+compiled"
+        with pytest.warns(UserWarning, match="cannot be compiled"):
+            got = runner.feed(_HostReadingCache(model, 2, 32), chunks)[0]
+        assert runner.compiled is None  # later calls go straight to the eager forward
+        assert runner.path == "lean"
     assert torch.equal(got, want)
 
 
-def test_a_bad_forward_path_is_refused():
-    with pytest.raises(ValueError, match="'hf', 'auto' or 'compiled'"):
-        set_forward_path(build("qwen2", seed=5), "inductor")
+def test_a_bad_forward_is_refused():
+    with pytest.raises(ValueError, match="forward must be one of"):
+        ModelRunner(build("qwen2", seed=5), forward="inductor")
 
 
 def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
@@ -124,11 +120,8 @@ def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
     plain.add_slots(3)
     plain.ensure_capacity(100)
     assert (plain._alloc, plain.capacity) == (3, 100)
-    set_forward_path(model, "compiled")  # what compile_forward=True sets: no engine flag involved
-    try:
-        assert RaggedKVCache(model, 0, 0).round_shapes  # a compiled model's caches round by default
-    finally:
-        set_forward_path(model, "auto")
+    assert ModelRunner(model, forward="compiled").new_pool().round_shapes  # a compiled runner's pools round
+    assert not ModelRunner(model).new_pool().round_shapes
     ch = CompiledHidden(lean_decoder(model))
     pools = [torch.zeros(1 << i, 1, 4, 2) for i in range(_STATIC_POOLS + 1)]
     for p in pools:
@@ -165,18 +158,14 @@ def test_a_compiled_step_decides_in_its_graph_as_the_eager_engine_does(temperatu
             want = RoutedEngine(slm, llm, router, tau=0.5).generate_batch(
                 prompts, 10, temperature=temperature
             )
-            eng = RoutedEngine(slm, llm, router, tau=0.5, compile_forward=True)
-            try:
-                reads = isinstance(router, _ReadingRouter)
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    got = eng.generate_batch(prompts, 10, temperature=temperature)
-                decided = lean_decoder(slm).compiled
-                assert (router in decided._untraceable) == reads
-                assert any("decision cannot run inside its graph" in str(w.message) for w in caught) == reads
-                assert not any("lean forward cannot" in str(w.message) for w in caught)
-            finally:
-                for m in (slm, llm):
-                    set_forward_path(m, "auto")
+            eng = RoutedEngine(slm, llm, router, tau=0.5, forward="compiled")
+            reads = isinstance(router, _ReadingRouter)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = eng.generate_batch(prompts, 10, temperature=temperature)
+            decided = eng.slm_runner.compiled
+            assert (router in decided._untraceable) == reads
+            assert any("decision cannot run inside its graph" in str(w.message) for w in caught) == reads
+            assert not any("lean forward cannot" in str(w.message) for w in caught)
             assert got.tokens == want.tokens and got.from_llm == want.from_llm
             assert any(any(r) for r in got.from_llm) and not all(all(r) for r in got.from_llm)

@@ -31,20 +31,20 @@ class CountCalls:
     """Counts the engine's forward calls of one model and the batch size of each (whichever forward runs them)."""
 
     def __init__(self, model):
-        import citer.decoding.kv_cache as kv_cache
+        from citer.decoding.runner import ModelRunner
 
         self.sizes: list[int] = []
-        self._mod, self._orig = kv_cache, kv_cache.decoder_forward
+        self._cls, self._orig = ModelRunner, ModelRunner.forward
 
-        def counted(m, input_ids, *args, **kwargs):
-            if m is model:
+        def counted(runner, input_ids, *args, **kwargs):
+            if runner.model is model:
                 self.sizes.append(input_ids.shape[0])
-            return self._orig(m, input_ids, *args, **kwargs)
+            return self._orig(runner, input_ids, *args, **kwargs)
 
-        kv_cache.decoder_forward = counted
+        ModelRunner.forward = counted
 
     def close(self):
-        self._mod.decoder_forward = self._orig
+        self._cls.forward = self._orig
 
 
 def test_always_llm_equals_llm_greedy_generate(pair):

@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import make_qwen2
 
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.runner import ModelRunner
 
 V = 97
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40]]
@@ -24,13 +25,13 @@ def test_padding_never_changes_a_logit(llm, packed):
     with torch.inference_mode():
         cache = RaggedKVCache(llm, 3, 32)
         # Prefill prompts of mixed length, then catch up rows 2 and 0 with different gaps in one call.
-        lg, _ = ragged_append(llm, cache, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], packed=packed)
+        lg, _ = ModelRunner(llm).feed(cache, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], packed=packed)
         for i, p in enumerate([PROMPTS[2], PROMPTS[1], PROMPTS[0]]):
             torch.testing.assert_close(lg[i], ref[i][len(p) - 1], rtol=1e-4, atol=1e-4)
-        lg, _ = ragged_append(llm, cache, [[34, 35, 36, 37], [30, 31, 32]], slots=[2, 0], packed=packed)
+        lg, _ = ModelRunner(llm).feed(cache, [[34, 35, 36, 37], [30, 31, 32]], slots=[2, 0], packed=packed)
         torch.testing.assert_close(lg[0], ref[2][-1], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(lg[1], ref[0][-1], rtol=1e-4, atol=1e-4)
-        lg, _ = ragged_append(llm, cache, [[33]], slots=[1], packed=packed)
+        lg, _ = ModelRunner(llm).feed(cache, [[33]], slots=[1], packed=packed)
         torch.testing.assert_close(lg[0], ref[1][-1], rtol=1e-4, atol=1e-4)
         assert cache.lengths == [len(seqs[0]), len(seqs[1]), len(seqs[2])]
 
@@ -39,11 +40,9 @@ def test_a_large_models_catch_up_packs_at_little_padding_and_a_small_ones_pads(m
     """Pad tokens cost a layer's multiply-adds each; packing costs a fixed few ops a layer: a call packs where the pad
     tokens' work exceeds ``PACK_COST_MACS`` (or doubles the tokens), so the same 2-row catch-up (5 + 4 tokens: one
     pad) packs for a wide model and pads for a narrow one."""
-    import citer.decoding.kv_cache as kv_cache
-
     calls = []
-    real = kv_cache._packed_append
-    monkeypatch.setattr(kv_cache, "_packed_append", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ModelRunner._packed
+    monkeypatch.setattr(ModelRunner, "_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
     narrow = make_qwen2(V, hidden_size=64, num_hidden_layers=1, seed=3)
     wide = make_qwen2(V, hidden_size=512, intermediate_size=4096, num_hidden_layers=1, seed=3)
     for model, packs in ((narrow, False), (wide, True)):
@@ -51,7 +50,7 @@ def test_a_large_models_catch_up_packs_at_little_padding_and_a_small_ones_pads(m
         seqs = [[5, 6, 7, 8, 9], [10, 11, 12, 13]]
         with torch.inference_mode():
             cache = RaggedKVCache(model, 2, 16)
-            lg, _ = ragged_append(model, cache, seqs)
+            lg, _ = ModelRunner(model).feed(cache, seqs)
             ref = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
         assert bool(calls) is packs
         for i in range(2):

@@ -7,9 +7,9 @@ import torch
 
 from citer.decoding.baselines import AlwaysLLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.forward import decoder_forward
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
-from citer.decoding.lean import forward_path, lean_decoder, set_forward_path
+from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.lean import lean_decoder
+from citer.decoding.runner import ModelRunner
 
 V = 97  # the tokenizer's ids; "qwen2.5" pads its embeddings beyond them
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40]]
@@ -65,20 +65,16 @@ def pair(request):
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    set_forward_path(model, "hf")
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0]  # (T, V)
-    finally:
-        set_forward_path(model, "auto")
+    with torch.no_grad():  # the HF modules' own forward: the oracle
+        return model(torch.tensor([ids])).logits[0]  # (T, V)
 
 
 def test_full_forward_logits_equal_hf(pair):
     _, _, llm = pair
     ids = PROMPTS[2]
     with torch.no_grad():
-        logits, hidden = decoder_forward(llm, torch.tensor([ids]), None, None, None)
-    assert forward_path(llm) == "lean"
+        logits, hidden = ModelRunner(llm).forward(torch.tensor([ids]))
+    assert ModelRunner(llm).path == "lean"
     torch.testing.assert_close(logits[0], hf_logits(llm, ids), atol=1e-5, rtol=1e-5)
     assert hidden.shape == (1, len(ids), llm.config.hidden_size)
 
@@ -90,7 +86,7 @@ def test_ragged_cache_steps_equal_hf_at_every_position(pair):
     seqs = [list(p) for p in PROMPTS]
     cache = RaggedKVCache(llm, len(seqs), 40)
     with torch.inference_mode():
-        logits, _ = ragged_append(llm, cache, seqs)
+        logits, _ = ModelRunner(llm).feed(cache, seqs)
         got = {i: [logits[i]] for i in range(len(seqs))}
         for step in range(6):
             # Row 1 is held every other step; row 3 catches up on three tokens at step 2.
@@ -99,7 +95,7 @@ def test_ragged_cache_steps_equal_hf_at_every_position(pair):
                 chunks[1] = []
             if step == 2:
                 chunks[3] = [30, 31, 32]
-            logits, _ = ragged_append(llm, cache, chunks)
+            logits, _ = ModelRunner(llm).feed(cache, chunks)
             for r, c in enumerate(chunks):
                 if c:
                     seqs[r] += c
@@ -134,9 +130,11 @@ def test_packed_catch_up_attends_per_row_and_equals_hf(pair, monkeypatch):
     cache = RaggedKVCache(llm, len(seqs), 40)
     gaps = [[50, 51, 52, 53, 54, 55], [56], [57, 58], [59, 60, 61, 62, 63]]
     with torch.inference_mode():
-        ragged_append(llm, cache, seqs)
+        ModelRunner(llm).feed(cache, seqs)
         monkeypatch.setattr(lean_mod.F, "scaled_dot_product_attention", spy)
-        logits, _ = ragged_append(llm, cache, gaps, slots=[0, 1, 2, 3], packed=True, every=True)  # (b, Q, V)
+        logits, _ = ModelRunner(llm).feed(
+            cache, gaps, slots=[0, 1, 2, 3], packed=True, every=True
+        )  # (b, Q, V)
         monkeypatch.undo()
     width = max(len(p) + len(g) for p, g in zip(PROMPTS, gaps, strict=True))
     assert masks and all(m == (4, 1, 6, width) for m in masks)
@@ -161,10 +159,10 @@ def test_a_step_where_every_row_is_at_the_last_column_attends_without_a_mask(pai
     for seqs in ([[5, 9, 2, 7], [4, 4, 8, 1]], [[5, 9, 2, 7]], [[5, 9, 2, 7], [4, 8]]):
         cache = RaggedKVCache(llm, len(seqs), 16)
         with torch.inference_mode():
-            ragged_append(llm, cache, seqs)
+            ModelRunner(llm).feed(cache, seqs)
             masks.clear()
             monkeypatch.setattr(lean_mod.F, "scaled_dot_product_attention", spy)
-            logits, _ = ragged_append(llm, cache, [[11]] * len(seqs))  # (b, V)
+            logits, _ = ModelRunner(llm).feed(cache, [[11]] * len(seqs))  # (b, V)
             monkeypatch.undo()
         equal = len({len(s) for s in seqs}) == 1
         assert masks and all((m is None) == equal for m in masks)
@@ -193,9 +191,13 @@ def test_routed_tokens_equal_through_either_forward(pair, temperature):
     _, slm, llm = pair
     out = {}
     for path in ("hf", "auto"):
-        for m in (slm, llm):
-            set_forward_path(m, path)
-        eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), vocab_size=V)
+        eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), vocab_size=V, forward=path)
+        want = (
+            {"slm": "hf: forward='hf'", "llm": "hf: forward='hf'"}
+            if path == "hf"
+            else {"slm": "lean", "llm": "lean"}
+        )
+        assert eng.forward_paths == want
         out[path] = eng.generate_batch(PROMPTS, 20, temperature=temperature, seed=7)
     assert out["hf"].tokens == out["auto"].tokens
     assert out["hf"].from_llm == out["auto"].from_llm
@@ -213,29 +215,26 @@ def test_weights_are_views_not_copies_and_moves_rebuild():
             lin.weight.untyped_storage().data_ptr() == base
         )  # the HF parameters now live in the fused matrix
     ids = PROMPTS[0]
-    lean = decoder_forward(model, torch.tensor([ids]), None, None, None)[0][0]
+    lean = ModelRunner(model).forward(torch.tensor([ids]))[0][0]
     torch.testing.assert_close(lean, hf_logits(model, ids), atol=1e-5, rtol=1e-5)
     model.to(torch.float64)  # moved weights: the old view is stale and must not be used
     dec64 = lean_decoder(model)
     assert dec64 is not dec and dec64.layers[0].wqkv.dtype == torch.float64
-    lean64 = decoder_forward(model, torch.tensor([ids]), None, None, None)[0][0]
+    lean64 = ModelRunner(model).forward(torch.tensor([ids]))[0][0]
     torch.testing.assert_close(lean64, hf_logits(model, ids), atol=1e-9, rtol=1e-9)
 
 
-def test_uncovered_models_keep_the_hf_forward_and_say_why(monkeypatch):
+def test_uncovered_models_keep_the_hf_forward_and_say_why():
     dynamic = build("qwen2", seed=4)
     dynamic.config.rope_parameters = {**dynamic.config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
-    assert forward_path(dynamic).startswith("hf: rope_type 'dynamic'")
+    assert ModelRunner(dynamic).path.startswith("hf: rope_type 'dynamic'")
     training = build("qwen2", seed=5).train()
-    assert forward_path(training) == "hf: model in training mode (dropout)"
-    monkeypatch.setenv("CITER_FORWARD", "hf")
-    assert forward_path(build("qwen2", seed=6)) == "hf: CITER_FORWARD=hf"
-    monkeypatch.delenv("CITER_FORWARD")
+    assert ModelRunner(training).path == "hf: model in training mode (dropout)"
     # An engine over an uncovered model still decodes, through the HF modules, with HF's tokens.
     slm = build("qwen2", seed=7, layers=1)
+    training.config.rope_parameters = dict(dynamic.config.rope_parameters)  # uncovered in eval mode too
     eng = RoutedEngine(slm, training.eval(), AlwaysLLM())
-    set_forward_path(training, "hf")
-    assert eng.forward_paths["llm"] == "hf: pinned by set_forward_path"
+    assert eng.forward_paths["llm"].startswith("hf: rope_type 'dynamic'")
     res = eng.generate(PROMPTS[0], 8)
     with torch.no_grad():
         out = training.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -115,13 +115,13 @@ def test_a_batch_is_one_slm_pass_and_one_llm_pass_cut_after_its_last_llm_positio
     eng = RoutedEngine(slm, llm, spread_router(slm.config.hidden_size), tau=0.5)
     items = [(p, [3, 4, 5, 6, 7]) for p in PROMPTS]
     calls: dict[str, list[tuple[int, ...]]] = {"slm": [], "llm": []}
-    real = scoring.decoder_forward
+    real = scoring.ModelRunner.forward
 
-    def counted(model, ids, *args, **kw):  # the real forward, each call's shape noted
-        calls["slm" if model is slm else "llm"].append(tuple(ids.shape))
-        return real(model, ids, *args, **kw)
+    def counted(runner, ids, *args, **kw):  # the real forward, each call's shape noted
+        calls["slm" if runner.model is slm else "llm"].append(tuple(ids.shape))
+        return real(runner, ids, *args, **kw)
 
-    monkeypatch.setattr(scoring, "decoder_forward", counted)
+    monkeypatch.setattr(scoring.ModelRunner, "forward", counted)
     batch = routed_loglikelihood_batch(eng, items, top_k=1)
     assert calls["slm"] == [(len(items), max(len(p) + len(c) for p, c in items))]
     assert len(calls["llm"]) == 1

@@ -8,7 +8,8 @@ from conftest import decoding_pair
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
-from citer.decoding.kv_cache import RaggedKVCache, ragged_append
+from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.runner import ModelRunner
 from citer.routing.mlp import MLPRouter
 
 V = 97
@@ -130,23 +131,23 @@ def test_bad_shared_call_params_are_refused(pair, bad):
 def test_slot_pool_grows_recycles_and_keeps_rows_exact(pair):
     _, llm = pair
     ref = RaggedKVCache(llm, 3, 32)
-    ref_lg, _ = ragged_append(llm, ref, [PROMPTS[0], PROMPTS[1], PROMPTS[2]])
+    ref_lg, _ = ModelRunner(llm).feed(ref, [PROMPTS[0], PROMPTS[1], PROMPTS[2]])
     pool = RaggedKVCache(llm, 0, 4)
     pool.ensure_capacity(20)
     s = pool.add_slots(2)
-    ragged_append(llm, pool, [PROMPTS[3], PROMPTS[0]], slots=s)
+    ModelRunner(llm).feed(pool, [PROMPTS[3], PROMPTS[0]], slots=s)
     s = pool.add_slots(2)  # the pool doubles
-    ragged_append(llm, pool, [PROMPTS[1], PROMPTS[2]], slots=s)
+    ModelRunner(llm).feed(pool, [PROMPTS[1], PROMPTS[2]], slots=s)
     moved = pool.remove_slots([0])  # slot 3 (PROMPTS[2]) moves into the hole
     assert moved == {3: 0} and pool.lengths == [len(PROMPTS[2]), len(PROMPTS[0]), len(PROMPTS[1])]
     # Held rows (empty chunks) ride along and write nothing.
-    lg, _ = ragged_append(llm, pool, [[30], [], [31]])
+    lg, _ = ModelRunner(llm).feed(pool, [[30], [], [31]])
     assert pool.lengths == [len(PROMPTS[2]) + 1, len(PROMPTS[0]), len(PROMPTS[1]) + 1]
-    ref_next, _ = ragged_append(llm, ref, [[31], [30]], slots=[1, 2])
+    ref_next, _ = ModelRunner(llm).feed(ref, [[31], [30]], slots=[1, 2])
     torch.testing.assert_close(lg[0], ref_next[1], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(lg[2], ref_next[0], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="nothing to feed"):
-        ragged_append(llm, pool, [[], []], slots=[0, 1])
+        ModelRunner(llm).feed(pool, [[], []], slots=[0, 1])
     assert ref_lg.shape[0] == 3
 
 

@@ -21,7 +21,7 @@ from conftest import require_smollm2
 
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.forward import decoder_forward
+from citer.decoding.runner import ModelRunner
 from citer.models.loading import load_model
 
 pytestmark = pytest.mark.slow  # a real model loaded and decoded, ~40 s on 2 cores
@@ -141,9 +141,9 @@ def test_routing_between_two_identical_models_writes_the_same_tokens(real, engin
 
 def _teacher_forced(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """(len(continuation), V) float32 logits at the positions that predict each continuation token, through the
-    forward the engine runs (:func:`citer.decoding.forward.decoder_forward`)."""
+    forward the engine runs (:meth:`citer.decoding.runner.ModelRunner.forward`)."""
     with torch.no_grad():
-        logits, _ = decoder_forward(model, torch.tensor([prompt + continuation]), None, None, None)
+        logits, _ = ModelRunner(model).forward(torch.tensor([prompt + continuation]))
     return logits[0, len(prompt) - 1 : -1].float()
 
 

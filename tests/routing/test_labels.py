@@ -14,7 +14,7 @@ from conftest import make_qwen2
 
 from citer.config import LabelsParams
 from citer.data.answers import grade
-from citer.decoding.forward import decoder_forward
+from citer.decoding.runner import ModelRunner
 from citer.routing.label_store import LabelsError, validate_labels
 from citer.routing.labels import (
     Branch,
@@ -132,9 +132,7 @@ def test_teacher_forced_matches_per_token_generate(tiny_pair):
                 gen = model.generate(prefix, max_new_tokens=1, do_sample=False, pad_token_id=0)
                 assert int(gen[0, -1]) == int(got), (i, t)
             with torch.no_grad():  # the engine's router input on the unpadded prefix
-                _, h = decoder_forward(
-                    slm, prefix, None, None, None, last_index=torch.tensor([prefix.shape[1] - 1])
-                )
+                _, h = ModelRunner(slm).forward(prefix, last_index=torch.tensor([prefix.shape[1] - 1]))
             h = h[0]
             torch.testing.assert_close(tf.hidden[k], h, atol=1e-4, rtol=1e-4)
             k += 1
