@@ -1,5 +1,6 @@
-"""Routed decoding: the engine loop over a per-row ragged KV cache, the cost meter, baseline routers, speculative decoding.
+"""Routed decoding: the engine loop over per-model KV pools, the cost meter, baseline routers, speculative decoding.
 
-Bottom up: ``forward`` (logits + the router's hidden state), ``sampling`` (batch-invariant noise), ``cost`` <-
-``kv_cache`` <- ``baselines`` <- ``engine``; ``speculative`` is transformers' assisted generation metered alike.
+Bottom up: ``kv_pool`` (slots of rows) <- ``context`` (one call laid out) <- ``lean`` / ``compiled`` /
+``static_step`` (the forward) <- ``runner`` (one per model: how its calls run) <- ``session`` (the scheduler) <-
+``engine``; ``speculative`` is transformers' assisted generation metered alike.
 """

@@ -24,7 +24,7 @@ import torch
 
 from citer.decoding.choice import TopLogprobs, choose_tokens, token_logprobs
 from citer.decoding.cost import CostMeter
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Engine, Row
 from citer.decoding.verify import first_cuts
@@ -83,8 +83,8 @@ class CatchUpCalls:
     e: Engine
     rows: list[Row]
     meter: CostMeter
-    slm_cache: RaggedKVCache
-    llm_cache: RaggedKVCache | None
+    slm_pool: KVPool
+    llm_pool: KVPool | None
     side: SideStream
     _lp: dict[int, TopLogprobs]
     _llm_wrote: set[int]
@@ -98,13 +98,13 @@ class CatchUpCalls:
     def _llm_launch(self, slots: list[int]) -> Launched:
         """Queue the LLM's forward over the waiting rows ``slots``: each catches up on every token it has not seen."""
         e = self.e
-        if self.llm_cache is None:
+        if self.llm_pool is None:
             raise ValueError("router sent a token to the LLM but the engine has llm=None")
         rows = [self.rows[s] for s in slots]
         chunks = [r.seq[r.llm_seen :] for r in rows]
         every = e.verify.on  # verification reads the LLM's distribution at every caught-up position
         with self.side.run():
-            logits, _ = e.llm_runner.feed(self.llm_cache, chunks, slots=slots, every=every)
+            logits, _ = e.llm_runner.feed(self.llm_pool, chunks, slots=slots, every=every)
         keys = [r.key for r in rows]
         self.meter.forward("llm", keys, [len(c) for c in chunks], [len(r.seq) for r in rows])
         self.meter.llm_fed(
@@ -191,7 +191,7 @@ class CatchUpCalls:
         self.meter.rolled_back([r.key], [len(r.seq) - t])
         del r.pending[t - r.verified :]  # before seq: ``verified`` is derived from both
         del r.seq[t:]
-        self.slm_cache.lengths[s] = t
-        assert self.llm_cache is not None
-        self.llm_cache.lengths[s] = t
+        self.slm_pool.lengths[s] = t
+        assert self.llm_pool is not None
+        self.llm_pool.lengths[s] = t
         r.llm_seen = t

@@ -14,7 +14,7 @@ shared copy would make the SLM's head count a symbol once the LLM's differs, and
 guards. The first call of a kind compiles a graph for its sizes; a second size recompiles it with dynamic sizes,
 which later sizes reuse (sizes 0 and 1 keep graphs of their own). The KV pool's sizes stay static: the caches of a
 model whose forward runs compiled round them (rows to a power of two, columns to a multiple of 128:
-``RaggedKVCache.round_shapes``) and each pool shape gets its own graphs, which ran 10-15% faster than graphs with
+``KVPool.round_shapes``) and each pool shape gets its own graphs, which ran 10-15% faster than graphs with
 the pool's sizes as symbols. So a run compiles a handful of graphs per model and pool shape, seconds each, then only
 replays them.
 
@@ -72,7 +72,7 @@ class CompiledHidden:
 
     def _mark_static(self, pool: torch.Tensor) -> None:
         """Compile for this pool's sizes: graphs with the pool's rows and columns as symbols ran 10-15% slower on
-        the embedded pair at batch 32. A rounded pool (``RaggedKVCache.round_shapes``) takes a few shapes in a run;
+        the embedded pair at batch 32. A rounded pool (``KVPool.round_shapes``) takes a few shapes in a run;
         past :data:`_STATIC_POOLS` of them, new pools stay symbolic, so a long run never recompiles without end."""
         shape = tuple(pool.shape)
         if shape in self._pools or len(self._pools) < _STATIC_POOLS:
@@ -89,14 +89,14 @@ class CompiledHidden:
             fn = self._fns[kind] = torch.compile(body, fullgraph=True, dynamic=None, options=self._options)
         return fn
 
-    def _prepare(self, ids: torch.Tensor, n_pos: int, cache: Any) -> None:
+    def _prepare(self, ids: torch.Tensor, n_pos: int, pool: Any) -> None:
         lean = self.lean
-        # Growth stays out of the graphs: they read the RoPE table and the cache's buffers, never allocate them.
+        # Growth stays out of the graphs: they read the RoPE table and the pool's buffers, never allocate them.
         lean.rope_table(n_pos, lean.embed.dtype, ids.device)
-        if cache is not None:
-            rounded = getattr(cache, "round_shapes", False)
+        if pool is not None:
+            rounded = getattr(pool, "round_shapes", False)
             for i in range(len(lean.layers)):
-                for t in cache._buffers(i, lean.embed):
+                for t in pool.buffers(i, lean.embed):
                     if rounded and not hasattr(t, "_dynamo_static_indices"):
                         self._mark_static(t)
 
@@ -105,19 +105,20 @@ class CompiledHidden:
         ids: torch.Tensor,
         pos: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: Any,
+        pool: Any,
+        call: Any,
         n_pos: int,
         rid: torch.Tensor,
         steps: torch.Tensor,
         decision: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A decode step (ids, pos (B, 1)) over ``cache`` with the next step's decision in the same graph: logits
+        """A decode step (ids, pos (B, 1)) over ``pool`` (where ``call`` says) with the next step's decision in the same graph: logits
         (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each row's draws and
         ``decision`` is a :class:`~citer.decoding.decide.Decision`. None, having run nothing, when the router
         cannot be traced; the caller then decides eagerly, and so does every later call with that router."""
         if decision.router in self._untraceable:
             return None
-        self._prepare(ids, n_pos, cache)
+        self._prepare(ids, n_pos, pool)
         fn = self._decide_fns.get(mask is None)
         if fn is None:
             tag = f"{id(self.lean):x}_{'0' if mask is None else '1'}"
@@ -126,7 +127,7 @@ class CompiledHidden:
                 body, fullgraph=True, dynamic=None, options=self._options
             )
         try:
-            return fn(self.lean, ids, pos, mask, cache, n_pos, self._fused_decode, rid, steps, decision)
+            return fn(self.lean, ids, pos, mask, pool, call, n_pos, self._fused_decode, rid, steps, decision)
         except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing or compiling: nothing has run
             self._untraceable.add(decision.router)
             warnings.warn(
@@ -135,26 +136,32 @@ class CompiledHidden:
             return None
 
     def __call__(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache: Any, n_pos: int
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor | None,
+        pool: Any,
+        call: Any,
+        n_pos: int,
     ) -> torch.Tensor:
         lean = self.lean
-        self._prepare(ids, n_pos, cache)
+        self._prepare(ids, n_pos, pool)
         kind = (
-            cache is None,
+            pool is None,
             mask is None,
             ids.shape[1] == 1,
-            getattr(cache, "varlen", None) is not None,
-            getattr(cache, "_slots", None) is None,
+            call is not None and call.varlen is not None,
+            call is None or call.slots is None,
         )
         try:
-            return self._fn(kind)(lean, ids, pos, mask, cache, n_pos, self._fused_decode)
+            return self._fn(kind)(lean, ids, pos, mask, pool, call, n_pos, self._fused_decode)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Raised tracing or compiling, before the graph ran; a rerun writes the same K/V to the same columns.
             self.failed = True
             warnings.warn(
                 f"the lean forward cannot be compiled here ({err}); running it eagerly", stacklevel=3
             )
-            return lean.hidden(ids, pos, mask, cache, n_pos)
+            return lean.hidden(ids, pos, mask, pool, call, n_pos)
 
 
 def _decide_body(
@@ -162,7 +169,8 @@ def _decide_body(
     ids: torch.Tensor,
     pos: torch.Tensor,
     mask: torch.Tensor | None,
-    cache: Any,
+    pool: Any,
+    call: Any,
     n_pos: int,
     fused_decode: bool,
     rid: torch.Tensor,
@@ -170,7 +178,7 @@ def _decide_body(
     d: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The traced body of :meth:`CompiledHidden.decided`: forward, head, decision."""
-    hidden = lean.hidden(ids, pos, mask, cache, n_pos, fused_decode)[:, 0]  # (B, H)
+    hidden = lean.hidden(ids, pos, mask, pool, call, n_pos, fused_decode)[:, 0]  # (B, H)
     logits = lean.logits(hidden)  # (B, V)
     tokens, hard = decide(logits, hidden, rid, steps, d)
     return logits, hidden, tokens, hard

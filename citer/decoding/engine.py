@@ -12,7 +12,7 @@ At batch > 1 some row needs the LLM at almost every step, so the LLM's weights w
 it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
 ``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.catch_up`).
 
-Both models keep a :class:`~citer.decoding.kv_cache.RaggedKVCache`, so rows of different lengths share every call;
+Both models keep a :class:`~citer.decoding.kv_pool.KVPool`, so rows of different lengths share every call;
 each model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, the one place that picks the forward
 (lean or HF, eager or compiled, ragged or fixed-shape) from the engine's ``forward`` and ``static_steps``.
 Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
@@ -34,7 +34,7 @@ from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants
 from citer.decoding.call_rule import CallRule, FixedRule, MeasuredRule, StepTimes
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
@@ -179,7 +179,7 @@ class RoutedEngine:
         if not isinstance(overlap, bool):
             raise EngineInputError(f"overlap must be true or false, got {overlap!r}")
         self.overlap = overlap
-        self._caches: tuple[RaggedKVCache, RaggedKVCache | None] | None = None
+        self._pools: tuple[KVPool, KVPool | None] | None = None
         self._lease: weakref.ref[object] | None = None  # the session the pools are lent to
         self._decisions: dict[tuple[float, float, int], Decision] = {}
         try:
@@ -195,33 +195,33 @@ class RoutedEngine:
         runner = self.slm_runner if which == "slm" else self.llm_runner
         return runner.static if runner is not None else None
 
-    def caches_for(self, session: object) -> tuple[RaggedKVCache, RaggedKVCache | None]:
+    def pools_for(self, session: object) -> tuple[KVPool, KVPool | None]:
         """The engine's two KV pools, lent to ``session`` while no other live session holds them (emptied, their
         buffers and addresses kept, so captured steps replay across ``generate_batch`` calls); a second session at
         the same time gets pools of its own."""
         holder = self._lease() if self._lease is not None else None
         if holder is not None and holder is not session and not getattr(holder, "closed", False):
-            return self._new_caches()
-        if self._caches is None:
-            self._caches = self._new_caches()
-        for c in self._caches:
+            return self._new_pools()
+        if self._pools is None:
+            self._pools = self._new_pools()
+        for c in self._pools:
             if c is not None:
                 c.reset()
         self._lease = weakref.ref(session)
-        return self._caches
+        return self._pools
 
-    def _new_caches(self) -> tuple[RaggedKVCache, RaggedKVCache | None]:
+    def _new_pools(self) -> tuple[KVPool, KVPool | None]:
         slm = self.slm_runner.new_pool()
         return slm, self.llm_runner.new_pool() if self.llm_runner is not None else None
 
     def reserve(self, rows: int, columns: int) -> None:
         """Size the engine's pools for ``rows`` rows of up to ``columns`` tokens now, before anything is timed or
         served: a pool that grows later moves (captured steps re-capture) and, if its columns grow, recompiles."""
-        if self._caches is None:
-            self._caches = self._new_caches()
+        if self._pools is None:
+            self._pools = self._new_pools()
         mode = STATIC_STEPS[self.static_steps]
         rows = max(rows, mode.min_size if mode is not None else 1)  # pad rows write into slots of their own
-        for c, m in zip(self._caches, (self.slm, self.llm), strict=True):
+        for c, m in zip(self._pools, (self.slm, self.llm), strict=True):
             if c is not None and m is not None:
                 c.reserve(rows, columns, next(m.parameters()))
 

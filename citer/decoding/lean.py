@@ -4,8 +4,9 @@ The HF modules spend most of a small decode step in Python (attention-interface 
 dataclasses, one RoPE module call per layer); at batch 1 on a CPU the matrix products are ~13% of a step. This module
 reads the weights of the HF model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF
 parameters become views of it, so both paths read the same memory -- and runs the same arithmetic in a handful of
-tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the cache's own ``update`` so every cache
-layout (:class:`~citer.decoding.kv_cache.RaggedKVCache` padded or packed, or none) keeps working.
+tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the pool's ``update``
+(:class:`~citer.decoding.kv_pool.KVPool`), told by the call's :class:`~citer.decoding.context.PoolCall` where
+they go and what the queries attend, padded, packed or without a pool.
 
 :func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`unsupported_reason`;
 callers then keep the HF forward. Which forward a call takes is not decided here but by the model's runner in an
@@ -16,6 +17,7 @@ Shapes: B = rows, T = tokens per row, H = hidden, nh/kv = query/key-value heads,
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,23 +159,24 @@ class LeanDecoder:
         ids: torch.Tensor,
         pos: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: object | None,
+        pool: Any,
+        call: Any,
         n_pos: int,
         fused_decode: bool = False,
     ) -> torch.Tensor:
         """ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend) or additive float,
-        None = causal over T; ``cache.update(k, v, layer)`` stores this call's K/V and returns the keys/values to
-        attend (B, kv, K, D). Returns the last layer's output after the final norm, (B, T, H). Op by op: the body
+        None = causal over T; ``pool.update(k, v, layer, call)`` stores this call's K/V and returns the keys/values
+        to attend (B, kv, K, D) (no pool: the call's own, a full-sequence pass). Returns the last layer's output after the final norm, (B, T, H). Op by op: the body
         :mod:`citer.decoding.compiled` traces. ``fused_decode``: one-query rows attend through
         :func:`fused_attention`, for a compiler to fuse (the same math, other rounding)."""
         t = ids.shape[1]
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
-        varlen = getattr(cache, "varlen", None)
+        varlen = call.varlen if call is not None else None
         for i, L in enumerate(self.layers):
             q, k, v = attn_in(x, L, self.shape, cos, sin)  # (B, nh, T, D), (B, kv, T, D) x2
-            if cache is not None:
-                k, v = cache.update(k, v, i)  # type: ignore[attr-defined]
+            if pool is not None:
+                k, v = pool.update(k, v, i, call)
             if fused_decode and varlen is None and t == 1:
                 o = fused_attention(q, k, v, mask, self.scale)
             else:

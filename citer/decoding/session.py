@@ -1,7 +1,7 @@
 """A step-level scheduler for routed decoding: rows join and leave a running batch at any step (continuous batching).
 
-A :class:`DecodeSession` holds both models' ragged KV caches as slot pools (:class:`~citer.decoding.kv_cache.
-RaggedKVCache`), the SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`DecodeSession.step`:
+A :class:`DecodeSession` holds both models' KV pools (:class:`~citer.decoding.kv_pool.KVPool`, a slot per row), the
+SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`DecodeSession.step`:
 
 1. admits waiting requests (one SLM prefill call over the newcomers, up to ``max_rows`` active rows; with
    ``engine.llm_prefill == "admit"`` one LLM call over their prompts too);
@@ -66,7 +66,7 @@ class DecodeSession(CatchUpCalls):
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
         # The engine's pools (kept across sessions, so captured steps keep their addresses), or this session's own
         # while another session holds them.
-        self.slm_cache, self.llm_cache = engine.caches_for(self)
+        self.slm_pool, self.llm_pool = engine.pools_for(self)
         self.closed = False  # set when the caller is done: the engine may lend the pools to the next session
         if capacity:
             self.reserve(capacity)
@@ -152,7 +152,7 @@ class DecodeSession(CatchUpCalls):
 
     def reserve(self, columns: int) -> None:
         """Size both caches for rows of up to ``columns`` tokens now, so admissions never copy them to grow."""
-        for c in (self.slm_cache, self.llm_cache):
+        for c in (self.slm_pool, self.llm_pool):
             if c is not None:
                 c.ensure_capacity(columns)
 
@@ -289,7 +289,7 @@ class DecodeSession(CatchUpCalls):
         sampling, runner, decide = {r.sampling for r in self.rows}, self.e.slm_runner, None
         if len(sampling) == 1 and (runner.static is not None or runner.compiled is not None):
             decide = ([r.row_id for r in self.rows], [r.n_out for r in self.rows], self.e.decision(*sampling))
-        out = runner.feed(self.slm_cache, chunks, decide=decide)
+        out = runner.feed(self.slm_pool, chunks, decide=decide)
         self._decided = (out[2], out[3], fed) if len(out) == 4 else None
         logits, hidden = out[:2]  # (b, V), (b, H)
         fed = [s for s, c in enumerate(chunks) if c]
@@ -311,13 +311,13 @@ class DecodeSession(CatchUpCalls):
         if not new:
             return
         need = max(r.prompt_len + r.max_new for r in new)
-        caches = [c for c in (self.slm_cache, self.llm_cache) if c is not None]
+        caches = [c for c in (self.slm_pool, self.llm_pool) if c is not None]
         for c in caches:
             c.ensure_capacity(need)
             slots = c.add_slots(len(new))
-        logits, hidden = self.e.slm_runner.feed(self.slm_cache, [r.seq for r in new], slots=slots)
+        logits, hidden = self.e.slm_runner.feed(self.slm_pool, [r.seq for r in new], slots=slots)
         self.meter.forward("slm", [r.key for r in new], [len(r.seq) for r in new], [len(r.seq) for r in new])
-        if self.e.llm_prefill == "admit" and self.llm_cache is not None:
+        if self.e.llm_prefill == "admit" and self.llm_pool is not None:
             self._llm_prefill(new, slots)
         self.rows += new
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
@@ -329,10 +329,10 @@ class DecodeSession(CatchUpCalls):
         fed = [(r, s) for r, s in zip(new, slots, strict=True) if r.prompt_len > 1]
         if not fed:
             return
-        assert self.llm_cache is not None and self.e.llm is not None
+        assert self.llm_pool is not None and self.e.llm is not None
         chunks = [r.seq[: r.prompt_len - 1] for r, _ in fed]
         t = time.perf_counter()
-        self.e.llm_runner.feed(self.llm_cache, chunks, slots=[s for _, s in fed])
+        self.e.llm_runner.feed(self.llm_pool, chunks, slots=[s for _, s in fed])
         keys, n = [r.key for r, _ in fed], [len(c) for c in chunks]
         self.e.times.llm_call(sum(n), time.perf_counter() - t)
         self.meter.forward("llm", keys, n, n)
@@ -344,7 +344,7 @@ class DecodeSession(CatchUpCalls):
         if not slots:
             return
         # Both caches hold the same slots, so they move the same rows.
-        moved = [c.remove_slots(slots) for c in (self.slm_cache, self.llm_cache) if c is not None][0]
+        moved = [c.remove_slots(slots) for c in (self.slm_pool, self.llm_pool) if c is not None][0]
         assert self.logits is not None and self.hidden is not None
         n = len(self.rows) - len(slots)
         dec = self._decided

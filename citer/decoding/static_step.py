@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 
 from citer.decoding.decide import Decision, decide
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.lean import LeanDecoder
 from citer.decoding.step_compile import (
     StepKind,
@@ -67,7 +68,7 @@ class _Capture:
 
 
 class StaticSteps:
-    """Bucketed (or exact) fixed-shape calls of one model over a :class:`~citer.decoding.kv_cache.RaggedKVCache`'s
+    """Bucketed (or exact) fixed-shape calls of one model over a :class:`~citer.decoding.kv_pool.KVPool`'s
     pool, in one :class:`StepMode`; one object per engine and model, its compiled pieces the model's."""
 
     def __init__(self, lean: LeanDecoder, mode: StepMode) -> None:
@@ -104,7 +105,7 @@ class StaticSteps:
 
     # -- the session's calls -----------------------------------------------------------------------------------------
     def __call__(
-        self, cache: Any, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
+        self, pool: KVPool, chunks: Sequence[Sequence[int]], slots: Sequence[int], every: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``chunks[i]`` to slot ``slots[i]``; logits (b, V) and hidden (b, H) at each row's last fed token
         (an empty chunk holds its row, as in :meth:`~citer.decoding.runner.ModelRunner.feed`); ``every``: (b, Q, .)
@@ -112,16 +113,16 @@ class StaticSteps:
         b = len(chunks)
         q = max(len(c) for c in chunks)
         kind = self._kind(step=False, every=every)
-        logits, hidden = self._call(cache, chunks, list(slots), kind, None, (), ())
+        logits, hidden = self._call(pool, chunks, list(slots), kind, None, (), ())
         for s, c in zip(slots, chunks, strict=True):
-            cache.lengths[s] += len(c)
+            pool.lengths[s] += len(c)
         if every:
             return self._keep(logits[:b, :q]), self._keep(hidden[:b, :q])
         return self._keep(logits[:b]), self._keep(hidden[:b])
 
     def decided(
         self,
-        cache: Any,
+        pool: KVPool,
         chunks: Sequence[Sequence[int]],
         rid: Sequence[int],
         steps: Sequence[int],
@@ -133,10 +134,10 @@ class StaticSteps:
         the step (warned once)."""
         b = len(chunks)
         out = self._call(
-            cache, chunks, list(range(b)), self._kind(step=True, every=False), decision, rid, steps
+            pool, chunks, list(range(b)), self._kind(step=True, every=False), decision, rid, steps
         )
         for s, c in zip(range(b), chunks, strict=True):
-            cache.lengths[s] += len(c)
+            pool.lengths[s] += len(c)
         logits, hidden = self._keep(out[0][:b]), self._keep(out[1][:b])
         if len(out) == 2:  # the router's decision cannot be traced: decided eagerly, after the step
             dev = logits.device
@@ -156,7 +157,7 @@ class StaticSteps:
 
     def _host_inputs(
         self,
-        cache: Any,
+        pool: KVPool,
         chunks: Sequence[Sequence[int]],
         slots: list[int],
         big_b: int,
@@ -169,7 +170,7 @@ class StaticSteps:
         each). A held or pad row re-queries its last position and writes only to the trash column; a prefix call's pad
         rows are the next slots (the pool's rows are a power of two, so they exist), a gathered call's repeat slot 0."""
         b = len(chunks)
-        trash = cache.capacity
+        trash = pool.capacity
         ids: list[int] = []
         pos: list[int] = []
         cols: list[int] = []
@@ -177,7 +178,7 @@ class StaticSteps:
         slot_row = slots + ([*range(b, big_b)] if kind.prefix else [slots[0]] * (big_b - b))
         for i in range(big_b):
             c = chunks[i] if i < b else []
-            n = cache.lengths[slots[i]] if i < b else 1
+            n = pool.lengths[slots[i]] if i < b else 1
             tok += [slot_row[i]] * big_q
             if not c:
                 ids += [0] * big_q
@@ -200,9 +201,9 @@ class StaticSteps:
         base = 4 * n
         return out + [flat[base + i * big_b : base + (i + 1) * big_b] for i in range(4)]
 
-    def _pool(self, cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _pool(self, pool: KVPool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         like = self.lean.embed
-        bufs = [cache._buffers(i, like) for i in range(len(self.lean.layers))]
+        bufs = [pool.buffers(i, like) for i in range(len(self.lean.layers))]
         keys, values = [k for k, _ in bufs], [v for _, v in bufs]
         for t in (*keys, *values):
             mark_static(t)
@@ -211,7 +212,7 @@ class StaticSteps:
     # -- running -----------------------------------------------------------------------------------------------------
     def _call(
         self,
-        cache: Any,
+        pool: KVPool,
         chunks: Sequence[Sequence[int]],
         slots: list[int],
         kind: StepKind,
@@ -222,12 +223,12 @@ class StaticSteps:
         b, q = len(chunks), max(len(c) for c in chunks)
         big_b, big_q = self._shape(b, 1 if kind.q1 else q, kind.q1)
         self.stats.buckets.add((big_b, big_q))
-        keys, values = self._pool(cache)
-        flat = self._host_inputs(cache, chunks, slots, big_b, big_q, kind, rid, steps)
+        keys, values = self._pool(pool)
+        flat = self._host_inputs(pool, chunks, slots, big_b, big_q, kind, rid, steps)
         if not self.mode.graphs:
             t = torch.tensor(flat, dtype=torch.long, device=self.device)
             return self._run(keys, values, self._views(t, big_b, big_q), kind, decision)
-        cap = self._capture_for(cache, keys, values, big_b, big_q, kind, decision)
+        cap = self._capture_for(pool, keys, values, big_b, big_q, kind, decision)
         self._stage(cap.inputs, flat)
         return cap.replay()
 
@@ -284,7 +285,7 @@ class StaticSteps:
     # -- captures ----------------------------------------------------------------------------------------------------
     def _capture_for(
         self,
-        cache: Any,
+        pool: KVPool,
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         big_b: int,
@@ -318,7 +319,7 @@ class StaticSteps:
         # Harmless inputs for the warm-up (the buffer holds another bucket's indices, laid out otherwise): every token
         # of slot 0 at position 0, writing to the trash column.
         flat.zero_()
-        views[2].fill_(cache.capacity)
+        views[2].fill_(pool.capacity)
 
         def run() -> tuple[torch.Tensor, ...]:
             return self._run(keys, values, views, kind, decision)

@@ -14,7 +14,7 @@ from test_lean import FAMILIES, PROMPTS, build
 from citer.decoding.baselines import RandomRouter
 from citer.decoding.compiled import compiled_hidden
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.lean import lean_decoder
 from citer.decoding.runner import ModelRunner
 
@@ -66,7 +66,7 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
     with torch.inference_mode():
         for path in ("auto", "compiled"):
             runner = ModelRunner(model, forward=path)
-            cache = RaggedKVCache(model, 3, 64)
+            cache = KVPool(model, 3, 64)
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
                 outs[path] = [runner.feed(cache, c)[0] for c in chunks]
@@ -78,7 +78,7 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
-class _HostReadingCache(RaggedKVCache):
+class _HostReadingCache(KVPool):
     """A cache whose update reads a value back to the host: no full graph can hold it."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -91,7 +91,7 @@ def test_a_forward_that_cannot_compile_warns_once_and_runs_eagerly():
     model = build("qwen2", seed=4)
     chunks = [[5, 6, 7], [8, 9]]
     with torch.inference_mode():
-        want = ModelRunner(model).feed(RaggedKVCache(model, 2, 32), chunks)[0]
+        want = ModelRunner(model).feed(KVPool(model, 2, 32), chunks)[0]
         runner = ModelRunner(model, forward="compiled")
         assert runner.path == "lean+compiled"
         with pytest.warns(UserWarning, match="cannot be compiled"):
@@ -112,11 +112,11 @@ def test_rounded_pools_take_few_shapes_and_only_a_few_compile_static():
     from citer.decoding.compiled import _STATIC_POOLS, CompiledHidden
 
     model = build("qwen2", seed=6)
-    cache = RaggedKVCache(model, 0, 0, round_shapes=True)
+    cache = KVPool(model, 0, 0, round_shapes=True)
     cache.add_slots(3)
     cache.ensure_capacity(100)
     assert (cache._alloc, cache.capacity) == (4, 128)
-    plain = RaggedKVCache(model, 0, 0)
+    plain = KVPool(model, 0, 0)
     plain.add_slots(3)
     plain.ensure_capacity(100)
     assert (plain._alloc, plain.capacity) == (3, 100)

@@ -7,7 +7,7 @@ import torch
 
 from citer.decoding.baselines import AlwaysLLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.lean import lean_decoder
 from citer.decoding.runner import ModelRunner
 
@@ -84,7 +84,7 @@ def test_ragged_cache_steps_equal_hf_at_every_position(pair):
     each returned logit row equals HF's full forward at that position."""
     _, _, llm = pair
     seqs = [list(p) for p in PROMPTS]
-    cache = RaggedKVCache(llm, len(seqs), 40)
+    cache = KVPool(llm, len(seqs), 40)
     with torch.inference_mode():
         logits, _ = ModelRunner(llm).feed(cache, seqs)
         got = {i: [logits[i]] for i in range(len(seqs))}
@@ -127,7 +127,7 @@ def test_packed_catch_up_attends_per_row_and_equals_hf(pair, monkeypatch):
         masks.append(tuple(attn_mask.shape) if attn_mask is not None else ())
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
-    cache = RaggedKVCache(llm, len(seqs), 40)
+    cache = KVPool(llm, len(seqs), 40)
     gaps = [[50, 51, 52, 53, 54, 55], [56], [57, 58], [59, 60, 61, 62, 63]]
     with torch.inference_mode():
         ModelRunner(llm).feed(cache, seqs)
@@ -157,7 +157,7 @@ def test_a_step_where_every_row_is_at_the_last_column_attends_without_a_mask(pai
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     for seqs in ([[5, 9, 2, 7], [4, 4, 8, 1]], [[5, 9, 2, 7]], [[5, 9, 2, 7], [4, 8]]):
-        cache = RaggedKVCache(llm, len(seqs), 16)
+        cache = KVPool(llm, len(seqs), 16)
         with torch.inference_mode():
             ModelRunner(llm).feed(cache, seqs)
             masks.clear()

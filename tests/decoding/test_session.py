@@ -8,7 +8,7 @@ from conftest import decoding_pair
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import EngineInputError, RoutedEngine
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.runner import ModelRunner
 from citer.routing.mlp import MLPRouter
 
@@ -130,9 +130,9 @@ def test_bad_shared_call_params_are_refused(pair, bad):
 
 def test_slot_pool_grows_recycles_and_keeps_rows_exact(pair):
     _, llm = pair
-    ref = RaggedKVCache(llm, 3, 32)
+    ref = KVPool(llm, 3, 32)
     ref_lg, _ = ModelRunner(llm).feed(ref, [PROMPTS[0], PROMPTS[1], PROMPTS[2]])
-    pool = RaggedKVCache(llm, 0, 4)
+    pool = KVPool(llm, 0, 4)
     pool.ensure_capacity(20)
     s = pool.add_slots(2)
     ModelRunner(llm).feed(pool, [PROMPTS[3], PROMPTS[0]], slots=s)

@@ -237,7 +237,7 @@ def test_every_tensor_a_captured_step_reads_from_outside_is_a_static_address(pai
         listed = {ptr(t) for t in lean_decoder(m).static_tensors()}
         assert {ptr(p) for p in m.parameters()} <= listed  # the exposed list misses no weight
         outside |= listed | {ptr(eng.static_for(which)._in)}
-    for cache in eng._caches:
+    for cache in eng._pools:
         outside |= {ptr(t) for t in (*cache.keys, *cache.values)}
     from_outside = [t for t in seen if ptr(t) in outside]
     assert len(from_outside) > len(

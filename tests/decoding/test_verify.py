@@ -125,12 +125,12 @@ def test_a_cut_rewinds_both_caches_to_the_state_the_llms_token_would_have_left(p
         got += [em.token for em in b.step() if em.key == kb]
     assert got == final and ka == kb == 0
     rb = b.rows[0]
-    assert (row.llm_seen, a.slm_cache.lengths[0], a.llm_cache.lengths[0]) == (
+    assert (row.llm_seen, a.slm_pool.lengths[0], a.llm_pool.lengths[0]) == (
         rb.llm_seen,
-        b.slm_cache.lengths[0],
-        b.llm_cache.lengths[0],
+        b.slm_pool.lengths[0],
+        b.llm_pool.lengths[0],
     )
-    for ca, cb in ((a.slm_cache, b.slm_cache), (a.llm_cache, b.llm_cache)):
+    for ca, cb in ((a.slm_pool, b.slm_pool), (a.llm_pool, b.llm_pool)):
         n = ca.lengths[0]
         for ka_, kb_ in zip(ca.keys + ca.values, cb.keys + cb.values, strict=True):
             torch.testing.assert_close(ka_[0, :, :n], kb_[0, :, :n], atol=1e-5, rtol=1e-5)

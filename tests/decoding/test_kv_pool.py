@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_qwen2
 
-from citer.decoding.kv_cache import RaggedKVCache
+from citer.decoding.kv_pool import KVPool
 from citer.decoding.runner import ModelRunner
 
 V = 97
@@ -23,7 +23,7 @@ def test_padding_never_changes_a_logit(llm, packed):
     seqs = [PROMPTS[2] + [30, 31, 32], PROMPTS[1] + [33], PROMPTS[0] + [34, 35, 36, 37]]
     ref = [llm(torch.tensor([s])).logits[0] for s in seqs]  # (T, V) each, no cache, no padding
     with torch.inference_mode():
-        cache = RaggedKVCache(llm, 3, 32)
+        cache = KVPool(llm, 3, 32)
         # Prefill prompts of mixed length, then catch up rows 2 and 0 with different gaps in one call.
         lg, _ = ModelRunner(llm).feed(cache, [PROMPTS[2], PROMPTS[1], PROMPTS[0]], packed=packed)
         for i, p in enumerate([PROMPTS[2], PROMPTS[1], PROMPTS[0]]):
@@ -41,15 +41,17 @@ def test_a_large_models_catch_up_packs_at_little_padding_and_a_small_ones_pads(m
     tokens' work exceeds ``PACK_COST_MACS`` (or doubles the tokens), so the same 2-row catch-up (5 + 4 tokens: one
     pad) packs for a wide model and pads for a narrow one."""
     calls = []
-    real = ModelRunner._packed
-    monkeypatch.setattr(ModelRunner, "_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import citer.decoding.context as context
+
+    real = context._packed
+    monkeypatch.setattr(context, "_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
     narrow = make_qwen2(V, hidden_size=64, num_hidden_layers=1, seed=3)
     wide = make_qwen2(V, hidden_size=512, intermediate_size=4096, num_hidden_layers=1, seed=3)
     for model, packs in ((narrow, False), (wide, True)):
         calls.clear()
         seqs = [[5, 6, 7, 8, 9], [10, 11, 12, 13]]
         with torch.inference_mode():
-            cache = RaggedKVCache(model, 2, 16)
+            cache = KVPool(model, 2, 16)
             lg, _ = ModelRunner(model).feed(cache, seqs)
             ref = [model(torch.tensor([s])).logits[0, -1] for s in seqs]
         assert bool(calls) is packs

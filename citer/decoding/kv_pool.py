@@ -1,11 +1,16 @@
-"""The per-row ragged KV cache: one model's slot pool, which :meth:`~citer.decoding.runner.ModelRunner.feed` appends
-to in one forward call (padded or packed; the call is built there, and read here through ``update``).
-Shapes: b = rows in a call, Q = longest chunk, K = key columns.
+"""One model's KV pool: :class:`KVPool`, a slot per row, rows of different lengths side by side.
+
+A forward call writes its new keys and reads the keys it attends through :meth:`KVPool.update`, told where by the
+call's :class:`~citer.decoding.context.PoolCall` (built by :func:`~citer.decoding.context.prepare`); the pool keeps no
+per-call state. The HF forward (families the lean one does not cover) reads it through :class:`HFPoolView`, an HF
+``Cache`` for the length of one call.
+Shapes: b = rows in a call, Q = longest chunk, N = tokens of a packed call, K = key columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,21 +18,20 @@ from transformers.cache_utils import Cache
 
 from citer.decoding.pairing import input_device
 
+if TYPE_CHECKING:
+    from citer.decoding.context import PoolCall
 
-class RaggedKVCache(Cache):
-    """Per-row KV cache: per layer a (R, kv_heads, capacity + 1, head_dim) buffer; row r holds ``lengths[r]`` columns.
 
-    A call either pads (rows x longest chunk; pad keys go to the last column, a trash slot) or packs (all new tokens
+class KVPool:
+    """Per layer a (R, kv_heads, capacity + 1, head_dim) buffer; slot r holds ``lengths[r]`` columns.
+
+    A call either pads (rows x longest chunk; pad keys go to the last column, a trash column) or packs (all new tokens
     in one sequence, each attending only its own row's columns: no padded linears; the HF forward gathers the rows'
-    caches into one key sequence under a block-diagonal mask, the lean one lays the queries out per row). Rows are "slots" in buffer order;
-    ``add_slots`` and ``remove_slots`` keep the active rows a prefix (the common call then uses views, not
-    gathers).
+    keys into one sequence under a block-diagonal mask, the lean one lays the queries out per row). ``add_slots`` and
+    ``remove_slots`` keep the active rows a prefix (the common call then reads views, not gathers).
     """
 
-    compiles = True  # a compiled lean forward may trace `update` (citer.decoding.compiled)
-
     def __init__(self, model: nn.Module, n_rows: int, capacity: int, round_shapes: bool = False) -> None:
-        super().__init__(layers=[])
         cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -40,22 +44,10 @@ class RaggedKVCache(Cache):
         self.capacity = capacity
         self.lengths = [0] * n_rows  # valid columns per active slot; the active slots are 0..len-1
         self._alloc = n_rows  # slots the buffers hold (>= active)
-        # Set by `ModelRunner.feed` for the duration of one forward call.
-        self._slots: torch.Tensor | None = None  # (b,) slot indices, None = the prefix 0..b-1
-        self._cols: torch.Tensor | None = None  # (b, Q) column each new key goes to
-        self._rows: torch.Tensor | None = None  # (b, 1) the prefix slots 0..b-1, when no slots are named
-        self._kv_len = 0
-        # (tok_slot, tok_col) of the new tokens, and for the HF forward (key_slot, key_col) of the keys they attend
-        self._packed: tuple[torch.Tensor, ...] | None = None
-        # A packed call of the lean forward attends per row: (tok_row, tok_j, b, Q), read by lean.hidden.
-        self.varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
         self.min_rows = 1  # slots allocated at least (fixed-shape steps padded to more rows write into slots of their own)
         # Rows rounded up to a power of two and columns to a multiple of 128, so that a compiled forward sees a few
         # pool shapes and compiles its graphs for them (citer.decoding.compiled); from the next allocation on.
         self.round_shapes = round_shapes
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.lengths, default=0)
 
     def reset(self) -> None:
         """Forget every row, keeping the buffers (and their addresses) for the next session."""
@@ -70,7 +62,7 @@ class RaggedKVCache(Cache):
             self.values = [self._grown(t, rows=alloc) for t in self.values]
             self._alloc = alloc
         for i in range(len(self.keys)):
-            self._buffers(i, like)
+            self.buffers(i, like)
 
     def add_slots(self, k: int) -> list[int]:
         """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""
@@ -129,7 +121,7 @@ class RaggedKVCache(Cache):
         out[: t.shape[0], :, :keep_c] = t[:, :, :keep_c]
         return out
 
-    def _buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer_idx] is None:
             shape = (self._alloc, *self._row_shape)
             self.keys[layer_idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -137,40 +129,60 @@ class RaggedKVCache(Cache):
         return self.keys[layer_idx], self.values[layer_idx]  # type: ignore[return-value]
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, call: PoolCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: (b, kv_heads, Q, head_dim) -> cache keys/values (b, kv_heads, kv_len, head_dim)
-        kbuf, vbuf = self._buffers(layer_idx, key_states)
+        """Write one layer's new keys/values where ``call`` says and return the keys/values its queries attend.
+        Padded: (b, kv_heads, Q, head_dim) in, (b, kv_heads, K, head_dim) out; packed: (1, kv_heads, N, head_dim) in,
+        for the HF forward (1, kv_heads, sum K_i, head_dim) out (every row's valid columns in one sequence), for the
+        lean one the rows' own (b, kv_heads, K, head_dim)."""
+        kbuf, vbuf = self.buffers(layer_idx, key_states)
         dev = kbuf.device  # the layer's device; index tensors were built on the input device
-        if self._packed is not None:
-            # Packed call: key_states (1, kv_heads, N, head_dim), N new tokens of several rows in one sequence.
-            tok_slot, tok_col = (t.to(dev) for t in self._packed[:2])
+        if call.packed is not None:
+            tok_slot, tok_col = (t.to(dev) for t in call.packed[:2])
             kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
             vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
-            if self.varlen is None:
-                # Every selected row's valid columns, concatenated: (1, kv_heads, sum K_i, head_dim).
-                key_slot, key_col = (t.to(dev) for t in self._packed[2:])
+            if call.varlen is None:
+                key_slot, key_col = (t.to(dev) for t in call.packed[2:])
                 return (
                     kbuf[key_slot, :, key_col].transpose(0, 1)[None],
                     vbuf[key_slot, :, key_col].transpose(0, 1)[None],
                 )
             # Per-row attention (lean): the gather below, as a padded call over named slots.
         else:
-            cols = self._cols if self._cols.device == dev else self._cols.to(dev)  # (b, Q)
-            if self._slots is None:
+            assert call.cols is not None
+            cols = call.cols if call.cols.device == dev else call.cols.to(dev)  # (b, Q)
+            if call.slots is None:
+                assert call.rows is not None
                 b = key_states.shape[0]
-                rows = self._rows if self._rows.device == dev else self._rows.to(dev)  # (b, 1)
-                kbuf[rows, :, cols] = key_states.transpose(
-                    1, 2
-                )  # indexed dims first: (b, Q, kv_heads, head_dim)
+                rows = call.rows if call.rows.device == dev else call.rows.to(dev)  # (b, 1)
+                # indexed dims first: (b, Q, kv_heads, head_dim)
+                kbuf[rows, :, cols] = key_states.transpose(1, 2)
                 vbuf[rows, :, cols] = value_states.transpose(1, 2)
-                return kbuf[:b, :, : self._kv_len], vbuf[:b, :, : self._kv_len]
-            rows = self._slots.to(dev)[:, None]
+                return kbuf[:b, :, : call.kv_len], vbuf[:b, :, : call.kv_len]
+            rows = call.slots.to(dev)[:, None]
             kbuf[rows, :, cols] = key_states.transpose(1, 2)
             vbuf[rows, :, cols] = value_states.transpose(1, 2)
-        # A gather: the selected rows' caches, cut to the longest (b, kv_heads, kv_len, head_dim).
-        slots = self._slots.to(dev)
+        # A gather: the selected rows' keys, cut to the longest (b, kv_heads, K, head_dim).
+        assert call.slots is not None
+        slots = call.slots.to(dev)
         return (
-            kbuf[:, :, : self._kv_len].index_select(0, slots),
-            vbuf[:, :, : self._kv_len].index_select(0, slots),
+            kbuf[:, :, : call.kv_len].index_select(0, slots),
+            vbuf[:, :, : call.kv_len].index_select(0, slots),
         )
+
+
+class HFPoolView(Cache):
+    """A pool as HF's decoder layers read it during one call (the HF forward, for families the lean one does not
+    cover): their ``update`` is the pool's, with the call's :class:`~citer.decoding.context.PoolCall`."""
+
+    def __init__(self, pool: KVPool, call: PoolCall) -> None:
+        super().__init__(layers=[])
+        self.pool, self.call = pool, call
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.update(key_states, value_states, layer_idx, self.call)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.pool.lengths, default=0)

@@ -1,0 +1,193 @@
+"""One forward call over a KV pool, laid out: :func:`prepare` builds its :class:`CallInput` for decode steps, padded
+catch-ups and packed catch-ups alike.
+
+A call feeds ``chunks[i]`` to pool slot ``slots[i]``. Padded, the chunks are right-padded to the longest (Q): pad
+queries repeat the row's last real position and write their keys to the pool's trash column, so they see exactly the
+row's valid columns and change nothing. Packed, every new token sits in one sequence (1, N): the linears run over N
+tokens, not b x Q. A held row (an empty chunk) rides along in a padded call without writing. The mask lets each query
+see only its own row's valid, causal columns, so batching cannot change a logit beyond float rounding.
+Shapes: b = rows in the call, Q = longest chunk, N = tokens fed, K = key columns attended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from citer.decoding.kv_pool import KVPool
+
+
+@dataclass
+class PoolCall:
+    """Where one call's keys go in the pool and which the call attends (what :meth:`KVPool.update` reads)."""
+
+    kv_len: int  # K: columns attended (the longest row after the call)
+    slots: torch.Tensor | None = None  # (b,) the rows' slots; None = the prefix 0..b-1, read as views
+    rows: torch.Tensor | None = None  # (b, 1) 0..b-1 when ``slots`` is None
+    cols: torch.Tensor | None = None  # (b, Q) the column each new key goes to (padded calls)
+    # Packed calls: (tok_slot, tok_col) (N,) of the new tokens, and for the HF forward (key_slot, key_col) of the keys
+    # every token's row attends (one sequence under a block-diagonal mask).
+    packed: tuple[torch.Tensor, ...] | None = None
+    # A packed call of the lean forward attends per row: (tok_row (N,), tok_j (N,), b, Q).
+    varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+
+@dataclass
+class CallInput:
+    """A prepared call: ids and positions (b, Q) or, packed, (1, N); the mask (None: every row attends all K
+    columns); the positions' bound ``n_pos``; ``last``, where each row's output is read (a (b,) index, or packed a
+    (batch_idx, pos_idx) pair); packed, ``pick_all`` reads every fed token and ``scatter`` = (tok_row (N,), tok_j (N,),
+    b, Q) lays them out per row again."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor | None
+    n_pos: int
+    last: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    call: PoolCall
+    pick_all: tuple[torch.Tensor, torch.Tensor] | None = None
+    scatter: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+
+def mask_as(allowed: torch.Tensor, float_dtype: torch.dtype | None) -> torch.Tensor:
+    """allowed (..., K) bool, True = attend: as it is (the lean forward, sdpa), or additive in ``float_dtype`` (HF's
+    eager attention)."""
+    if float_dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=float_dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(float_dtype).min
+    )
+
+
+def prepare(
+    pool: KVPool,
+    chunks: Sequence[Sequence[int]],
+    slots: list[int],
+    packed: bool,
+    *,
+    lean: bool,
+    float_mask: torch.dtype | None = None,
+) -> CallInput:
+    """Lay out one call feeding ``chunks[i]`` to ``slots[i]`` (module docstring): a decode step (every chunk one token
+    or empty), a padded call, or (``packed``) a packed one. ``lean``: the lean forward runs it (it attends a packed
+    call per row, and a step whose rows all sit at the last column without a mask); ``float_mask``: the additive
+    mask's dtype where HF's eager attention runs it."""
+    gaps = [len(c) for c in chunks]
+    if packed:
+        return _packed(pool, chunks, slots, gaps, lean, float_mask)
+    dev = pool.device
+    b = len(chunks)
+    kv_len = int(max(pool.lengths[s] + n for s, n in zip(slots, gaps, strict=True)))
+    prefix = slots == list(range(b))
+    call = PoolCall(
+        kv_len,
+        slots=None if prefix else torch.tensor(slots, dtype=torch.long, device=dev),
+        rows=torch.arange(b, device=dev)[:, None] if prefix else None,
+    )
+    if max(gaps) == 1:
+        return _step(pool, chunks, slots, call, lean, float_mask)
+    q = max(gaps)
+    ids = torch.tensor(
+        [list(c) + [c[-1] if c else 0] * (q - len(c)) for c in chunks], dtype=torch.long, device=dev
+    )  # (b, Q)
+    starts, g, j, pos, mask = _row_queries(pool, slots, gaps, kv_len, float_mask)
+    call.cols = torch.where(
+        j < g[:, None], starts[:, None] + j, torch.full_like(pos, pool.capacity)
+    )  # (b, Q)
+    return CallInput(ids, pos, mask, kv_len, g - 1, call)
+
+
+def _row_queries(
+    pool: KVPool, slots: list[int], gaps: list[int], kv_len: int, float_mask: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call's queries laid out per row, padded to the longest chunk Q, against ``kv_len`` (K) columns: starts (b,)
+    each row's cached length, g (b,) its chunk length, j (1, Q), pos (b, Q) and the mask (b, 1, Q, K). Pad queries
+    repeat the last real position, so they see exactly the row's valid columns (never all-masked); a held row's
+    queries sit at its last cached position."""
+    dev = pool.device
+    starts = torch.tensor([pool.lengths[s] for s in slots], dtype=torch.long, device=dev)  # (b,)
+    g = torch.tensor(gaps, dtype=torch.long, device=dev)  # (b,)
+    j = torch.arange(max(gaps), device=dev)[None, :]  # (1, Q)
+    pos = starts[:, None] + torch.minimum(j, g[:, None] - 1)  # (b, Q)
+    allowed = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # (b, Q, K)
+    return starts, g, j, pos, mask_as(allowed[:, None], float_mask)
+
+
+def _step(
+    pool: KVPool,
+    chunks: Sequence[Sequence[int]],
+    slots: list[int],
+    call: PoolCall,
+    lean: bool,
+    float_mask: torch.dtype | None,
+) -> CallInput:
+    """The decode step: the padded call's columns, positions and mask, built from Python ints in a few tensor ops (a
+    step of a small model is bound by the op count, not the math)."""
+    dev = pool.device
+    lens = [pool.lengths[s] for s in slots]
+    # A held row (empty chunk) re-queries its last cached position and writes to the trash column.
+    pos = [n if c else n - 1 for n, c in zip(lens, chunks, strict=True)]
+    cols = [n if c else pool.capacity for n, c in zip(lens, chunks, strict=True)]
+    # (3, b, 1): ids, positions, columns
+    step = torch.tensor([[c[0] if c else 0 for c in chunks], pos, cols], dtype=torch.long, device=dev)[
+        :, :, None
+    ]
+    call.cols = step[2]
+    if lean and pos.count(call.kv_len - 1) == len(pos):
+        # Every row sits at the last column (batch 1, or rows of one length): each attends all K columns, so the
+        # lean forward's attention needs no mask.
+        mask = None
+    else:
+        allowed = torch.arange(call.kv_len, device=dev) <= step[1][:, :, None]  # (b, 1, K)
+        mask = mask_as(allowed[:, None], float_mask)  # (b, 1, 1, K)
+    return CallInput(step[0], step[1], mask, call.kv_len, step[1][:, 0], call)
+
+
+def _packed(
+    pool: KVPool,
+    chunks: Sequence[Sequence[int]],
+    slots: list[int],
+    gaps: list[int],
+    lean: bool,
+    float_mask: torch.dtype | None,
+) -> CallInput:
+    dev = pool.device
+    b, q = len(chunks), max(gaps)
+    tok_row = [i for i, n in enumerate(gaps) for _ in range(n)]  # (N,) each token's row in the call
+    tok_j = [j for n in gaps for j in range(n)]  # (N,) its index within the row's chunk
+    starts = [pool.lengths[s] for s in slots]
+    tok_pos = [starts[i] + j for i, j in zip(tok_row, tok_j, strict=True)]
+    t = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in
+         dict(tok_row=tok_row, tok_j=tok_j, tok_pos=tok_pos, slots=slots).items()}  # fmt: skip
+    ids = torch.tensor([[x for c in chunks for x in c]], dtype=torch.long, device=dev)  # (1, N)
+    slot_t = t["slots"][t["tok_row"]]  # (N,)
+    kv_len = max(n + g for n, g in zip(starts, gaps, strict=True))
+    if lean:
+        # Linears over the N packed tokens, attention per row over its own columns (b, Q, K): a block-diagonal mask
+        # over every row's keys (N, sum K_i) would score each token against all the rows' keys.
+        call = PoolCall(kv_len, slots=t["slots"], packed=(slot_t, t["tok_pos"]))
+        call.varlen = (t["tok_row"], t["tok_j"], b, q)
+        mask = _row_queries(pool, slots, gaps, kv_len, float_mask)[-1]  # (b, 1, Q, K)
+    else:
+        key_row = [i for i, (n, g) in enumerate(zip(starts, gaps, strict=True)) for _ in range(n + g)]
+        key_col = [c for n, g in zip(starts, gaps, strict=True) for c in range(n + g)]
+        k_row = torch.tensor(key_row, dtype=torch.long, device=dev)  # (sum K_i,)
+        k_col = torch.tensor(key_col, dtype=torch.long, device=dev)
+        call = PoolCall(kv_len, packed=(slot_t, t["tok_pos"], t["slots"][k_row], k_col))
+        # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
+        allowed = (k_row[None, :] == t["tok_row"][:, None]) & (k_col[None, :] <= t["tok_pos"][:, None])
+        mask = mask_as(allowed[None, None], float_mask)  # (1, 1, N, sum K_i)
+    last = torch.tensor(gaps, device=dev).cumsum(0) - 1  # (b,) index of each row's last token
+    every = torch.arange(len(tok_row), device=dev)
+    return CallInput(
+        ids,
+        t["tok_pos"][None],
+        mask,
+        int(mask.shape[-1]),
+        (torch.zeros_like(last), last),
+        call,
+        pick_all=(torch.zeros_like(every), every),
+        scatter=(t["tok_row"], t["tok_j"], b, q),
+    )
