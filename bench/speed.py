@@ -534,7 +534,13 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap.add_argument("--vllm-python", default="", help="a Python with vllm (CPU backend): vLLM LLM-only rows")
     ap.add_argument("--static-steps", default="auto",
                     help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
-                    "default on cpu, aot_eager with --tiny; none: the ragged eager calls")  # fmt: skip
+                    "aot_eager with --tiny, none on cpu; none: the engines citer route builds (the --params engine "
+                    "block through route_engine)")  # fmt: skip
+    ap.add_argument(
+        "--params",
+        default=str(ROOT / "params.yaml"),
+        help="the params whose engine: block the engines are built from (without --static-steps)",
+    )
     ap.add_argument("--gpu", default="auto", help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 360 with --quick)")  # fmt: skip
@@ -581,9 +587,11 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     if a.time_budget is None:
         a.time_budget = 480 if cuda else 360 if a.quick else 3600
     if a.static_steps == "auto":
-        a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else "default"
+        a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else None
     if a.static_steps in ("none", ""):
         a.static_steps = None
+    if a.static_steps is None:
+        a.engine_eager = False  # engine_llm is then the eager engine itself
     if a.tiny:
         a.compile = False  # transformers' compile takes minutes; the tiny run checks our paths
     bad = [p for p in a.pairs if p not in PAIRS] + [d for d in a.dtypes if d not in DTYPES]

@@ -74,6 +74,15 @@ class Variant:
     external: bool = False
 
 
+ENGINE_SETTINGS = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "overlap", "static_steps",
+                   "tau", "vocab_size")  # fmt: skip
+
+
+def engine_settings(e: RoutedEngine) -> dict[str, Any]:
+    """What decides how an engine runs its calls: recorded per row, so a report says which engine it timed."""
+    return {k: getattr(e, k) for k in ENGINE_SETTINGS} | {"forward": e.forward_paths}
+
+
 def variants(
     run: BenchRun, models: BuiltPair, prompts: list[list[int]]
 ) -> tuple[list[Variant], list[Variant]]:
@@ -104,18 +113,39 @@ def variants(
 
         return go
 
-    kw = {"vocab_size": vocab, "static_steps": a.static_steps}
+    def build(s: Any, m: Any, router: Any, **over: Any) -> RoutedEngine:
+        """An engine as ``citer route`` builds it (``route_engine`` on the params' engine block, ``over`` the
+        variant's own settings) where the run times that path; with ``--static-steps`` its fixed-shape steps."""
+        if a.static_steps is None:
+            # Imported here: pydantic and the registry's side are not on the GPU machine, whose runs take fixed-shape
+            # steps.
+            from citer.config import load_params
+            from citer.config.serving import EngineParams
+            from citer.serving.champion import route_engine
+
+            params = load_params(Path(a.params)).engine.model_dump()
+            if params["runner"] != "torch":
+                raise ValueError(
+                    f"{a.params}: engine.runner {params['runner']!r}: bench/speed.py times the torch engine "
+                    "(bench/llama_cpp_routed.py times llama.cpp's)"
+                )
+            run.report["engine"] = (
+                params  # the block the engines were built from, beside the variant's own settings
+            )
+            block = EngineParams.model_validate(params | over)
+            return route_engine(s, m, router, 0.5, block, vocab_size=vocab)
+        return RoutedEngine(s, m, router, tau=0.5, vocab_size=vocab, static_steps=a.static_steps, **over)
 
     def engine(name: str, e: RoutedEngine, f: float, **meta: Any) -> Variant:
         info = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": f, "static_steps": e.static_steps,
-                "overlap": e.overlap, **meta}  # fmt: skip
+                "overlap": e.overlap, "engine": engine_settings(e), **meta}  # fmt: skip
         return Variant(name, eng(e), info, e, compiles=e.static_steps not in (None, "eager"))
 
     base: list[Variant] = []
     if a.compile and batch in a.compile_batches:
         base.append(Variant("hf_llm_static_compiled", hf(llm, **_static_compile(run)),
                             {"method": "hf_generate_static_compiled", "model": "llm", "f": 1.0}, compiles=True))  # fmt: skip
-    base.append(engine("engine_llm", RoutedEngine(llm, None, AlwaysSLM(), **kw), 1.0, model="llm"))
+    base.append(engine("engine_llm", build(llm, None, AlwaysSLM()), 1.0, model="llm"))
     if a.engine_eager:
         e = RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab)
         base.append(engine("engine_llm_eager", e, 1.0, model="llm"))
@@ -130,19 +160,18 @@ def variants(
         base.append(_peer(run, models, "llm", "vllm", batch))
 
     # Routed first: where a run's budget ends among these warm-ups, the row its target reads is measured already.
-    rest = [engine(f"routed_f{p:g}", RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw), p)
-            for p in a.fractions]  # fmt: skip
-    rest.append(engine("engine_slm", RoutedEngine(slm, None, AlwaysSLM(), **kw), 0.0, model="slm"))
+    rest = [engine(f"routed_f{p:g}", build(slm, llm, RandomRouter(p, seed=0)), p) for p in a.fractions]
+    rest.append(engine("engine_slm", build(slm, None, AlwaysSLM()), 0.0, model="slm"))
     if batch > 1:
         rows = min(a.min_rows or max(2, batch // 4), batch)  # --min-rows, or a quarter of the batch
         share = {"llm_min_rows": rows, "llm_max_wait_steps": a.max_wait_steps}
         for p in a.fractions:
-            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, **kw, **share)
+            e = build(slm, llm, RandomRouter(p, seed=0), **share)
             rest.append(engine(f"shared_f{p:g}", e, p, **share))
         for p in a.overlap_fractions:
-            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw)
+            e = build(slm, llm, RandomRouter(p, seed=0), overlap=True)
             rest.append(engine(f"overlap_f{p:g}", e, p))
-            e = RoutedEngine(slm, llm, RandomRouter(p, seed=0), tau=0.5, overlap=True, **kw, **share)
+            e = build(slm, llm, RandomRouter(p, seed=0), overlap=True, **share)
             rest.append(engine(f"overlap_shared_f{p:g}", e, p, **share))
     if llama_cpp and llama:
         rest.append(_peer(run, models, "slm", "llama_cpp", batch))

@@ -510,3 +510,40 @@ def test_a_type_llama_cpp_does_not_know_stops_the_run_before_it_starts(speed, ll
     with pytest.raises(SystemExit, match="LLAMA_FTYPE_MOSTLY_Q3_X"):
         speed.main(argv)
     assert not out.exists()
+
+
+def test_the_cpu_default_times_the_engines_citer_route_builds(speed, tmp_path):
+    """Without ``--static-steps`` a CPU run builds every engine row through ``route_engine`` (what ``citer route`` and
+    ``citer serve`` call) from ``--params``' engine block: a changed block reaches every row, each row records the
+    settings it ran with, and they equal ``route_engine``'s from the same block plus the variant's own (shared calls,
+    overlap)."""
+    import yaml
+
+    from bench.speed_report import build_pair
+    from citer.config import load_params
+    from citer.config.serving import EngineParams
+    from citer.decoding.baselines import RandomRouter
+    from citer.serving.champion import route_engine
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    raw["engine"] = {**raw["engine"], "llm_schedule": "measured", "llm_prefill": "admit"}
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--static-steps", "none", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
+            "1", "--params", str(params), "--out", str(out)]  # fmt: skip
+    assert speed.main(argv) == 0
+    rep = json.loads(out.read_text())
+    block = load_params(params).engine
+    assert rep["engine"] == block.model_dump()
+    pair = build_pair("tiny", "cpu", "fp32")
+    rows = {r["variant"]: r for r in rep["rows"] if "engine" in r}
+    assert {"engine_llm", "engine_slm", "routed_f0.1", "shared_f0.1", "overlap_f0.1"} <= set(rows)
+    for name, row in rows.items():
+        over = {k: row[k] for k in ("llm_min_rows", "llm_max_wait_steps") if k in row}
+        over |= {"overlap": True} if name.startswith("overlap") else {}
+        want = route_engine(pair.slm, pair.llm, RandomRouter(0.1, seed=0), 0.5,
+                            EngineParams.model_validate(block.model_dump() | over), vocab_size=pair.vocab)  # fmt: skip
+        got = {k: v for k, v in row["engine"].items() if k != "forward"}
+        assert got == {k: getattr(want, k) for k in got}, name
+        assert got["llm_schedule"] == "measured" and got["static_steps"] is None
