@@ -16,22 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from citer.decoding.kv_pool import KVPool
-
-
-@dataclass
-class PoolCall:
-    """Where one call's keys go in the pool and which the call attends (what :meth:`KVPool.update` reads)."""
-
-    kv_len: int  # K: columns attended (the longest row after the call)
-    slots: torch.Tensor | None = None  # (b,) the rows' slots; None = the prefix 0..b-1, read as views
-    rows: torch.Tensor | None = None  # (b, 1) 0..b-1 when ``slots`` is None
-    cols: torch.Tensor | None = None  # (b, Q) the column each new key goes to (padded calls)
-    # Packed calls: (tok_slot, tok_col) (N,) of the new tokens, and for the HF forward (key_slot, key_col) of the keys
-    # every token's row attends (one sequence under a block-diagonal mask).
-    packed: tuple[torch.Tensor, ...] | None = None
-    # A packed call of the lean forward attends per row: (tok_row (N,), tok_j (N,), b, Q).
-    varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+from citer.decoding.kv_pool import KVPool, PoolCall
 
 
 @dataclass

@@ -1,16 +1,17 @@
 """One model's KV pool: :class:`KVPool`, a slot per row, rows of different lengths side by side.
 
 A forward call writes its new keys and reads the keys it attends through :meth:`KVPool.update`, told where by the
-call's :class:`~citer.decoding.context.PoolCall` (built by :func:`~citer.decoding.context.prepare`); the pool keeps no
-per-call state. The HF forward (families the lean one does not cover) reads it through :class:`HFPoolView`, an HF
-``Cache`` for the length of one call.
+call's :class:`PoolCall` (built by :func:`~citer.decoding.context.prepare`); the pool keeps no per-call state. The
+HF forward (families the lean one does not cover) reads it through :class:`HFPoolView`, an HF ``Cache`` for the
+length of one call.
 Shapes: b = rows in a call, Q = longest chunk, N = tokens of a packed call, K = key columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +19,20 @@ from transformers.cache_utils import Cache
 
 from citer.decoding.pairing import input_device
 
-if TYPE_CHECKING:
-    from citer.decoding.context import PoolCall
+
+@dataclass
+class PoolCall:
+    """Where one call's keys go in the pool and which the call attends (what :meth:`KVPool.update` reads)."""
+
+    kv_len: int  # K: columns attended (the longest row after the call)
+    slots: torch.Tensor | None = None  # (b,) the rows' slots; None = the prefix 0..b-1, read as views
+    rows: torch.Tensor | None = None  # (b, 1) 0..b-1 when ``slots`` is None
+    cols: torch.Tensor | None = None  # (b, Q) the column each new key goes to (padded calls)
+    # Packed calls: (tok_slot, tok_col) (N,) of the new tokens, and for the HF forward (key_slot, key_col) of the keys
+    # every token's row attends (one sequence under a block-diagonal mask).
+    packed: tuple[torch.Tensor, ...] | None = None
+    # A packed call of the lean forward attends per row: (tok_row (N,), tok_j (N,), b, Q).
+    varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
 
 class KVPool:
@@ -173,7 +186,7 @@ class KVPool:
 
 class HFPoolView(Cache):
     """A pool as HF's decoder layers read it during one call (the HF forward, for families the lean one does not
-    cover): their ``update`` is the pool's, with the call's :class:`~citer.decoding.context.PoolCall`."""
+    cover): their ``update`` is the pool's, with the call's :class:`PoolCall`."""
 
     def __init__(self, pool: KVPool, call: PoolCall) -> None:
         super().__init__(layers=[])

@@ -38,10 +38,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm."""
     if x.dtype == torch.float32:  # one fused op; in float32 the same arithmetic as HF's RMSNorm
         return F.rms_norm(x, (x.shape[-1],), w, eps)
-    # As HF's RMSNorm: statistics in float32, the weight applied in the input dtype.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
+    # As HF's RMSNorm: statistics in float32 (the fused op is HF's arithmetic there, as above), the weight applied in
+    # the input dtype.
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ dataclasses, one RoPE module call per layer); at batch 1 on a CPU the matrix pro
 reads the weights of the HF model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF
 parameters become views of it, so both paths read the same memory -- and runs the same arithmetic in a handful of
 tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the pool's ``update``
-(:class:`~citer.decoding.kv_pool.KVPool`), told by the call's :class:`~citer.decoding.context.PoolCall` where
+(:class:`~citer.decoding.kv_pool.KVPool`), told by the call's :class:`~citer.decoding.kv_pool.PoolCall` where
 they go and what the queries attend, padded, packed or without a pool.
 
 :func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`unsupported_reason`;

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from citer.decoding.compiled import CompiledHidden, compiled_hidden
-from citer.decoding.context import CallInput, PoolCall, prepare
-from citer.decoding.kv_pool import HFPoolView, KVPool
+from citer.decoding.context import CallInput, prepare
+from citer.decoding.kv_pool import HFPoolView, KVPool, PoolCall
 from citer.decoding.lean import LeanDecoder, lean_decoder, unsupported_reason
 from citer.decoding.static_step import StaticSteps
 from citer.decoding.step_compile import StepMode
