@@ -113,25 +113,28 @@ def variants(
 
         return go
 
+    params: dict[str, Any] | None = None
+    if a.static_steps is None:
+        # Imported here: pydantic and the registry's side are not on the GPU machine, whose runs take fixed-shape
+        # steps.
+        from citer.config import load_params
+        from citer.config.serving import EngineParams
+        from citer.serving.champion import route_engine
+
+        params = load_params(Path(a.params)).engine.model_dump()
+        if params["runner"] != "torch":
+            raise ValueError(
+                f"{a.params}: engine.runner {params['runner']!r}: bench/speed.py times the torch engine "
+                "(bench/llama_cpp_routed.py times llama.cpp's)"
+            )
+        run.report["engine"] = (
+            params  # the block the engines are built from, beside each variant's own settings
+        )
+
     def build(s: Any, m: Any, router: Any, **over: Any) -> RoutedEngine:
         """An engine as ``citer route`` builds it (``route_engine`` on the params' engine block, ``over`` the
         variant's own settings) where the run times that path; with ``--static-steps`` its fixed-shape steps."""
-        if a.static_steps is None:
-            # Imported here: pydantic and the registry's side are not on the GPU machine, whose runs take fixed-shape
-            # steps.
-            from citer.config import load_params
-            from citer.config.serving import EngineParams
-            from citer.serving.champion import route_engine
-
-            params = load_params(Path(a.params)).engine.model_dump()
-            if params["runner"] != "torch":
-                raise ValueError(
-                    f"{a.params}: engine.runner {params['runner']!r}: bench/speed.py times the torch engine "
-                    "(bench/llama_cpp_routed.py times llama.cpp's)"
-                )
-            run.report["engine"] = (
-                params  # the block the engines were built from, beside the variant's own settings
-            )
+        if params is not None:
             block = EngineParams.model_validate(params | over)
             return route_engine(s, m, router, 0.5, block, vocab_size=vocab)
         return RoutedEngine(s, m, router, tau=0.5, vocab_size=vocab, static_steps=a.static_steps, **over)
