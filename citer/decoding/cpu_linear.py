@@ -1,15 +1,23 @@
-"""bf16 linears of a few rows on the CPU at the memory's speed: a small AVX512-BF16 kernel, built at first use.
+"""bf16 linears on the CPU: a small AVX512-BF16 kernel for a few rows, oneDNN's prepacked weights for more.
 
 A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs
 on (AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and
 costs ~25 µs a call before any work; the kernel in ``cpu_linear.cpp`` reads each weight row once per call whatever the
 rows (up to :data:`MAX_ROWS`), sums in fp32 with ``vdpbf16ps`` and costs ~2 µs a call (measurements:
-docs/results.md). Bigger calls (prefills, long catch-ups) keep torch's linear, whose AMX kernels are compute-bound
-there. It is a ``citer::linear_bf16`` operator, so a compiled forward calls it like any other.
+docs/results.md). It is a ``citer::linear_bf16`` operator, so a compiled forward calls it like any other.
+
+Calls of up to :data:`PACKED_MAX_ROWS` rows (batched steps, catch-ups, short prefills) run oneDNN's linear on a copy
+of the weight laid out once in its blocked format (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
+freezing does for a compiled CPU model): torch's ``F.linear`` lays the plain weight out again at every call, which
+at a few to a few hundred rows is a large part of the call. The copy is made at a weight's first such call and kept
+while the weight lives (weakly keyed; made again if the weight changes in place), so a model whose calls take this
+path holds its bf16 weights twice (``CITER_CPU_LINEAR=0`` turns both paths off). Its outputs are ``F.linear``'s (the
+same oneDNN kernels). Compiled forwards keep ``F.linear``: inductor packs their weights itself.
 
 The kernel is built with ``torch.utils.cpp_extension`` at the first bf16 CPU call (tens of seconds once, cached in
-``TORCH_EXTENSIONS_DIR``). Where the CPU lacks AVX512-BF16, the build fails, or ``CITER_CPU_LINEAR=0``, every call is
-torch's ``F.linear``, with one warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs
+``TORCH_EXTENSIONS_DIR``). Where the CPU lacks AVX512-BF16 (oneDNN emulates bf16 there), the build fails, or
+``CITER_CPU_LINEAR=0``, every call is torch's ``F.linear`` (a failed build alone keeps the packed weights), with one
+warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs
 may differ in the last bit; float32 never takes this path.
 """
 
@@ -22,12 +30,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel
+PACKED_MAX_ROWS = (
+    512  # rows up to which a call takes the packed weight; bigger products amortise F.linear's layout
+)
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 _state: dict[str, bool] = {}
 _lock = threading.Lock()
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version when packed, the packed copy)
 
 
 def _cpu_has_bf16_dot() -> bool:
@@ -38,6 +51,14 @@ def _cpu_has_bf16_dot() -> bool:
     return "avx512_bf16" in flags.split()
 
 
+def _enabled() -> bool:
+    """The switch and the CPU: both paths need AVX512-BF16 and neither runs with ``CITER_CPU_LINEAR=0``."""
+    got = _state.get("cpu")
+    if got is None:
+        got = _state["cpu"] = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and _cpu_has_bf16_dot()
+    return got
+
+
 def available() -> bool:
     """True when the kernel is built and loaded (building it on the first call that asks)."""
     got = _state.get("ok")
@@ -46,7 +67,7 @@ def available() -> bool:
     with _lock:
         if "ok" in _state:
             return _state["ok"]
-        ok = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and _cpu_has_bf16_dot()
+        ok = _enabled()
         if ok:
             try:
                 from torch.utils.cpp_extension import load
@@ -69,15 +90,40 @@ def _register_fake() -> None:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+def packed_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (out, in) in oneDNN's blocked layout, made at its first call and kept while ``w`` lives."""
+    try:
+        version = w._version
+    except (
+        RuntimeError
+    ):  # an inference tensor: no version counter (changed in place only under inference mode)
+        version = -1
+    got = _packed.get(w)
+    if got is not None and got[0] == version:
+        return got[1]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    _packed[w] = (version, packed)
+    return packed
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``; a bf16 call of at most :data:`MAX_ROWS` rows on the CPU runs the kernel."""
+    """``F.linear(x, w, b)``; a bf16 call on a CPU with AVX512-BF16 runs the kernel (at most :data:`MAX_ROWS` rows)
+    or oneDNN's linear on the packed weight (at most :data:`PACKED_MAX_ROWS`, eager and without autograd)."""
     if (
         x.dtype is torch.bfloat16
         and x.device.type == "cpu"
         and w.dtype is torch.bfloat16
-        and x.numel() <= MAX_ROWS * x.shape[-1]
+        and w.dim() == 2
         and w.stride(-1) == 1
-        and available()
+        and _enabled()
     ):
-        return torch.ops.citer.linear_bf16(x, w, b)
+        rows = x.numel() // max(x.shape[-1], 1)
+        if rows <= MAX_ROWS and available():
+            return torch.ops.citer.linear_bf16(x, w, b)
+        if (
+            rows <= PACKED_MAX_ROWS
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and w.requires_grad)
+        ):
+            return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     return F.linear(x, w, b)

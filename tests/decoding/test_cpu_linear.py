@@ -1,6 +1,7 @@
 """The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
-one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; everything
-else is torch's linear, bit for bit."""
+one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; more rows
+take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
+everything else is torch's linear, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch.nn.functional as F
 from citer.decoding import cpu_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 or no compiler here")
+needs_bf16 = pytest.mark.skipif(
+    not cpu_linear._enabled(), reason="no AVX512-BF16 here: bf16 takes torch's linear"
+)
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
@@ -48,3 +52,42 @@ def test_other_calls_are_torchs_linear_exactly():
     assert torch.equal(cpu_linear.linear(x32, w32), F.linear(x32, w32))  # float32
     x, w = torch.randn(cpu_linear.MAX_ROWS + 1, 96).bfloat16(), torch.randn(64, 96).bfloat16()
     assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))  # more rows than the kernel takes
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    ("shape", "bias"), [((5, 576), False), ((3, 7, 96), True), ((cpu_linear.PACKED_MAX_ROWS, 64), True)]
+)
+def test_more_rows_take_the_packed_weight_with_torchs_products(shape, bias):
+    torch.manual_seed(3)
+    x, w = torch.randn(*shape).bfloat16(), torch.randn(200, shape[-1]).bfloat16()
+    b = torch.randn(200).bfloat16() if bias else None
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, w, b)
+    assert w in cpu_linear._packed  # the packed path ran
+    assert torch.equal(got, F.linear(x, w, b))
+
+
+@needs_bf16
+def test_a_weight_changed_in_place_is_packed_again():
+    torch.manual_seed(4)
+    x, w = torch.randn(8, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    first = cpu_linear.linear(x, w)
+    w.mul_(2)
+    assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
+    assert not torch.equal(cpu_linear.linear(x, w), first)
+    with torch.inference_mode():  # an inference tensor has no version counter: packed once, read as made
+        wi = torch.randn(32, 64).bfloat16()
+        assert torch.equal(cpu_linear.linear(x, wi), F.linear(x, wi)) and wi in cpu_linear._packed
+
+
+def test_training_and_big_products_keep_torchs_linear():
+    torch.manual_seed(5)
+    w = torch.randn(16, 64).bfloat16().requires_grad_()
+    x = torch.randn(8, 64).bfloat16()
+    y = cpu_linear.linear(x, w)
+    y.sum().backward()  # autograd runs through F.linear, not the packed op
+    assert w.grad is not None and w not in cpu_linear._packed
+    big = torch.randn(cpu_linear.PACKED_MAX_ROWS + 1, 64).bfloat16()
+    w2 = torch.randn(16, 64).bfloat16()
+    assert torch.equal(cpu_linear.linear(big, w2), F.linear(big, w2)) and w2 not in cpu_linear._packed
