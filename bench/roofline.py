@@ -19,6 +19,11 @@ no fixed-shape steps) at the speed bench's real shapes with random weights (``be
   prompt and length, however it schedules its calls (its decoding is the SLM's, the LLM's part only the compute
   it cannot skip);
 - ``decode_ceiling``: the same without either side's prompt, what long generations approach;
+- ``llm_row_step_s``: one row's LLM decode step alone (``generate_batch`` of one prompt, 8 tokens less 1): a weight
+  pass, what every LLM call pays however few tokens it reads;
+- ``ceiling_at_calls``: ``ceiling``'s denominator plus ``routed_llm_calls`` x ``llm_row_step_s``: the most routing
+  can gain making as many LLM calls as the routed run made (each a weight pass beside its tokens' compute). Where it
+  is below 1 only fewer calls can win, and fewer calls make routed rows wait;
 - ``measured``: ``llm_s`` / ``routed_s``.
 
 Writes ``reports/bench_roofline.json`` (``--out``), stamped in ``reports/provenance.json``; docs/results.md renders it
@@ -107,6 +112,11 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     row["routed_llm_calls_per_step"] = stats.llm_calls_per_step
     row["routed_llm_prompt_tokens"] = stats.llm_prompt_tokens
     row["routed_llm_catchup_tokens"] = stats.llm_catchup_tokens
+    row["routed_llm_calls"] = stats.llm_calls
+    one = prompts[:1]
+    whole, _ = timed(lambda: built["llm"].generate_batch(one, 8), reps)
+    first, _ = timed(lambda: built["llm"].generate_batch(one, 1), reps)
+    row["llm_row_step_s"] = (whole - first) / 7
     rate = batch * prompt_len / row["llm_prefill_s"]
     row["llm_tokens_per_s_prefill"] = rate
     # The LLM's compute over the tokens this routing made it read, at its fastest rate.
@@ -114,6 +124,9 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     row["llm_step_s"] = (row["llm_s"] - row["llm_prefill_s"]) / max(new - 1, 1)
     row["slm_step_s"] = (row["slm_s"] - row["slm_prefill_s"]) / max(new - 1, 1)
     row["ceiling"] = row["llm_s"] / (row["slm_s"] + prompt_s + catch_up_s)
+    row["ceiling_at_calls"] = row["llm_s"] / (
+        row["slm_s"] + prompt_s + catch_up_s + stats.llm_calls * row["llm_row_step_s"]
+    )
     row["decode_ceiling"] = (row["llm_s"] - row["llm_prefill_s"]) / (
         row["slm_s"] - row["slm_prefill_s"] + catch_up_s
     )
@@ -156,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                                   parse_variants(a.variants)))  # fmt: skip
         r = rows[-1]
         print(f"b{b}: llm {r['llm_s']:.2f} s (prefill {r['llm_prefill_share']:.0%}), slm {r['slm_s']:.2f} s, routed "
-              f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, decode-only "
-              f"ceiling {r['decode_ceiling']:.2f}x", flush=True)  # fmt: skip
+              f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, at its "
+              f"{r['routed_llm_calls']} LLM calls {r['ceiling_at_calls']:.2f}x, decode-only ceiling "
+              f"{r['decode_ceiling']:.2f}x", flush=True)  # fmt: skip
         for name, v in r["variants"].items():
             print(
                 f"    {name}: routed {v['routed_s']:.2f} s, {v['measured']:.2f}x, same rows {v['same_rows']:.0%}",
