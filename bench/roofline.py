@@ -21,9 +21,10 @@ no fixed-shape steps) at the speed bench's real shapes with random weights (``be
 - ``decode_ceiling``: the same without either side's prompt, what long generations approach;
 - ``llm_row_step_s``: one row's LLM decode step alone (``generate_batch`` of one prompt, 8 tokens less 1): a weight
   pass, what every LLM call pays however few tokens it reads;
-- ``ceiling_at_calls``: ``ceiling``'s denominator plus ``routed_llm_calls`` x ``llm_row_step_s``: the most routing
-  can gain making as many LLM calls as the routed run made (each a weight pass beside its tokens' compute). Where it
-  is below 1 only fewer calls can win, and fewer calls make routed rows wait;
+- ``ceiling_at_calls``: ``ceiling``'s denominator plus (``routed_llm_calls`` - 1) x ``llm_row_step_s``: the most
+  routing can gain making as many LLM calls as the routed run made, each a weight pass beside its tokens' compute
+  (the prompt rate holds one pass already: ``ceiling`` is one call reading every token). Where it is below 1 only
+  fewer calls can win, and fewer calls make routed rows wait;
 - ``measured``: ``llm_s`` / ``routed_s``.
 
 Writes ``reports/bench_roofline.json`` (``--out``), stamped in ``reports/provenance.json``; docs/results.md renders it
@@ -125,7 +126,7 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     row["slm_step_s"] = (row["slm_s"] - row["slm_prefill_s"]) / max(new - 1, 1)
     row["ceiling"] = row["llm_s"] / (row["slm_s"] + prompt_s + catch_up_s)
     row["ceiling_at_calls"] = row["llm_s"] / (
-        row["slm_s"] + prompt_s + catch_up_s + stats.llm_calls * row["llm_row_step_s"]
+        row["slm_s"] + prompt_s + catch_up_s + max(stats.llm_calls - 1, 0) * row["llm_row_step_s"]
     )
     row["decode_ceiling"] = (row["llm_s"] - row["llm_prefill_s"]) / (
         row["slm_s"] - row["slm_prefill_s"] + catch_up_s

@@ -323,10 +323,10 @@ def serving_block(reports: Path) -> Block:
 
 
 def _at_calls(x: dict[str, Any]) -> str:
-    """The ceiling with the routed run's LLM calls each paying a weight pass (reports from before it: "–")."""
+    """The ceiling with each of the routed run's LLM calls but one paying a weight pass (older reports: "–")."""
     if "ceiling_at_calls" not in x:
         return "–"
-    return f"{x['ceiling_at_calls']:.2f}× ({x['routed_llm_calls']} calls × {x['llm_row_step_s']:.3f} s)"
+    return f"{x['ceiling_at_calls']:.2f}× ({x['routed_llm_calls']} calls, a pass {x['llm_row_step_s']:.3f} s)"
 
 
 def roofline_block(reports: Path) -> Block:
