@@ -53,7 +53,9 @@ def test_the_report_holds_its_ceiling_by_its_definition(roofline, tmp_path):
             "--variants", "llm_prefill=admit;llm_schedule=measured,llm_min_rows=2"]  # fmt: skip
     assert roofline.main(args) == 0
     rep = json.loads(out.read_text())
-    assert [r["batch"] for r in rep["rows"]] == [1, 2] and rep["engine"] == load_params(REPO / "params.yaml").engine.model_dump()
+    assert [r["batch"] for r in rep["rows"]] == [1, 2] and rep["engine"] == load_params(
+        REPO / "params.yaml"
+    ).engine.model_dump()
     for r in rep["rows"]:
         rate = r["batch"] * 8 / r["llm_prefill_s"]
         read = (r["routed_llm_prompt_tokens"] + r["routed_llm_catchup_tokens"]) / rate
