@@ -10,7 +10,8 @@ Per batch, one process, the engines built as ``citer route`` builds them (the ``
 no fixed-shape steps) at the speed bench's real shapes with random weights (``bench/speed_report.py``):
 
 - ``llm_s`` / ``slm_s`` / ``routed_s``: ``generate_batch(prompts, n)`` wall seconds (routed: a random router sending
-  a fraction ``f`` of the tokens to the LLM; the median of ``--reps`` after one warm-up);
+  a fraction ``f`` of the tokens to the LLM; the median of ``--reps`` after one warm-up, the full runs of every
+  engine and variant timed in turn, so a host that slows down for a while slows them all);
 - ``llm_prefill_s`` / ``slm_prefill_s``: ``generate_batch(prompts, 1)``: the prompts' prefill and one step;
 - ``llm_tokens_per_s_prefill``: b x prompt / ``llm_prefill_s``: the LLM's rate over many tokens at once, the fastest
   it reads tokens on this machine (catch-ups read fewer at a time, so no faster);
@@ -65,13 +66,23 @@ def engine_block(path: Path) -> EngineParams:
 
 def timed(fn: Any, reps: int) -> tuple[float, Any]:
     """The median wall seconds of ``reps`` calls after one warm-up, and the last call's result."""
-    fn()
-    secs, out = [], None
+    return timed_in_turn({"fn": fn}, reps)["fn"]
+
+
+def timed_in_turn(fns: dict[str, Any], reps: int) -> dict[str, tuple[float, Any]]:
+    """Per name, the median wall seconds of ``reps`` calls and the last call's result, the functions called in turn
+    (each warmed up once first): a host that slows down for a while slows every one of them, not the one timed then,
+    so the ratios between them hold (this machine's speed drifts by tens of percent within minutes)."""
+    for fn in fns.values():
+        fn()
+    secs: dict[str, list[float]] = {k: [] for k in fns}
+    outs: dict[str, Any] = {}
     for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        secs.append(time.perf_counter() - t)
-    return statistics.median(secs), out
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            outs[k] = fn()
+            secs[k].append(time.perf_counter() - t)
+    return {k: (statistics.median(secs[k]), outs[k]) for k in fns}
 
 
 def engines(pair: Any, f: float, block: EngineParams) -> dict[str, Any]:
@@ -101,13 +112,20 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     built = engines(pair, f, block)
-    routed = built["routed"]
     row: dict[str, Any] = {"batch": batch}
+    others = {
+        name: engines(pair, f, block.model_copy(update=EngineParams.model_validate(block.model_dump() | over).model_dump()))["routed"]
+        for name, over in (variants or {}).items()
+    }  # fmt: skip
+    # Every full run in turn (LLM, SLM, routed, the variants), so the host's drift reaches them all alike.
+    runs = {name: built[name] for name in ("llm", "slm", "routed")} | {
+        f"variant {k}": e for k, e in others.items()
+    }
+    got = timed_in_turn({k: (lambda e=e: e.generate_batch(prompts, new)) for k, e in runs.items()}, reps)
     for name in ("llm", "slm"):
-        eng = built[name]
-        row[f"{name}_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, new), reps)
-        row[f"{name}_prefill_s"], _ = timed(lambda e=eng: e.generate_batch(prompts, 1), reps)
-    row["routed_s"], out = timed(lambda: routed.generate_batch(prompts, new), reps)
+        row[f"{name}_s"] = got[name][0]
+        row[f"{name}_prefill_s"], _ = timed(lambda e=built[name]: e.generate_batch(prompts, 1), reps)
+    row["routed_s"], out = got["routed"]
     stats = out.batch
     row["routed_llm_fraction"] = stats.llm_fraction
     row["routed_llm_calls_per_step"] = stats.llm_calls_per_step
@@ -134,15 +152,13 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     row["llm_prefill_share"] = row["llm_prefill_s"] / row["llm_s"]
     row["measured"] = row["llm_s"] / row["routed_s"]
     row["variants"] = {}
-    for name, over in (variants or {}).items():
-        other = block.model_copy(update=EngineParams.model_validate(block.model_dump() | over).model_dump())
-        eng = engines(pair, f, other)["routed"]
-        secs, got = timed(lambda e=eng: e.generate_batch(prompts, new), reps)
+    for name in others:
+        secs, alt = got[f"variant {name}"]
         # Rows whose tokens equal the params' engine's: all in float32; in bf16 another call shape may round a near
         # tie of these random weights otherwise (tests/decoding/test_call_rule.py holds float32 to equality).
-        same = sum(a == b for a, b in zip(got.tokens, out.tokens, strict=True)) / batch
+        same = sum(a == b for a, b in zip(alt.tokens, out.tokens, strict=True)) / batch
         row["variants"][name] = {"routed_s": secs, "measured": row["llm_s"] / secs, "same_rows": same,
-                                 "llm_calls_per_step": got.batch.llm_calls_per_step}  # fmt: skip
+                                 "llm_calls_per_step": alt.batch.llm_calls_per_step}  # fmt: skip
     return row
 
 
