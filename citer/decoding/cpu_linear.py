@@ -122,6 +122,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             return torch.ops.citer.linear_bf16(x, w, b)
         if (
             rows <= PACKED_MAX_ROWS
+            and torch.backends.mkldnn.is_available()
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and w.requires_grad)
         ):
