@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel
-PACKED_MAX_ROWS = (
-    512  # rows up to which a call takes the packed weight; bigger products amortise F.linear's layout
-)
+# Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
+PACKED_MAX_ROWS = 512
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 _state: dict[str, bool] = {}
@@ -94,10 +93,8 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     """``w`` (out, in) in oneDNN's blocked layout, made at its first call and kept while ``w`` lives."""
     try:
         version = w._version
-    except (
-        RuntimeError
-    ):  # an inference tensor: no version counter (changed in place only under inference mode)
-        version = -1
+    except RuntimeError:
+        version = -1  # an inference tensor: no version counter (changed in place only under inference mode)
     got = _packed.get(w)
     if got is not None and got[0] == version:
         return got[1]
