@@ -114,9 +114,9 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     built = engines(pair, f, block)
     row: dict[str, Any] = {"batch": batch}
     others = {
-        name: engines(pair, f, block.model_copy(update=EngineParams.model_validate(block.model_dump() | over).model_dump()))["routed"]
+        name: engines(pair, f, EngineParams.model_validate(block.model_dump() | over))["routed"]
         for name, over in (variants or {}).items()
-    }  # fmt: skip
+    }
     # Every full run in turn (LLM, SLM, routed, the variants), so the host's drift reaches them all alike.
     runs = {name: built[name] for name in ("llm", "slm", "routed")} | {
         f"variant {k}": e for k, e in others.items()
