@@ -54,14 +54,19 @@ def prepare(
     *,
     lean: bool,
     float_mask: torch.dtype | None = None,
+    in_place: bool = False,
 ) -> CallInput:
     """Lay out one call feeding ``chunks[i]`` to ``slots[i]`` (module docstring): a decode step (every chunk one token
     or empty), a padded call, or (``packed``) a packed one. ``lean``: the lean forward runs it (it attends a packed
     call per row, and a step whose rows all sit at the last column without a mask); ``float_mask``: the additive
-    mask's dtype where HF's eager attention runs it."""
+    mask's dtype where HF's eager attention runs it; ``in_place``: named slots are attended where they lie, a run of
+    consecutive slots at a time (``PoolCall.runs``; the eager lean forward), not gathered."""
     gaps = [len(c) for c in chunks]
     if packed:
-        return _packed(pool, chunks, slots, gaps, lean, float_mask)
+        inp = _packed(pool, chunks, slots, gaps, lean, float_mask)
+        if lean and in_place:
+            inp.call.runs = slot_runs(slots)
+        return inp
     dev = pool.device
     b = len(chunks)
     kv_len = int(max(pool.lengths[s] + n for s, n in zip(slots, gaps, strict=True)))
@@ -70,6 +75,7 @@ def prepare(
         kv_len,
         slots=None if prefix else torch.tensor(slots, dtype=torch.long, device=dev),
         rows=torch.arange(b, device=dev)[:, None] if prefix else None,
+        runs=slot_runs(slots) if lean and in_place and not prefix else None,
     )
     if max(gaps) == 1:
         return _step(pool, chunks, slots, call, lean, float_mask)
@@ -82,6 +88,18 @@ def prepare(
         j < g[:, None], starts[:, None] + j, torch.full_like(pos, pool.capacity)
     )  # (b, Q)
     return CallInput(ids, pos, mask, kv_len, g - 1, call)
+
+
+def slot_runs(slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``slots`` cut into runs of consecutive slots: (index of the run's first row in the call, its first slot, its
+    rows). The rows of a run are one view of the pool, so attending a run reads its keys where they lie."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and s == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, s, 1))
+    return tuple(runs)
 
 
 def _row_queries(

@@ -285,8 +285,8 @@ class RoutedEngine:
     ) -> GenerationResult:
         """Generate for every prompt: a :class:`DecodeSession` stepped until every row is done. ``row_ids`` (default
         0..n-1) key the random router and the sampler, so a caller splitting a long list into batches passes each
-        row's global index to keep results batch-invariant. ``max_rows``: at most this many rows decode at once; the
-        others join as rows finish (continuous batching). ``drafts``: per row, first new tokens given as the SLM's
+        row's global index to keep results batch-invariant. ``max_rows``: at most this many rows in the SLM's batch;
+        the others join as rows finish or wait for the LLM (continuous batching, :meth:`DecodeSession.room`). ``drafts``: per row, first new tokens given as the SLM's
         (:meth:`DecodeSession.add`'s ``draft``); they lead the row's ``tokens`` unless a check took them back."""
         self.check_prompts(prompts, max_new_tokens, row_ids)
         t0 = time.perf_counter()

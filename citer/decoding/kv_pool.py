@@ -33,6 +33,9 @@ class PoolCall:
     packed: tuple[torch.Tensor, ...] | None = None
     # A packed call of the lean forward attends per row: (tok_row (N,), tok_j (N,), b, Q).
     varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+    # Named slots attended in place (the eager lean forward): (first row in the call, first slot, rows) per run of
+    # consecutive slots; ``update`` then returns the whole buffers and the forward attends each run's view.
+    runs: tuple[tuple[int, int, int], ...] | None = None
 
 
 class KVPool:
@@ -147,7 +150,8 @@ class KVPool:
         """Write one layer's new keys/values where ``call`` says and return the keys/values its queries attend.
         Padded: (b, kv_heads, Q, head_dim) in, (b, kv_heads, K, head_dim) out; packed: (1, kv_heads, N, head_dim) in,
         for the HF forward (1, kv_heads, sum K_i, head_dim) out (every row's valid columns in one sequence), for the
-        lean one the rows' own (b, kv_heads, K, head_dim)."""
+        lean one the rows' own (b, kv_heads, K, head_dim). Named slots with ``call.runs``: the whole buffers, which the
+        forward reads a run at a time as views; without, the rows' keys gathered (a copy)."""
         kbuf, vbuf = self.buffers(layer_idx, key_states)
         dev = kbuf.device  # the layer's device; index tensors were built on the input device
         if call.packed is not None:
@@ -175,6 +179,11 @@ class KVPool:
             rows = call.slots.to(dev)[:, None]
             kbuf[rows, :, cols] = key_states.transpose(1, 2)
             vbuf[rows, :, cols] = value_states.transpose(1, 2)
+        if call.runs is not None:
+            return (
+                kbuf,
+                vbuf,
+            )  # (R, kv_heads, capacity + 1, head_dim): the caller attends each run's rows in place
         # A gather: the selected rows' keys, cut to the longest (b, kv_heads, K, head_dim).
         assert call.slots is not None
         slots = call.slots.to(dev)

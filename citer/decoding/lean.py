@@ -173,14 +173,17 @@ class LeanDecoder:
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
         varlen = call.varlen if call is not None else None
+        runs = call.runs if call is not None else None
         for i, L in enumerate(self.layers):
             q, k, v = attn_in(x, L, self.shape, cos, sin)  # (B, nh, T, D), (B, kv, T, D) x2
             if pool is not None:
                 k, v = pool.update(k, v, i, call)
-            if fused_decode and varlen is None and t == 1:
+            if runs is not None:  # the pool's rows, cut to the columns attended (views)
+                k, v = k[:, :, : call.kv_len], v[:, :, : call.kv_len]
+            if fused_decode and varlen is None and runs is None and t == 1:
                 o = fused_attention(q, k, v, mask, self.scale)
             else:
-                o = self._attend(q, k, v, mask, varlen)  # (B, nh, T, D)
+                o = self._attend(q, k, v, mask, varlen, runs)  # (B, nh, T, D)
             x = attn_out_mlp(x, o.transpose(1, 2).reshape(x.shape[0], t, -1), L, self.eps)
         return rms_norm(x, self.norm, self.eps)
 
@@ -191,22 +194,40 @@ class LeanDecoder:
         v: torch.Tensor,
         mask: torch.Tensor | None,
         varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None,
+        runs: tuple[tuple[int, int, int], ...] | None = None,
     ) -> torch.Tensor:
         """q (B, nh, T, D), k/v (B, kv, K, D) -> (B, nh, T, D). ``varlen`` = (row (N,), j (N,), b, Q): q holds N
-        packed tokens (B = 1, T = N) of b rows and k/v are the rows' own keys (b, kv, K, D) under a (b, 1, Q, K)
-        mask; the queries are laid out per row for the attention and packed back."""
+        packed tokens (B = 1, T = N) of b rows under a (b, 1, Q, K) mask; the queries are laid out per row for the
+        attention and packed back. ``runs`` (``PoolCall.runs``): k/v are the pool's (R, kv, K, D) and each run of
+        consecutive slots is attended as one view of it, so no row's keys are copied (a gather writes every
+        attended key and reads it twice)."""
         gqa = self.n_heads != self.n_kv
-        if varlen is None:
+        if varlen is None and runs is None:
             causal = mask is None and q.shape[2] > 1
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
             )
-        row, j, b, width = varlen
-        qp = q.new_zeros((b, width, q.shape[1], q.shape[3]))  # (b, Q, nh, D)
-        qp[row, j] = q[0].transpose(0, 1)  # (N, nh, D)
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
-        )  # (b, nh, Q, D)
+        if varlen is not None:
+            row, j, b, width = varlen
+            qp = q.new_zeros((b, width, q.shape[1], q.shape[3]))  # (b, Q, nh, D)
+            qp[row, j] = q[0].transpose(0, 1)  # (N, nh, D)
+            q = qp.transpose(1, 2)  # (b, nh, Q, D)
+        if runs is None:
+            runs = ((0, 0, q.shape[0]),)
+        outs = [
+            F.scaled_dot_product_attention(
+                q[i : i + n],
+                k[s : s + n],
+                v[s : s + n],
+                attn_mask=None if mask is None else mask[i : i + n],
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            for i, s, n in runs
+        ]  # (n, nh, Q, D) a run
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (b, nh, Q, D)
+        if varlen is None:
+            return o
         return o.transpose(1, 2)[row, j].transpose(0, 1)[None]  # (1, nh, N, D)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,16 @@ class ModelRunner:
                 waste = (b * q - sum(gaps)) * (lean.layer_macs if lean is not None else 0)
                 pays = 2 * sum(gaps) <= b * q or waste >= PACK_COST_MACS
             packed = b > 1 and pays and sum(gaps) * n_keys <= 1 << 22
-        inp = prepare(pool, chunks, sl, packed, lean=lean is not None, float_mask=self._float_mask())
+        # Eager, named slots are attended in place; compiled, a gather (runs would be guarded on, a graph per pattern).
+        inp = prepare(
+            pool,
+            chunks,
+            sl,
+            packed,
+            lean=lean is not None,
+            float_mask=self._float_mask(),
+            in_place=self.compiled is None,
+        )
         out = self._run(
             pool, inp, every and not packed and q > 1, every and packed, decide if not every else None
         )

@@ -3,8 +3,9 @@
 A :class:`DecodeSession` holds both models' KV pools (:class:`~citer.decoding.kv_pool.KVPool`, a slot per row), the
 SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`DecodeSession.step`:
 
-1. admits waiting requests (one SLM prefill call over the newcomers, up to ``max_rows`` active rows; with
-   ``engine.llm_prefill == "admit"`` one LLM call over their prompts too);
+1. admits waiting requests (one SLM prefill call over the newcomers, while fewer than ``max_rows`` rows are in the
+   SLM's batch: a row waiting for the LLM has left it, so a newcomer takes its place (:meth:`DecodeSession.room`);
+   with ``engine.llm_prefill == "admit"`` one LLM call over their prompts too);
 2. routes every row that is not already waiting for the LLM: the router reads its hidden state, the SLM proposes a
    token; rows scoring below tau wait for the LLM instead;
 3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when the engine's call
@@ -160,6 +161,20 @@ class DecodeSession(CatchUpCalls):
     def busy(self) -> bool:
         return bool(self.rows or self.queue)
 
+    @property
+    def stepping(self) -> int:
+        """Rows in the SLM's batch: the active rows not waiting for the LLM."""
+        return sum(1 for r in self.rows if r.waited < 0)
+
+    def room(self) -> int | None:
+        """How many more rows may be admitted now (None: any number). ``max_rows`` bounds the SLM's batch, not the
+        live rows: a row waiting for the LLM leaves the batch and an admitted row takes its place, so the SLM keeps
+        stepping ``max_rows`` rows while others wait (rows the LLM served rejoin it, and admissions pause until it is
+        below ``max_rows`` again); the live rows, what the pools hold, stay at most twice ``max_rows``."""
+        if self.max_rows is None:
+            return None
+        return max(0, min(self.max_rows - self.stepping, 2 * self.max_rows - len(self.rows)))
+
     def stats(self, key: int) -> RowStats:
         return self.meter.row_stats([key])[0]
 
@@ -306,8 +321,9 @@ class DecodeSession(CatchUpCalls):
 
     # -- slots ------------------------------------------------------------------------------------------------------
     def _admit(self) -> None:
-        room = len(self.queue) if self.max_rows is None else self.max_rows - len(self.rows)
-        new = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
+        room = self.room()
+        n = len(self.queue) if room is None else min(room, len(self.queue))
+        new = [self.queue.popleft() for _ in range(n)]
         if not new:
             return
         need = max(r.prompt_len + r.max_new for r in new)

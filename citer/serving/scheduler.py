@@ -321,14 +321,16 @@ class _Server:
         with self._cv:
             cancels, self._cancels = self._cancels, []
             admit = []
-            rows = len(sess.rows) + len(sess.queue)
+            # Rows join while the session has room: its SLM batch (rows waiting for the LLM have left it) is below
+            # max_rows, its live rows below twice that (DecodeSession.room).
+            live, queued, room = len(sess.rows) + len(sess.queue), len(sess.queue), sess.room()
             while self._inbox:
                 n = self._inbox[0].rows
-                fits = rows == 0 or (self.continuous and rows + n <= self.max_rows)
+                fits = live == 0 or (self.continuous and (room is None or queued + n <= room))
                 if not fits:
                     break
                 admit.append(self._inbox.popleft())
-                rows += n
+                live, queued = live + n, queued + n
         for job, which in cancels:
             for key, i in list(job.keys.items()):
                 if (which is None or i in which) and sess.cancel(key):

@@ -57,3 +57,43 @@ def test_a_large_models_catch_up_packs_at_little_padding_and_a_small_ones_pads(m
         assert bool(calls) is packs
         for i in range(2):
             torch.testing.assert_close(lg[i], ref[i], rtol=1e-4, atol=1e-4)
+
+
+def test_slot_runs_cut_named_slots_into_views():
+    from citer.decoding.context import slot_runs
+
+    assert slot_runs([0, 1, 2]) == ((0, 0, 3),)
+    assert slot_runs([1, 2, 4, 7, 8]) == ((0, 1, 2), (2, 4, 1), (3, 7, 2))
+    assert slot_runs([3, 1]) == ((0, 3, 1), (1, 1, 1))  # out of order: runs of one
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_named_slots_are_attended_in_place_with_the_gathers_logits(llm, monkeypatch, packed):
+    """A catch-up over slots that are not the prefix (1, 2 and 4 of 5) reads each run of consecutive slots as a view of
+    the pool: the pool never copies a row's keys (no index_select), and every logit equals the gathered call's."""
+    seqs = [[5, 6, 7], [8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 19]]
+    catch = [[20, 21], [22], [23, 24, 25]]
+    import citer.decoding.runner as runner_mod
+
+    real = runner_mod.prepare
+    out = {}
+    for in_place in (False, True):
+        monkeypatch.setattr(
+            runner_mod, "prepare", lambda *a, _r=real, _i=in_place, **k: _r(*a, **{**k, "in_place": _i})
+        )
+        gathers: list[int] = []
+        real_select = torch.Tensor.index_select
+
+        def counted(t, *a, _seen=gathers, _real=real_select):
+            _seen.append(1)
+            return _real(t, *a)
+
+        with torch.inference_mode():
+            pool = KVPool(llm, 5, 32)
+            runner = ModelRunner(llm)
+            runner.feed(pool, seqs)
+            monkeypatch.setattr(torch.Tensor, "index_select", counted)
+            out[in_place] = runner.feed(pool, catch, slots=[1, 2, 4], packed=packed, every=True)[0]
+            monkeypatch.setattr(torch.Tensor, "index_select", real_select)
+        assert bool(gathers) is not in_place
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)

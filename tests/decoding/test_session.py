@@ -38,9 +38,42 @@ def test_rows_joining_as_others_finish_get_the_tokens_they_get_alone(pair, max_r
         for em in sess.step():
             got[em.key].append(em.token)
         peak = max(peak, len(sess.rows))
-    assert peak <= max_rows
+    assert peak <= 2 * max_rows  # the SLM's batch holds max_rows; rows waiting for the LLM are beside it
     for i, k in enumerate(keys):
         assert got[k] == alone(eng, i, budgets[i]).tokens[0], i
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_row_waiting_for_the_llm_leaves_the_slm_batch_to_a_newcomer(pair, temperature):
+    """max_rows bounds the SLM's batch: while routed rows wait for a shared LLM call, queued rows are admitted in
+    their places (live rows above max_rows, never above twice it), and every row's tokens, greedy or sampled, are
+    those it gets alone."""
+    slm, llm = pair
+    eng = RoutedEngine(
+        slm,
+        llm,
+        RandomRouter(0.3, seed=5),
+        tau=0.5,
+        llm_min_rows=8,
+        llm_max_wait_steps=3,
+        eos_token_id=[7, 50],
+    )
+    budgets = [10, 9, 12, 11, 10, 8]
+    sess = eng.session(max_rows=2, temperature=temperature, seed=4)
+    keys = [sess.add(p, n, row_id=i) for i, (p, n) in enumerate(zip(PROMPTS, budgets, strict=True))]
+    got: dict[int, list[int]] = {k: [] for k in keys}
+    live, admitted_beside_a_wait = 0, False
+    while sess.busy:
+        waiting_before = len(sess.rows) - sess.stepping
+        queued_before = len(sess.queue)
+        for em in sess.step():
+            got[em.key].append(em.token)
+        admitted_beside_a_wait |= waiting_before > 0 and len(sess.queue) < queued_before
+        live = max(live, len(sess.rows))
+    assert admitted_beside_a_wait and 2 < live <= 4
+    for i, k in enumerate(keys):
+        ref = eng.generate(PROMPTS[i], budgets[i], row_ids=[i], temperature=temperature, seed=4)
+        assert got[k] == ref.tokens[0], i
 
 
 def test_a_row_added_mid_flight_matches_the_row_alone_and_streams_token_by_token(pair):
