@@ -117,10 +117,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         rows = x.numel() // max(x.shape[-1], 1)
         if rows <= MAX_ROWS and available():
             return torch.ops.citer.linear_bf16(x, w, b)
+        # Not while compiling (checked first: dynamo cannot trace torch.backends): a graph takes F.linear, which
+        # Inductor lays out for oneDNN itself.
         if (
-            rows <= PACKED_MAX_ROWS
+            not torch.compiler.is_compiling()
+            and rows <= PACKED_MAX_ROWS
             and torch.backends.mkldnn.is_available()
-            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and w.requires_grad)
         ):
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")

@@ -78,6 +78,26 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
 
+def test_a_bf16_forward_compiles_without_falling_back():
+    """bf16 on a CPU takes citer's own linears eagerly (the kernel, oneDNN's packed weight); inside a graph they must
+    leave nothing dynamo cannot trace (a check of torch.backends once made every bf16 compile fall back to eager).
+    Catch-ups of 5-16 tokens are the packed weight's rows; the logits stay within bf16 rounding of the eager ones."""
+    model = build("llama", seed=6).to(torch.bfloat16)
+    chunks = [[[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], [[20], [21]]]
+    outs = {}
+    with torch.inference_mode():
+        for path in ("auto", "compiled"):
+            runner = ModelRunner(model, forward=path)
+            pool = KVPool(model, 2, 64)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
+                outs[path] = [runner.feed(pool, c)[0].float() for c in chunks]
+            if path == "compiled":
+                assert runner.compiled is not None and compiled_hidden(lean_decoder(model))._fns
+    for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, atol=0.1, rtol=0.05)
+
+
 class _HostReadingCache(KVPool):
     """A cache whose update reads a value back to the host: no full graph can hold it."""
 
