@@ -26,7 +26,10 @@ no fixed-shape steps) at the speed bench's real shapes with random weights (``be
   routing can gain making as many LLM calls as the routed run made, each a weight pass beside its tokens' compute
   (the prompt rate holds one pass already: ``ceiling`` is one call reading every token). Where it is below 1 only
   fewer calls can win, and fewer calls make routed rows wait;
-- ``measured``: ``llm_s`` / ``routed_s``.
+- ``measured``: ``llm_s`` / ``routed_s``;
+- ``stream_measured``: ``stream_llm_s`` / ``stream_routed_s``, ``--stream`` x batch prompts decoded through
+  ``max_rows`` = batch, as ``citer route`` decodes a dataset (continuous batching: a row that finishes, or waits for
+  the LLM, leaves its place in the SLM's batch to a queued one); ``stream_routed_llm_calls`` its LLM calls.
 
 Writes ``reports/bench_roofline.json`` (``--out``), stamped in ``reports/provenance.json``; docs/results.md renders it
 (``citer report docs``). Say whether the machine was quiet: ``others_cpu_share`` is recorded.
@@ -108,9 +111,12 @@ def parse_variants(text: str) -> dict[str, dict[str, Any]]:
 
 
 def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, reps: int,
-                  block: EngineParams, variants: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+                  block: EngineParams, variants: dict[str, dict[str, Any]] | None = None,
+                  stream: int = 0) -> dict[str, Any]:  # fmt: skip
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    # As citer route runs a dataset: stream x batch prompts through max_rows = batch (continuous batching).
+    many = [torch.randint(3, pair.vocab, (prompt_len,), generator=g).tolist() for _ in range(stream * batch)]
     built = engines(pair, f, block)
     row: dict[str, Any] = {"batch": batch}
     others = {
@@ -121,7 +127,11 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     runs = {name: built[name] for name in ("llm", "slm", "routed")} | {
         f"variant {k}": e for k, e in others.items()
     }
-    got = timed_in_turn({k: (lambda e=e: e.generate_batch(prompts, new)) for k, e in runs.items()}, reps)
+    timed_runs = {k: (lambda e=e: e.generate_batch(prompts, new)) for k, e in runs.items()}
+    if many:
+        for name in ("llm", "routed"):
+            timed_runs[f"stream {name}"] = lambda e=built[name]: e.generate_batch(many, new, max_rows=batch)
+    got = timed_in_turn(timed_runs, reps)
     for name in ("llm", "slm"):
         row[f"{name}_s"] = got[name][0]
         row[f"{name}_prefill_s"], _ = timed(lambda e=built[name]: e.generate_batch(prompts, 1), reps)
@@ -151,6 +161,12 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
     )
     row["llm_prefill_share"] = row["llm_prefill_s"] / row["llm_s"]
     row["measured"] = row["llm_s"] / row["routed_s"]
+    if many:
+        row["stream_rows"] = len(many)
+        row["stream_llm_s"], _ = got["stream llm"]
+        row["stream_routed_s"], st = got["stream routed"]
+        row["stream_measured"] = row["stream_llm_s"] / row["stream_routed_s"]
+        row["stream_routed_llm_calls"] = st.batch.llm_calls
     row["variants"] = {}
     for name in others:
         secs, alt = got[f"variant {name}"]
@@ -173,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_roofline.json"))
+    ap.add_argument("--stream", type=int, default=4,
+                    help="also time stream x batch prompts through max_rows = batch, as citer route runs a dataset "
+                         "(0: not)")  # fmt: skip
     ap.add_argument("--variants", default="",
                     help="other engine settings to time routed with, ';'-separated, each 'key=value,...'")  # fmt: skip
     a = ap.parse_args(argv)
@@ -183,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for b in [int(x) for x in a.batches.split(",") if x]:
         rows.append(measure_batch(pair, b, a.prompt_len, a.new_tokens, a.fraction, a.reps, block,
-                                  parse_variants(a.variants)))  # fmt: skip
+                                  parse_variants(a.variants), a.stream))  # fmt: skip
         r = rows[-1]
         print(f"b{b}: llm {r['llm_s']:.2f} s (prefill {r['llm_prefill_share']:.0%}), slm {r['slm_s']:.2f} s, routed "
               f"{r['routed_s']:.2f} s: measured {r['measured']:.2f}x, ceiling {r['ceiling']:.2f}x, at its "
               f"{r['routed_llm_calls']} LLM calls {r['ceiling_at_calls']:.2f}x, decode-only ceiling "
               f"{r['decode_ceiling']:.2f}x", flush=True)  # fmt: skip
+        if "stream_measured" in r:
+            print(f"    {r['stream_rows']} prompts through max_rows {b}: llm {r['stream_llm_s']:.2f} s, routed "
+                  f"{r['stream_routed_s']:.2f} s: {r['stream_measured']:.2f}x", flush=True)  # fmt: skip
         for name, v in r["variants"].items():
             print(
                 f"    {name}: routed {v['routed_s']:.2f} s, {v['measured']:.2f}x, same rows {v['same_rows']:.0%}",

@@ -329,15 +329,24 @@ def _at_calls(x: dict[str, Any]) -> str:
     return f"{x['ceiling_at_calls']:.2f}× ({x['routed_llm_calls']} calls, a pass {x['llm_row_step_s']:.3f} s)"
 
 
+def _streamed(x: dict[str, Any]) -> str:
+    """Routed over LLM-only with ``stream_rows`` prompts through max_rows = batch, as citer route decodes a dataset
+    (older reports: "–")."""
+    if "stream_measured" not in x:
+        return "–"
+    return f"{x['stream_measured']:.2f}× ({x['stream_rows']} prompts)"
+
+
 def roofline_block(reports: Path) -> Block:
     """bench/roofline.py: per batch, the ceiling the LLM's unskippable compute puts on routing, beside the measured."""
     r = _load(reports, "bench_roofline.json")
     rows = [[str(x["batch"]), f"{x['llm_s']:.2f} s", f"{x['llm_prefill_share']:.0%}", f"{x['slm_s']:.2f} s",
              f"{x['routed_s']:.2f} s", f"{x['routed_llm_prompt_tokens'] + x['routed_llm_catchup_tokens']}",
              f"{x['llm_tokens_per_s_prefill']:.0f}", f"{x['measured']:.2f}×", f"{x['ceiling']:.2f}×",
-             _at_calls(x), f"{x['decode_ceiling']:.2f}×"] for x in r["rows"]]  # fmt: skip
+             _at_calls(x), f"{x['decode_ceiling']:.2f}×", _streamed(x)] for x in r["rows"]]  # fmt: skip
     head = ["batch", "LLM alone", "its prompt share", "SLM alone", "routed", "tokens the LLM read",
-            "LLM tokens/s (prompt)", "measured", "ceiling", "ceiling at its LLM calls", "ceiling without prompts"]  # fmt: skip
+            "LLM tokens/s (prompt)", "measured", "ceiling", "ceiling at its LLM calls", "ceiling without prompts",
+            "measured, a stream through max_rows = batch"]  # fmt: skip
     note = (f"{r['pair']} shapes, {r['dtype']}, prompt {r['prompt_len']}, {r['new_tokens']} new tokens, f = "
             f"{r['fraction']}, engine {r['engine']}, median of {r['reps']}; {r['cpu']}, {r['threads']} threads, "
             f"torch {r['torch']}, other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
