@@ -51,6 +51,20 @@ def test_the_compiled_forward_routes_the_eager_tokens(family="qwen3"):
         assert paths_g == {"slm": "lean+compiled", "llm": "lean+compiled"}
 
 
+def _eager_and_compiled(model, chunks):
+    """Each call's logits (b, V) through the eager and the compiled lean forward, each over a pool of its own; a
+    compile that falls back to eager fails the test."""
+    outs = {}
+    with torch.inference_mode():
+        for path in ("auto", "compiled"):
+            runner = ModelRunner(model, forward=path)
+            pool = KVPool(model, len(chunks[0]), 64)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
+                outs[path] = [runner.feed(pool, c)[0] for c in chunks]
+    return outs
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
     """A prefill, a ragged decode step with a mask and a packed catch-up: logits within float32 fusion rounding, for
@@ -62,17 +76,10 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
         [[20], [21], [22]],
         [[30, 31, 32], [33], [34, 35, 36, 37]],
     ]
-    outs = {}
-    with torch.inference_mode():
-        for path in ("auto", "compiled"):
-            runner = ModelRunner(model, forward=path)
-            cache = KVPool(model, 3, 64)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
-                outs[path] = [runner.feed(cache, c)[0] for c in chunks]
-        assert (
-            len(compiled_hidden(lean_decoder(model))._fns) == 2
-        )  # the step graph and the packed (varlen) one ran
+    outs = _eager_and_compiled(model, chunks)
+    assert (
+        len(compiled_hidden(lean_decoder(model))._fns) == 2
+    )  # the step graph and the packed (varlen) one ran
     for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
@@ -84,18 +91,10 @@ def test_a_bf16_forward_compiles_without_falling_back():
     Catch-ups of 5-16 tokens are the packed weight's rows; the logits stay within bf16 rounding of the eager ones."""
     model = build("llama", seed=6).to(torch.bfloat16)
     chunks = [[[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], [[20], [21]]]
-    outs = {}
-    with torch.inference_mode():
-        for path in ("auto", "compiled"):
-            runner = ModelRunner(model, forward=path)
-            pool = KVPool(model, 2, 64)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="the lean forward cannot")  # a fallback: fail on it
-                outs[path] = [runner.feed(pool, c)[0].float() for c in chunks]
-            if path == "compiled":
-                assert runner.compiled is not None and compiled_hidden(lean_decoder(model))._fns
+    outs = _eager_and_compiled(model, chunks)
+    assert compiled_hidden(lean_decoder(model))._fns
     for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
-        torch.testing.assert_close(compiled, eager, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(compiled.float(), eager.float(), atol=0.1, rtol=0.05)
 
 
 class _HostReadingCache(KVPool):
