@@ -89,7 +89,8 @@ class ServeParams(_Block):
     # prompts x max_tokens, the decoding work one request asks
     max_tokens_per_request: int = Field(65536, ge=1)
     max_queued_requests: int = Field(32, ge=1)
-    # Continuous batching: requests join the running batch at any step, up to this many rows decoding at once.
+    # Continuous batching: requests join the running batch at any step, up to this many rows in the SLM's batch (a row
+    # waiting for the LLM leaves it to a newcomer; live rows at most twice this).
     # false: one request at a time (the old behaviour; benchmarks compare against it).
     continuous_batching: bool = True
     max_batch_rows: int = Field(32, ge=1, le=4096)

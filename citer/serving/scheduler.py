@@ -2,7 +2,8 @@
 
 Requests wait in a bounded inbox (``max_queued_requests``; one more is refused with a 429 and a ``Retry-After``
 estimated from recent requests). The engine thread moves them into a :class:`~citer.decoding.session.DecodeSession`
-whenever the batch has room (``max_batch_rows`` rows), steps it, and hands every token to its request's asyncio
+whenever the batch has room (``max_batch_rows`` rows in the SLM's batch; rows waiting for the LLM have left it:
+:meth:`~citer.decoding.session.DecodeSession.room`), steps it, and hands every token to its request's asyncio
 queue as it is chosen -- so answers stream as they are decoded and a new request starts at the next step, not after
 the others. A request that stops (a stop string, a client gone) is cancelled and frees its rows' slots. With
 ``continuous=False`` one request decodes at a time (the old behaviour, kept to compare against). A scoring request

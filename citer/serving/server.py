@@ -6,7 +6,7 @@ carries the routing stats of its decode in an extra top-level field ``citer`` (s
 
 Requests share one continuous batch: an engine thread steps a
 :class:`~citer.decoding.session.DecodeSession`, a request's rows join it at the next step (up to ``max_batch_rows``
-rows decode at once) and leave when they finish, and every token goes to its request as it is chosen -- streams send
+rows in the SLM's batch, rows waiting for the LLM beside them) and leave when they finish, and every token goes to its request as it is chosen -- streams send
 each piece of text as it is decoded, and a client that disconnects frees its rows. A row's tokens never depend on
 what else is in the batch, so every answer is the one the request would get alone. At most ``max_queued_requests``
 wait for room, and one more is answered 429 with ``Retry-After``. What one request may ask is bounded
@@ -117,7 +117,8 @@ def build_app(
     default and the ceiling of ``max_tokens``; ``context_length`` (default: the SLM's ``max_position_embeddings``)
     bounds prompt + answer. A request may carry at most ``max_prompts_per_request`` prompts and ask for at most
     ``max_tokens_per_request`` tokens (prompts x max_tokens), else 400; beyond ``max_queued_requests`` requests
-    waiting for the engine, a request gets 429 with ``Retry-After``. Up to ``max_batch_rows`` rows decode together
+    waiting for the engine, a request gets 429 with ``Retry-After``. Up to ``max_batch_rows`` rows step in the SLM's batch (rows waiting for the LLM
+    leave it, up to as many again beside it)
     (``continuous_batching=False``: one request at a time). With ``api_key`` set, every route but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401). ``info`` (router version, SLM, LLM) is shown by
     ``/health`` and added to each response's ``citer`` stats, absolute paths cut to their last component.
