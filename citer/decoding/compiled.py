@@ -67,8 +67,8 @@ class CompiledHidden:
         self._decide_fns: dict[bool, Callable[..., Any]] = {}  # decided steps, by "has a mask"
         self._untraceable: weakref.WeakSet[Any] = weakref.WeakSet()  # routers whose trace failed
         self._pools: set[tuple[int, ...]] = set()  # pool shapes compiled for (_mark_static)
-        # Decode-step attention as fused products on the CPU (lean._decode_attention); on a GPU the library kernel.
-        self._fused_decode = not lean.embed.is_cuda
+        # Decode-step attention as fused products on the CPU (lean.decoder_layer); on a GPU the library kernel.
+        self._attention = "sdpa" if lean.embed.is_cuda else "fused_decode"
 
     def _mark_static(self, pool: torch.Tensor) -> None:
         """Compile for this pool's sizes: graphs with the pool's rows and columns as symbols ran 10-15% slower on
@@ -127,7 +127,7 @@ class CompiledHidden:
                 body, fullgraph=True, dynamic=None, options=self._options
             )
         try:
-            return fn(self.lean, ids, pos, mask, pool, call, n_pos, self._fused_decode, rid, steps, decision)
+            return fn(self.lean, ids, pos, mask, pool, call, n_pos, self._attention, rid, steps, decision)
         except torch._dynamo.exc.TorchDynamoException as err:  # raised tracing or compiling: nothing has run
             self._untraceable.add(decision.router)
             warnings.warn(
@@ -154,7 +154,7 @@ class CompiledHidden:
             call is None or call.slots is None,
         )
         try:
-            return self._fn(kind)(lean, ids, pos, mask, pool, call, n_pos, self._fused_decode)
+            return self._fn(kind)(lean, ids, pos, mask, pool, call, n_pos, self._attention)
         except torch._dynamo.exc.TorchDynamoException as err:
             # Raised tracing or compiling, before the graph ran; a rerun writes the same K/V to the same columns.
             self.failed = True
@@ -172,13 +172,13 @@ def _decide_body(
     pool: Any,
     call: Any,
     n_pos: int,
-    fused_decode: bool,
+    attention: str,
     rid: torch.Tensor,
     steps: torch.Tensor,
     d: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The traced body of :meth:`CompiledHidden.decided`: forward, head, decision."""
-    hidden = lean.hidden(ids, pos, mask, pool, call, n_pos, fused_decode)[:, 0]  # (B, H)
+    hidden = lean.hidden(ids, pos, mask, pool, call, n_pos, attention)[:, 0]  # (B, H)
     logits = lean.logits(hidden)  # (B, V)
     tokens, hard = decide(logits, hidden, rid, steps, d)
     return logits, hidden, tokens, hard

@@ -71,10 +71,11 @@ def prepare(
     b = len(chunks)
     kv_len = int(max(pool.lengths[s] + n for s, n in zip(slots, gaps, strict=True)))
     prefix = slots == list(range(b))
+    named = None if prefix else torch.tensor(slots, dtype=torch.long, device=dev)  # (b,)
     call = PoolCall(
         kv_len,
-        slots=None if prefix else torch.tensor(slots, dtype=torch.long, device=dev),
-        rows=torch.arange(b, device=dev)[:, None] if prefix else None,
+        rows=torch.arange(b, device=dev)[:, None] if named is None else named[:, None],  # (b, 1)
+        slots=named,
         runs=slot_runs(slots) if lean and in_place and not prefix else None,
     )
     if max(gaps) == 1:
@@ -170,7 +171,7 @@ def _packed(
     if lean:
         # Linears over the N packed tokens, attention per row over its own columns (b, Q, K): a block-diagonal mask
         # over every row's keys (N, sum K_i) would score each token against all the rows' keys.
-        call = PoolCall(kv_len, slots=t["slots"], packed=(slot_t, t["tok_pos"]))
+        call = PoolCall(kv_len, rows=slot_t[None], cols=t["tok_pos"][None], slots=t["slots"])
         call.varlen = (t["tok_row"], t["tok_j"], b, q)
         mask = _row_queries(pool, slots, gaps, kv_len, float_mask)[-1]  # (b, 1, Q, K)
     else:
@@ -178,7 +179,7 @@ def _packed(
         key_col = [c for n, g in zip(starts, gaps, strict=True) for c in range(n + g)]
         k_row = torch.tensor(key_row, dtype=torch.long, device=dev)  # (sum K_i,)
         k_col = torch.tensor(key_col, dtype=torch.long, device=dev)
-        call = PoolCall(kv_len, packed=(slot_t, t["tok_pos"], t["slots"][k_row], k_col))
+        call = PoolCall(kv_len, rows=slot_t[None], cols=t["tok_pos"][None], keys=(t["slots"][k_row], k_col))
         # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
         allowed = (k_row[None, :] == t["tok_row"][:, None]) & (k_col[None, :] <= t["tok_pos"][:, None])
         mask = mask_as(allowed[None, None], float_mask)  # (1, 1, N, sum K_i)

@@ -1,7 +1,8 @@
 """One model's KV pool: :class:`KVPool`, a slot per row, rows of different lengths side by side.
 
-A forward call writes its new keys and reads the keys it attends through :meth:`KVPool.update`, told where by the
-call's :class:`PoolCall` (built by :func:`~citer.decoding.context.prepare`); the pool keeps no per-call state. The
+A forward call writes its new keys and reads the keys it attends through :func:`write_and_read` on a layer's
+buffers, told where by the call's :class:`PoolCall` (built by :func:`~citer.decoding.context.prepare`, or by a
+fixed-shape step); the pool keeps no per-call state. The
 HF forward (families the lean one does not cover) reads it through :class:`HFPoolView`, an HF ``Cache`` for the
 length of one call.
 Shapes: b = rows in a call, Q = longest chunk, N = tokens of a packed call, K = key columns.
@@ -22,20 +23,55 @@ from citer.decoding.pairing import input_device
 
 @dataclass
 class PoolCall:
-    """Where one call's keys go in the pool and which the call attends (what :meth:`KVPool.update` reads)."""
+    """Where one call's keys go in the pool and which the call attends (what :func:`write_and_read` reads).
 
-    kv_len: int  # K: columns attended (the longest row after the call)
+    The new keys go to (``rows``, ``cols``): (b, Q) index tensors (``rows`` may be (b, 1), broadcast), (1, N) for a
+    packed call. The call attends the slot prefix 0..b-1 as views (``slots`` None), the named ``slots`` (gathered,
+    or in place a run at a time with ``runs``), or (``keys``) the packed rows' own columns as one sequence."""
+
+    kv_len: int  # K: columns attended (the longest row after the call; a fixed-shape step: every column)
+    rows: torch.Tensor | None = None  # (b, 1) or (b, Q) the slot each new key goes to; packed (1, N)
+    cols: torch.Tensor | None = None  # (b, Q) the column each new key goes to; packed (1, N)
     slots: torch.Tensor | None = None  # (b,) the rows' slots; None = the prefix 0..b-1, read as views
-    rows: torch.Tensor | None = None  # (b, 1) 0..b-1 when ``slots`` is None
-    cols: torch.Tensor | None = None  # (b, Q) the column each new key goes to (padded calls)
-    # Packed calls: (tok_slot, tok_col) (N,) of the new tokens, and for the HF forward (key_slot, key_col) of the keys
-    # every token's row attends (one sequence under a block-diagonal mask).
-    packed: tuple[torch.Tensor, ...] | None = None
+    # The HF forward's packed call: (key_slot, key_col) (sum K_i,) of the keys every token's row attends (one sequence
+    # under a block-diagonal mask).
+    keys: tuple[torch.Tensor, torch.Tensor] | None = None
     # A packed call of the lean forward attends per row: (tok_row (N,), tok_j (N,), b, Q).
     varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
     # Named slots attended in place (the eager lean forward): (first row in the call, first slot, rows) per run of
-    # consecutive slots; ``update`` then returns the whole buffers and the forward attends each run's view.
+    # consecutive slots; the whole buffers are returned and the forward attends each run's view.
     runs: tuple[tuple[int, int, int], ...] | None = None
+
+
+def write_and_read(
+    kbuf: torch.Tensor, vbuf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: PoolCall
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one layer's new keys/values k, v (b, kv_heads, Q, head_dim) (packed: (1, kv_heads, N, head_dim)) into
+    its buffers (R, kv_heads, capacity + 1, head_dim) where ``call`` says, and return what its queries attend: the
+    prefix's or the named slots' (b, kv_heads, K, head_dim) (a view, or a gather), with ``runs`` the whole buffers,
+    with ``keys`` (1, kv_heads, sum K_i, head_dim). The write goes through a (R, K, kv_heads, head_dim) view with
+    index tensors of the call's shape, which no size of b or Q turns into a broadcast (a guard, in a traced step)."""
+    dev = kbuf.device  # the layer's device; index tensors were built on the input device
+    assert call.rows is not None and call.cols is not None
+    rows = call.rows if call.rows.device == dev else call.rows.to(dev)
+    cols = call.cols if call.cols.device == dev else call.cols.to(dev)
+    kbuf.transpose(1, 2).index_put_(
+        (rows, cols), k.transpose(1, 2)
+    )  # indexed dims first: (b, Q, kv_heads, D)
+    vbuf.transpose(1, 2).index_put_((rows, cols), v.transpose(1, 2))
+    if call.keys is not None:
+        key_slot, key_col = (t.to(dev) for t in call.keys)
+        return kbuf[key_slot, :, key_col].transpose(0, 1)[None], vbuf[key_slot, :, key_col].transpose(0, 1)[
+            None
+        ]
+    if call.runs is not None:
+        return kbuf, vbuf  # the caller attends each run's rows in place
+    if call.slots is None:
+        b = k.shape[0]
+        return kbuf[:b, :, : call.kv_len], vbuf[:b, :, : call.kv_len]
+    slots = call.slots if call.slots.device == dev else call.slots.to(dev)
+    # A gather: the named rows' keys, cut to the longest (b, kv_heads, K, head_dim).
+    return kbuf[:, :, : call.kv_len].index_select(0, slots), vbuf[:, :, : call.kv_len].index_select(0, slots)
 
 
 class KVPool:
@@ -147,50 +183,9 @@ class KVPool:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, call: PoolCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write one layer's new keys/values where ``call`` says and return the keys/values its queries attend.
-        Padded: (b, kv_heads, Q, head_dim) in, (b, kv_heads, K, head_dim) out; packed: (1, kv_heads, N, head_dim) in,
-        for the HF forward (1, kv_heads, sum K_i, head_dim) out (every row's valid columns in one sequence), for the
-        lean one the rows' own (b, kv_heads, K, head_dim). Named slots with ``call.runs``: the whole buffers, which the
-        forward reads a run at a time as views; without, the rows' keys gathered (a copy)."""
+        """One layer's :func:`write_and_read` on this pool's buffers (HF's decoder layers call it)."""
         kbuf, vbuf = self.buffers(layer_idx, key_states)
-        dev = kbuf.device  # the layer's device; index tensors were built on the input device
-        if call.packed is not None:
-            tok_slot, tok_col = (t.to(dev) for t in call.packed[:2])
-            kbuf[tok_slot, :, tok_col] = key_states[0].transpose(0, 1)  # (N, kv_heads, head_dim)
-            vbuf[tok_slot, :, tok_col] = value_states[0].transpose(0, 1)
-            if call.varlen is None:
-                key_slot, key_col = (t.to(dev) for t in call.packed[2:])
-                return (
-                    kbuf[key_slot, :, key_col].transpose(0, 1)[None],
-                    vbuf[key_slot, :, key_col].transpose(0, 1)[None],
-                )
-            # Per-row attention (lean): the gather below, as a padded call over named slots.
-        else:
-            assert call.cols is not None
-            cols = call.cols if call.cols.device == dev else call.cols.to(dev)  # (b, Q)
-            if call.slots is None:
-                assert call.rows is not None
-                b = key_states.shape[0]
-                rows = call.rows if call.rows.device == dev else call.rows.to(dev)  # (b, 1)
-                # indexed dims first: (b, Q, kv_heads, head_dim)
-                kbuf[rows, :, cols] = key_states.transpose(1, 2)
-                vbuf[rows, :, cols] = value_states.transpose(1, 2)
-                return kbuf[:b, :, : call.kv_len], vbuf[:b, :, : call.kv_len]
-            rows = call.slots.to(dev)[:, None]
-            kbuf[rows, :, cols] = key_states.transpose(1, 2)
-            vbuf[rows, :, cols] = value_states.transpose(1, 2)
-        if call.runs is not None:
-            return (
-                kbuf,
-                vbuf,
-            )  # (R, kv_heads, capacity + 1, head_dim): the caller attends each run's rows in place
-        # A gather: the selected rows' keys, cut to the longest (b, kv_heads, K, head_dim).
-        assert call.slots is not None
-        slots = call.slots.to(dev)
-        return (
-            kbuf[:, :, : call.kv_len].index_select(0, slots),
-            vbuf[:, :, : call.kv_len].index_select(0, slots),
-        )
+        return write_and_read(kbuf, vbuf, key_states, value_states, call)
 
 
 class HFPoolView(Cache):

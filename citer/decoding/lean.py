@@ -17,6 +17,7 @@ Shapes: B = rows, T = tokens per row, H = hidden, nh/kv = query/key-value heads,
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from citer.decoding.cpu_linear import linear
-from citer.decoding.layers import HeadShape, LayerWeights, attn_in, attn_out_mlp, fused_attention, rms_norm
+from citer.decoding.kv_pool import PoolCall, write_and_read
+from citer.decoding.layers import (
+    HeadShape,
+    LayerWeights,
+    attn_in,
+    attn_out_mlp,
+    fused_attention,
+    grouped_attention,
+    rms_norm,
+)
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 # RoPE types whose inverse frequencies do not depend on the sequence length (dynamic/longrope re-scale per call).
@@ -160,78 +170,111 @@ class LeanDecoder:
         pos: torch.Tensor,
         mask: torch.Tensor | None,
         pool: Any,
-        call: Any,
+        call: PoolCall | None,
         n_pos: int,
-        fused_decode: bool = False,
+        attention: str = "sdpa",
+        layer: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend) or additive float,
-        None = causal over T; ``pool.update(k, v, layer, call)`` stores this call's K/V and returns the keys/values
-        to attend (B, kv, K, D) (no pool: the call's own, a full-sequence pass). Returns the last layer's output after the final norm, (B, T, H). Op by op: the body
-        :mod:`citer.decoding.compiled` traces. ``fused_decode``: one-query rows attend through
-        :func:`fused_attention`, for a compiler to fuse (the same math, other rounding)."""
-        t = ids.shape[1]
+        """The model's one body: ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend)
+        or additive float, None = causal over T; ``pool.buffers(i, like)`` gives layer i's K/V buffers, which
+        ``call`` says where to write and what to attend (:func:`~citer.decoding.kv_pool.write_and_read`; no pool:
+        a full-sequence pass). Returns the last layer's output after the final norm, (B, T, H). The ragged calls
+        (eager, or traced whole by :mod:`citer.decoding.compiled`) and the fixed-shape steps
+        (:mod:`citer.decoding.static_step`, whose ``layer`` may be :func:`decoder_layer` compiled) run it alike;
+        ``attention``: :func:`decoder_layer`'s."""
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
-        varlen = call.varlen if call is not None else None
-        runs = call.runs if call is not None else None
+        run_layer = decoder_layer if layer is None else layer
         for i, L in enumerate(self.layers):
-            q, k, v = attn_in(x, L, self.shape, cos, sin)  # (B, nh, T, D), (B, kv, T, D) x2
-            if pool is not None:
-                k, v = pool.update(k, v, i, call)
-            if runs is not None:  # the pool's rows, cut to the columns attended (views)
-                k, v = k[:, :, : call.kv_len], v[:, :, : call.kv_len]
-            if fused_decode and varlen is None and runs is None and t == 1:
-                o = fused_attention(q, k, v, mask, self.scale)
-            else:
-                o = self._attend(q, k, v, mask, varlen, runs)  # (B, nh, T, D)
-            x = attn_out_mlp(x, o.transpose(1, 2).reshape(x.shape[0], t, -1), L, self.eps)
+            kb, vb = pool.buffers(i, x) if pool is not None else (None, None)
+            x = run_layer(x, cos, sin, mask, L, self.shape, kb, vb, call, attention)
         return rms_norm(x, self.norm, self.eps)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None,
-        runs: tuple[tuple[int, int, int], ...] | None = None,
-    ) -> torch.Tensor:
-        """q (B, nh, T, D), k/v (B, kv, K, D) -> (B, nh, T, D). ``varlen`` = (row (N,), j (N,), b, Q): q holds N
-        packed tokens (B = 1, T = N) of b rows under a (b, 1, Q, K) mask; the queries are laid out per row for the
-        attention and packed back. ``runs`` (``PoolCall.runs``): k/v are the pool's (R, kv, K, D) and each run of
-        consecutive slots is attended as one view of it, so no row's keys are copied (a gather writes every
-        attended key and reads it twice)."""
-        gqa = self.n_heads != self.n_kv
-        if varlen is None and runs is None:
-            causal = mask is None and q.shape[2] > 1
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
-            )
-        if varlen is not None:
-            row, j, b, width = varlen
-            qp = q.new_zeros((b, width, q.shape[1], q.shape[3]))  # (b, Q, nh, D)
-            qp[row, j] = q[0].transpose(0, 1)  # (N, nh, D)
-            q = qp.transpose(1, 2)  # (b, nh, Q, D)
-        if runs is None:
-            runs = ((0, 0, q.shape[0]),)
-        outs = [
-            F.scaled_dot_product_attention(
-                q[i : i + n],
-                k[s : s + n],
-                v[s : s + n],
-                attn_mask=None if mask is None else mask[i : i + n],
-                scale=self.scale,
-                enable_gqa=gqa,
-            )
-            for i, s, n in runs
-        ]  # (n, nh, Q, D) a run
-        o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (b, nh, Q, D)
-        if varlen is None:
-            return o
-        return o.transpose(1, 2)[row, j].transpose(0, 1)[None]  # (1, nh, N, D)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.head)
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor | None,
+    L: LayerWeights,
+    shape: HeadShape,
+    kb: torch.Tensor | None,
+    vb: torch.Tensor | None,
+    call: PoolCall | None,
+    attention: str,
+) -> torch.Tensor:
+    """One decoder layer: x (B, T, H) -> (B, T, H). Its new K/V go to the layer's pool buffers kb, vb (R, kv, C, D)
+    where ``call`` says, and its queries attend what the call names (none: the call's own keys, causal).
+    ``attention``: ``"sdpa"`` the library kernel (packed calls per row, named slots in place a run at a time);
+    ``"fused_decode"`` one-query rows as fused products and sums (:func:`fused_attention`, for a compiler to fuse:
+    the same math, other rounding); ``"fused"`` every query so, written in the output projection's layout;
+    ``"grouped"`` two batched matrix products (:func:`grouped_attention`: compiles for symbolic rows and tokens)."""
+    b, t = x.shape[0], x.shape[1]
+    q, k, v = attn_in(x, L, shape, cos, sin)  # (B, nh, T, D), (B, kv, T, D) x2
+    varlen = runs = None
+    if kb is not None and vb is not None and call is not None:
+        k, v = write_and_read(kb, vb, k, v, call)
+        varlen, runs = call.varlen, call.runs
+        if runs is not None:  # the pool's rows, cut to the columns attended (views)
+            k, v = k[:, :, : call.kv_len], v[:, :, : call.kv_len]
+    if attention == "fused":
+        assert mask is not None and mask.dtype == torch.bool
+        o = fused_attention(q, k, v, mask, shape.scale, flat=True)  # (B, T, nh D)
+    elif attention == "grouped":
+        assert mask is not None and mask.dtype == torch.bool
+        o = grouped_attention(q, k, v, mask, shape.scale).transpose(1, 2).reshape(b, t, -1)
+    elif attention == "fused_decode" and varlen is None and runs is None and t == 1:
+        o = fused_attention(q, k, v, mask, shape.scale).transpose(1, 2).reshape(b, t, -1)
+    else:
+        o = attend(q, k, v, mask, shape, varlen, runs).transpose(1, 2).reshape(b, t, -1)
+    return attn_out_mlp(x, o, L, shape.eps)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    shape: HeadShape,
+    varlen: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    runs: tuple[tuple[int, int, int], ...] | None = None,
+) -> torch.Tensor:
+    """The library kernel's attention: q (B, nh, T, D), k/v (B, kv, K, D) -> (B, nh, T, D). ``varlen`` = (row (N,),
+    j (N,), b, Q): q holds N packed tokens (B = 1, T = N) of b rows under a (b, 1, Q, K) mask; the queries are laid
+    out per row for the attention and packed back. ``runs`` (``PoolCall.runs``): k/v are the pool's (R, kv, K, D)
+    and each run of consecutive slots is attended as one view of it, so no row's keys are copied (a gather writes
+    every attended key and reads it twice)."""
+    gqa = shape.n_heads != shape.n_kv
+    if varlen is None and runs is None:
+        causal = mask is None and q.shape[2] > 1
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=shape.scale, enable_gqa=gqa
+        )
+    if varlen is not None:
+        row, j, b, width = varlen
+        qp = q.new_zeros((b, width, q.shape[1], q.shape[3]))  # (b, Q, nh, D)
+        qp[row, j] = q[0].transpose(0, 1)  # (N, nh, D)
+        q = qp.transpose(1, 2)  # (b, nh, Q, D)
+    if runs is None:
+        runs = ((0, 0, q.shape[0]),)
+    outs = [
+        F.scaled_dot_product_attention(
+            q[i : i + n],
+            k[s : s + n],
+            v[s : s + n],
+            attn_mask=None if mask is None else mask[i : i + n],
+            scale=shape.scale,
+            enable_gqa=gqa,
+        )
+        for i, s, n in runs
+    ]  # (n, nh, Q, D) a run
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)  # (b, nh, Q, D)
+    if varlen is None:
+        return o
+    return o.transpose(1, 2)[row, j].transpose(0, 1)[None]  # (1, nh, N, D)
 
 
 def _fingerprint(model: nn.Module) -> tuple:

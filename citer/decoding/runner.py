@@ -261,7 +261,7 @@ class ModelRunner:
         """The prepared call: a decode step with its decision in the compiled graph where it can, else the forward,
         read at each row's last token (or at every position)."""
         call = inp.call
-        if decide is not None and call.slots is None and inp.ids.shape[1] == 1 and call.packed is None:
+        if decide is not None and call.slots is None and inp.ids.shape[1] == 1 and call.keys is None:
             compiled = self.compiled
             if compiled is not None and not torch.compiler.is_compiling():
                 rid, steps = torch.tensor(

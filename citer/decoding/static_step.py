@@ -97,7 +97,7 @@ class StaticSteps:
         """A decode step over the slot prefix, or a catch-up over named slots. Regional pieces serve both with one
         layer graph (the step's rows gathered like a catch-up's, Q a symbol), so a model compiles one layer and one
         head for every bucket; a whole-step graph specializes the step (a slice of the prefix, Q = 1). Compiled, the
-        attention is fused products and sums (``lean._decode_attention``); eager, two batched matrix products."""
+        attention is fused products and sums (``lean.decoder_layer``'s "fused"); eager, two batched matrix products."""
         fused = self.compiled is not None
         if step and not self.mode.regional:
             return StepKind(prefix=True, q1=True, every=False, fused=fused)

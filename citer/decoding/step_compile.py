@@ -30,12 +30,11 @@ from typing import Any
 import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
-import torch.nn.functional as F
 
 from citer.decoding.compiled import own_code
 from citer.decoding.cpu_linear import linear
-from citer.decoding.layers import attn_in, attn_out_mlp, fused_attention, grouped_attention, rms_norm
-from citer.decoding.lean import LeanDecoder
+from citer.decoding.kv_pool import PoolCall
+from citer.decoding.lean import LeanDecoder, decoder_layer
 
 # A model's step should compile once per call kind; more graphs than this for one code object means shapes leak into
 # guards, and the step falls back to eager with a warning rather than compile without end.
@@ -102,49 +101,23 @@ class StepKind:
     fused: bool
 
 
-# -- the traced bodies ----------------------------------------------------------------------------------------------
-def layer_step(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
-    L: Any,
-    kb: torch.Tensor,
-    vb: torch.Tensor,
-    tok_slot: torch.Tensor,
-    cols: torch.Tensor,
-    slots: torch.Tensor,
-    shape: Any,
-    kind: StepKind,
-) -> torch.Tensor:
-    """One decoder layer of a fixed-shape call: x (B, Q, H) -> (B, Q, H). Writes this call's K/V into the pool
-    (kb, vb: (R, kv, K, D)) at (tok_slot, cols) (B, Q) and attends the rows' whole pool rows under ``mask``
-    (B, 1, Q, K). The write goes through a (R, K, kv, D) view with index tensors of one shape, which no size of B or Q
-    turns into a broadcast (a guard)."""
-    q, k, v = attn_in(x, L, shape, cos, sin)  # (B, nh, Q, D), (B, kv, Q, D) x2
-    kb.transpose(1, 2).index_put_((tok_slot, cols), k.transpose(1, 2))
-    vb.transpose(1, 2).index_put_((tok_slot, cols), v.transpose(1, 2))
-    if kind.prefix:
-        kr, vr = kb[: x.shape[0]], vb[: x.shape[0]]  # (B, kv, K, D) views
-    else:
-        kr, vr = kb.index_select(0, slots), vb.index_select(0, slots)
-    if kind.fused:
-        o = fused_attention(q, kr, vr, mask, shape.scale, flat=True)  # (B, Q, nh D)
-    else:
-        o = (
-            grouped_attention(q, kr, vr, mask, shape.scale)
-            .transpose(1, 2)
-            .reshape(x.shape[0], x.shape[1], -1)
-        )
-    return attn_out_mlp(x, o, L, shape.eps)
+# -- the traced bodies: the lean forward's own (LeanDecoder.hidden, lean.decoder_layer) over the fixed buffers ------
+class FixedPool:
+    """A fixed-shape call's K/V buffers, per layer the pool's (R, kv, K, D): what ``LeanDecoder.hidden`` asks a pool
+    for (the list, not the pool, so a traced step reads plain tensors)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.keys, self.values = keys, values
+
+    def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
 
 
 def head_step(
-    x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, last: torch.Tensor, eps: float, kind: StepKind
+    h: torch.Tensor, head: torch.Tensor, last: torch.Tensor, kind: StepKind
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final norm and the head: x (B, Q, H) -> logits (B, V) and hidden (B, H) at each row's ``last`` (B,) token,
-    or (``every``) (B, Q, V) and (B, Q, H)."""
-    h = rms_norm(x, norm, eps)
+    """The head over the final norm's output h (B, Q, H): logits (B, V) and hidden (B, H) at each row's ``last`` (B,)
+    token, or (``every``) (B, Q, V) and (B, Q, H)."""
     if kind.every:
         return linear(h, head), h
     if kind.q1:
@@ -165,19 +138,20 @@ def step_body(
     slots: torch.Tensor,
     last: torch.Tensor,
     kind: StepKind,
-    layer: Callable[..., torch.Tensor] = layer_step,
+    layer: Callable[..., torch.Tensor] | None = None,
     head: Callable[..., tuple[torch.Tensor, torch.Tensor]] = head_step,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fixed-shape call: ids, pos, cols, tok_slot (B, Q) long; slots (B,) the rows' pool slots; last (B,) the index
-    of each row's last real token. keys/values: per layer the pool (R, kv, K, D). Traced whole, or (regional) run
-    eagerly with ``layer`` and ``head`` compiled."""
+    of each row's last real token. keys/values: per layer the pool (R, kv, K, D). The model's one body
+    (``LeanDecoder.hidden``): each layer writes its K/V at (tok_slot, cols) and attends the rows' whole pool rows
+    (the prefix's as a slice, named slots gathered) under the causal mask of the positions. Traced whole, or
+    (regional) run eagerly with ``layer`` (:func:`~citer.decoding.lean.decoder_layer`) and ``head`` compiled."""
     k_cols = keys[0].shape[2]
-    x = F.embedding(ids, lean.embed)  # (B, Q, H)
-    cos, sin = lean.rope(pos, k_cols, x.dtype)  # (B, Q, 1, D)
     mask = torch.arange(k_cols, device=pos.device) <= pos[:, None, :, None]  # (B, 1, Q, K)
-    for i, L in enumerate(lean.layers):
-        x = layer(x, cos, sin, mask, L, keys[i], values[i], tok_slot, cols, slots, lean.shape, kind)
-    return head(x, lean.norm, lean.head, last, lean.eps, kind)
+    call = PoolCall(k_cols, rows=tok_slot, cols=cols, slots=None if kind.prefix else slots)
+    attention = "fused" if kind.fused else "grouped"
+    h = lean.hidden(ids, pos, mask, FixedPool(keys, values), call, k_cols, attention, layer)  # (B, Q, H)
+    return head(h, lean.head, last, kind)
 
 
 def mark_static(t: torch.Tensor) -> None:
@@ -186,7 +160,7 @@ def mark_static(t: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(t, guard=False)
 
 
-# The symbolic dims of layer_step's tensor arguments: x, cos, sin, mask, kb, vb, tok_slot, cols, slots.
+# The symbolic dims of decoder_layer's tensors: x, cos, sin, mask, kb, vb, then the call's rows, cols and slots.
 _LAYER_DIMS = ((0, 1), (0, 1), (0, 1), (0, 2), (0,), (0,), (0, 1), (0, 1), (0,))
 
 
@@ -245,7 +219,7 @@ class CompiledPieces:
         key = (piece, kind)
         got = self._fns.get(key)
         if got is None:
-            body = {"step": step_body, "layer": layer_step, "head": head_step}[piece]
+            body = {"step": step_body, "layer": decoder_layer, "head": head_step}[piece]
             flags = "".join("1" if getattr(kind, f) else "0" for f in ("prefix", "q1", "every", "fused"))
             own = own_code(body, f"{id(self.lean):x}_{flags}")
             got = self._fns[key] = torch.compile(own, fullgraph=True, dynamic=None, backend=self._backend())
@@ -285,12 +259,18 @@ class CompiledPieces:
         fn = self.fn(piece, kind)
 
         def call(*a: Any) -> Any:
-            if piece == "layer":  # x, cos, sin, mask, the pool (kb, vb), indices (B, Q), (B,)
-                for t, dims in zip((*a[:4], *a[5:10]), _LAYER_DIMS, strict=True):
-                    mark_dims(t, *dims)
-            else:  # x (B, Q, H), last (B,)
+            if (
+                piece == "layer"
+            ):  # x, cos, sin, mask, L, shape, the pool (kb, vb), the call's indices, attention
+                pc = a[8]
+                for t, dims in zip(
+                    (*a[:4], a[6], a[7], pc.rows, pc.cols, pc.slots), _LAYER_DIMS, strict=True
+                ):
+                    if t is not None:  # slots: None for the prefix
+                        mark_dims(t, *dims)
+            else:  # h (B, Q, H), head, last (B,), kind
                 mark_dims(a[0], 0, 1)
-                mark_dims(a[3], 0)
+                mark_dims(a[2], 0)
             return fn(*a)
 
         return call
