@@ -55,15 +55,13 @@ def write_and_read(
     assert call.rows is not None and call.cols is not None
     rows = call.rows if call.rows.device == dev else call.rows.to(dev)
     cols = call.cols if call.cols.device == dev else call.cols.to(dev)
-    kbuf.transpose(1, 2).index_put_(
-        (rows, cols), k.transpose(1, 2)
-    )  # indexed dims first: (b, Q, kv_heads, D)
+    # Indexed dims first: the values land as (b, Q, kv_heads, D).
+    kbuf.transpose(1, 2).index_put_((rows, cols), k.transpose(1, 2))
     vbuf.transpose(1, 2).index_put_((rows, cols), v.transpose(1, 2))
     if call.keys is not None:
         key_slot, key_col = (t.to(dev) for t in call.keys)
-        return kbuf[key_slot, :, key_col].transpose(0, 1)[None], vbuf[key_slot, :, key_col].transpose(0, 1)[
-            None
-        ]
+        keys, values = kbuf[key_slot, :, key_col], vbuf[key_slot, :, key_col]  # (sum K_i, kv_heads, D)
+        return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     if call.runs is not None:
         return kbuf, vbuf  # the caller attends each run's rows in place
     if call.slots is None:

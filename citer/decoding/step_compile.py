@@ -259,13 +259,11 @@ class CompiledPieces:
         fn = self.fn(piece, kind)
 
         def call(*a: Any) -> Any:
-            if (
-                piece == "layer"
-            ):  # x, cos, sin, mask, L, shape, the pool (kb, vb), the call's indices, attention
+            # layer: x, cos, sin, mask, L, shape, the pool (kb, vb), the call (its indices), attention
+            if piece == "layer":
                 pc = a[8]
-                for t, dims in zip(
-                    (*a[:4], a[6], a[7], pc.rows, pc.cols, pc.slots), _LAYER_DIMS, strict=True
-                ):
+                tensors = (*a[:4], a[6], a[7], pc.rows, pc.cols, pc.slots)
+                for t, dims in zip(tensors, _LAYER_DIMS, strict=True):
                     if t is not None:  # slots: None for the prefix
                         mark_dims(t, *dims)
             else:  # h (B, Q, H), head, last (B,), kind
