@@ -10,6 +10,8 @@ defaults but for sizes and threads):
   pays for the router's input);
 - ``routed``: both at that precision (``routed_generate``), a random router sending a fraction ``f`` of the tokens to
   the LLM (the SLM's hidden states read, the LLM catching up on the rows sent, in one call per step);
+- ``routed_shared`` (batch > 1): the same with params.yaml's ``engine:`` call rule, as ``citer route`` runs it: a
+  routed row leaves the SLM's batch and waits for others to share the LLM's call;
 - ``ideal_s``: ``slm_only`` + the seconds the routed run spent in the LLM: routing's step-time ideal (SLM step + f x
   catch-up), against which ``routed`` shows the glue's cost.
 
@@ -40,7 +42,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from speed_report import PAIRS, SPECS, build_model, cpu_times, cpu_vector, others_cpu_share  # noqa: E402
 
+from citer.config import load_params  # noqa: E402
 from citer.decoding.baselines import RandomRouter  # noqa: E402
+from citer.decoding.call_rule import CallRule, call_rule  # noqa: E402
 from citer.decoding.llama_cpp_routed import routed_generate, solo_generate  # noqa: E402
 from citer.decoding.llama_cpp_runner import LlamaCppModel, gguf_type_counts, missing  # noqa: E402
 from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
@@ -80,11 +84,17 @@ def timed(fn: Any, reps: int) -> tuple[float, list[float], Any]:
     return statistics.median(walls), walls, res
 
 
+def params_rule() -> CallRule:
+    """The call rule of params.yaml's ``engine:`` block: what ``citer route`` decodes with."""
+    e = load_params(ROOT / "params.yaml").engine
+    return call_rule(e.llm_schedule, e.llm_min_rows, e.llm_max_wait_steps)
+
+
 def measure_batch(files: dict[str, dict[str, Path]], batch: int, prompts: list[list[int]], new: int, f: float,
-                  reps: int) -> list[dict[str, Any]]:  # fmt: skip
-    """Every precision's LLM alone (and its prompt prefill), SLM alone, and routed pair at that precision; then the
-    fastest SLM of the run paired with every other precision's LLM (the SLM's step and the LLM's compute need not
-    be fastest at one precision)."""
+                  reps: int, rule: CallRule) -> list[dict[str, Any]]:  # fmt: skip
+    """Every precision's LLM alone (and its prompt prefill), SLM alone, and routed pair at that precision (calling
+    the LLM at once, and with ``rule`` at batch > 1); then the fastest SLM of the run paired with every other
+    precision's LLM (the SLM's step and the LLM's compute need not be fastest at one precision)."""
     length = len(prompts[0]) + new + 8
     tokens = batch * new
     router = RandomRouter(f, seed=0)
@@ -109,6 +119,14 @@ def measure_batch(files: dict[str, dict[str, Path]], batch: int, prompts: list[l
             routed_s, walls, run = timed(
                 partial(routed_generate, slms[sp], llms[lp], prompts, router, 0.5, new), reps
             )
+            shared: dict[str, Any] = {}
+            if batch > 1:
+                shared_s, shared_walls, srun = timed(
+                    partial(routed_generate, slms[sp], llms[lp], prompts, router, 0.5, new, rule=rule), reps
+                )
+                assert srun.tokens == run.tokens  # sharing calls moves when tokens arrive, never which
+                shared = {"routed_shared_s": shared_s, "routed_shared_walls": shared_walls,
+                          "routed_shared_tok_s": tokens / shared_s, "routed_shared_llm_calls": srun.llm_calls}  # fmt: skip
             a, s = alone[lp], alone[sp]
             floor = s["slm_only_s"] + run.llm_tokens_read / a["llm_prompt_tok_s"]
             rows.append({
@@ -123,6 +141,7 @@ def measure_batch(files: dict[str, dict[str, Path]], batch: int, prompts: list[l
                 # the most routing can gain over this LLM alone: the SLM's decoding plus the LLM's compute over every
                 # token it read (prompts and catch-ups) at its prompt rate, its fastest
                 "ceiling_over_own_llm": a["llm_only_s"] / floor, "routed_over_own_llm": a["llm_only_s"] / routed_s,
+                **shared,
             })  # fmt: skip
     return rows
 
@@ -138,11 +157,20 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
             out[f"b{b}_routed_{r['precision']}_over_best_llm_only"] = (
                 r["routed_tok_s"] / best["llm_only_tok_s"]
             )
-        top = max(at, key=lambda r: r["routed_tok_s"])
+            if "routed_shared_tok_s" in r:
+                out[f"b{b}_routed_shared_{r['precision']}_over_best_llm_only"] = (
+                    r["routed_shared_tok_s"] / best["llm_only_tok_s"]
+                )
+        top = max(at, key=best_routed_tok_s)
         out[f"b{b}_best_routed"] = top["precision"]
-        out[f"b{b}_best_routed_over_best_llm_only"] = top["routed_tok_s"] / best["llm_only_tok_s"]
+        out[f"b{b}_best_routed_over_best_llm_only"] = best_routed_tok_s(top) / best["llm_only_tok_s"]
         out[f"b{b}_ceiling_over_best_llm_only"] = ceiling_over_best(at)
     return out
+
+
+def best_routed_tok_s(row: dict[str, Any]) -> float:
+    """A pair's routed tokens/s under the faster of its call rules (at once, the params' shared calls)."""
+    return max(row["routed_tok_s"], row.get("routed_shared_tok_s", 0.0))
 
 
 def ceiling_over_best(rows: list[dict[str, Any]]) -> float:
@@ -178,15 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     files = gguf_files(a.pair, quants, scratch)
     vocab = min(SPECS[spec]["vocab"] for spec in PAIRS[a.pair])
+    rule = params_rule()
     start = cpu_times()
     rows: list[dict[str, Any]] = []
     for b in batches:
         prompts = np.random.default_rng(0).integers(3, vocab, (b, a.prompt_len)).tolist()
-        for r in measure_batch(files, b, prompts, a.new_tokens, a.f, a.reps):
+        for r in measure_batch(files, b, prompts, a.new_tokens, a.f, a.reps, rule):
             rows.append(r)
             prec = r["precision"]
             print(f"b{b} {prec}: llm {r['llm_only_tok_s']:.2f} slm {r['slm_only_tok_s']:.1f} routed "
-                  f"{r['routed_tok_s']:.2f} tok/s (x{r['routed_over_own_llm']:.2f} own LLM, "
+                  f"{r['routed_tok_s']:.2f} (shared {r.get('routed_shared_tok_s', 0):.2f}) tok/s "
+                  f"(x{r['routed_over_own_llm']:.2f} own LLM, "
                   f"{r['routed_over_ideal']:.2f} of ideal)", flush=True)  # fmt: skip
     import llama_cpp
 
@@ -208,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens": a.new_tokens,
             "f": a.f,
             "reps": a.reps,
+            "shared_call_rule": repr(rule),
         },  # fmt: skip
         "files": {
             prec: {w: {"bytes": p.stat().st_size, "tensor_types": gguf_type_counts(p)} for w, p in fs.items()}

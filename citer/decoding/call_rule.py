@@ -96,3 +96,14 @@ class MeasuredRule:
 
 
 CallRule = FixedRule | MeasuredRule
+
+
+def call_rule(schedule: str, min_rows: int = 1, max_wait_steps: int = 0) -> CallRule:
+    """The rule an engine's ``llm_schedule``, ``llm_min_rows`` and ``llm_max_wait_steps`` name (the params'
+    ``engine:`` block), checked (a ValueError names the field): ``"measured"``, or ``"fixed"`` by the two counts."""
+    for name, v, low in (("llm_min_rows", min_rows, 1), ("llm_max_wait_steps", max_wait_steps, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    if schedule not in ("fixed", "measured"):
+        raise ValueError(f"llm_schedule must be 'fixed' or 'measured', got {schedule!r}")
+    return MeasuredRule() if schedule == "measured" else FixedRule(min_rows, max_wait_steps)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
-from citer.decoding.call_rule import CallRule, FixedRule, MeasuredRule, StepTimes
+from citer.decoding.call_rule import CallRule, StepTimes, call_rule
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
 from citer.decoding.kv_pool import KVPool
@@ -99,6 +99,8 @@ class RoutedEngine:
     both where the device overlaps them, one more step per LLM token for its row.
     """
 
+    runner = "torch"  # which kernels decode (engine.runner); the llama.cpp engine says "llama_cpp"
+
     def __init__(
         self,
         slm: nn.Module,
@@ -152,17 +154,14 @@ class RoutedEngine:
         self.router_bytes = router_read_bytes(router, slm)
         self.cost_slm = ModelCost.from_model(slm).plus(self.router_bytes)
         self.cost_llm = ModelCost.from_model(llm) if llm is not None else None
-        for name, v in (("llm_min_rows", llm_min_rows), ("llm_max_wait_steps", llm_max_wait_steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "llm_min_rows" else 0):
-                raise EngineInputError(
-                    f"{name} must be an integer >= {1 if name == 'llm_min_rows' else 0}, got {v!r}"
-                )
-        self.llm_min_rows, self.llm_max_wait_steps = llm_min_rows, llm_max_wait_steps
-        if llm_schedule not in ("fixed", "measured"):
-            raise EngineInputError(f"llm_schedule must be 'fixed' or 'measured', got {llm_schedule!r}")
-        self.llm_schedule = llm_schedule
-        self.call_rule: CallRule = (
-            MeasuredRule() if llm_schedule == "measured" else FixedRule(llm_min_rows, llm_max_wait_steps)
+        try:
+            self.call_rule: CallRule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
+        except ValueError as err:  # the engine's own input error, as every bad argument
+            raise EngineInputError(str(err)) from None
+        self.llm_min_rows, self.llm_max_wait_steps, self.llm_schedule = (
+            llm_min_rows,
+            llm_max_wait_steps,
+            llm_schedule,
         )
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         if llm_prefill not in ("lazy", "admit"):

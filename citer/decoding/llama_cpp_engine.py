@@ -1,36 +1,37 @@
-""":class:`LlamaCppEngine`: the routed engine's batch interface (``generate_batch``, its :class:`GenerationResult`
-with per-row costs) with both models on llama.cpp, so ``citer route`` and the sweep's passes run on the runner
-``engine.runner: llama_cpp`` names, and τ is chosen on the runner that serves. The pair's models are GGUF files
-(:func:`citer.models.to_gguf.gguf_for` converts and quantizes the pipeline's own); the decoding is
-:func:`~citer.decoding.llama_cpp_routed.routed_generate`. Costs are metered like the torch engine's, at the files'
-own bytes (a 4-bit file reads a quarter of the bf16 weights) and llama.cpp's F16 KV cache.
+""":class:`LlamaCppEngine`: the routed engine's interface (``generate_batch``, its :class:`GenerationResult` with
+per-row costs, and step-level sessions for ``citer serve``'s scheduler) with both models on llama.cpp, so ``citer
+route``, the sweep's passes and ``citer serve`` run on the runner ``engine.runner: llama_cpp`` names, and τ is chosen
+on the runner that serves. The pair's models are GGUF files (:func:`citer.models.to_gguf.gguf_for` converts and
+quantizes the pipeline's own); the decoding is :class:`~citer.decoding.llama_cpp_routed.LlamaCppSession`, routed
+rows sharing LLM calls by the engine's call rule as the torch engine's do. Costs are metered like the torch
+engine's, at the files' own bytes (a 4-bit file reads a quarter of the bf16 weights) and llama.cpp's F16 KV cache.
 
-Not here (the torch engine's): step-level sessions (``citer serve``'s streaming scheduler), verified routing, shared
-LLM calls, drafts.
+Not here (the torch engine's): verified routing, drafts, the LLM's prefill at admission, compiled forwards.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes
+from citer.decoding.call_rule import StepTimes, call_rule
 from citer.decoding.cost import CostMeter
 from citer.decoding.engine import GenerationResult
-from citer.decoding.llama_cpp_routed import routed_generate
+from citer.decoding.llama_cpp_routed import LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.rows import EngineInputError, check_prompts, check_sampling
-
-MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
 
 
 class LlamaCppEngine:
     """Routed generation on llama.cpp between the GGUF files ``slm`` and ``llm`` (``llm=None``: the SLM alone, with
     an :class:`AlwaysSLM` router). ``eos_token_id``: one id or several; ``vocab_size``: the ids the models share
-    (default the smaller vocabulary); ``gpu``: the bandwidth named for projected seconds, as the torch engine's."""
+    (default the smaller vocabulary); ``gpu``: the bandwidth named for projected seconds, as the torch engine's;
+    ``llm_min_rows``, ``llm_max_wait_steps``, ``llm_schedule``: when routed rows call the LLM, as the torch
+    engine's (:func:`~citer.decoding.call_rule.call_rule`)."""
 
     runner = "llama_cpp"
 
@@ -44,12 +45,20 @@ class LlamaCppEngine:
         vocab_size: int | None = None,
         gpu: str = "H100",
         rows: int = 8,
+        llm_min_rows: int = 1,
+        llm_max_wait_steps: int = 0,
+        llm_schedule: str = "fixed",
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
         if llm is None and not isinstance(router, AlwaysSLM):
             raise EngineInputError("llm=None needs an AlwaysSLM router (no LLM to route to)")
         self.router, self.tau, self.gpu = router, float(tau), gpu
+        try:
+            self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
+        except ValueError as err:  # the engine's own input error, as every bad argument
+            raise EngineInputError(str(err)) from None
+        self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [
             int(e) for e in eos_token_id
         ]  # fmt: skip
@@ -60,11 +69,31 @@ class LlamaCppEngine:
         self.router_bytes = router_read_bytes(router, None) if self.llm is not None else 0
         self.cost_slm = self.slm.cost().plus(self.router_bytes)
         self.cost_llm = self.llm.cost() if self.llm is not None else None
+        self._lease: weakref.ref[LlamaCppSession] | None = None
 
     def close(self) -> None:
         for m in (self.slm, self.llm):
             if m is not None:
                 m.close()
+
+    def session(
+        self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+    ) -> LlamaCppSession:
+        """A step-level session on the engine's contexts, or on contexts of its own (over the same weights) while
+        another live session holds them; ``max_rows`` bounds the SLM's batch."""
+        holder = self._lease() if self._lease is not None else None
+        own = holder is not None and not holder.closed
+        slm = self.slm.twin() if own else self.slm
+        llm = None if self.llm is None else self.llm.twin() if own else self.llm
+        sess = LlamaCppSession(
+            slm, llm, self.router if llm is not None else None, self.tau,
+            meter=CostMeter(self.cost_slm, self.cost_llm, 0, self.gpu), eos_ids=self.eos,
+            vocab_size=self.vocab_size, rule=self.call_rule, times=self.times, max_rows=max_rows,
+            temperature=temperature, top_p=top_p, seed=seed,
+        )  # fmt: skip
+        if not own:
+            self._lease = weakref.ref(sess)
+        return sess
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> GenerationResult:
         """One row: ``generate_batch([prompt], ...)``."""
@@ -81,26 +110,26 @@ class LlamaCppEngine:
         max_rows: int | None = None,
         drafts: Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
-        """Generate for every prompt, at most ``max_rows`` (default all, at most :data:`MAX_SEQUENCES`) at once, rows
-        joining as others finish; ``row_ids`` (default 0..n-1) key the random router and the sampler, as in the torch
-        engine."""
+        """Generate for every prompt through one :meth:`session`, ``max_rows`` (default all) bounding the SLM's
+        batch, rows joining as others finish (at most 256 live: llama.cpp's sequence ids); ``row_ids`` (default
+        0..n-1) key the random router and the sampler, as in the torch engine."""
         models = [self.slm] if self.llm is None else [self.slm, self.llm]
         check_prompts(prompts, max_new_tokens, row_ids, self.vocab_size,
                       [(n, m.max_positions) for n, m in zip(("slm", "llm"), models, strict=False)])  # fmt: skip
         check_sampling(temperature, top_p)
         if drafts is not None and any(drafts):
             raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")
-        if max_rows is not None and max_rows < 1:
-            raise EngineInputError(f"max_rows must be >= 1, got {max_rows}")
-        rows = min(len(prompts), max_rows or len(prompts), MAX_SEQUENCES)
-        need = max(len(p) for p in prompts) + max_new_tokens
-        for m in models:
-            m.fit(rows, 1 << math.ceil(math.log2(need)))  # powers of two: few context rebuilds
-        meter = CostMeter(self.cost_slm, self.cost_llm, len(prompts), self.gpu)
+        sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
+        ids = range(len(prompts)) if row_ids is None else row_ids
+        keys = [sess.add(p, max_new_tokens, rid) for p, rid in zip(prompts, ids, strict=True)]
+        at = {k: i for i, k in enumerate(keys)}
+        tokens: list[list[int]] = [[] for _ in prompts]
+        from_llm: list[list[bool]] = [[] for _ in prompts]
         t0 = time.perf_counter()
-        run = routed_generate(
-            self.slm, self.llm, prompts, self.router if self.llm is not None else None, self.tau, max_new_tokens,
-            self.eos, (float(temperature), float(top_p), int(seed)), row_ids, self.vocab_size, meter, rows,
-        )  # fmt: skip
-        stats, batch = meter.finish(time.perf_counter() - t0)
-        return GenerationResult(run.tokens, run.from_llm, stats, batch, [[] for _ in prompts])
+        while sess.busy:
+            for em in sess.step():
+                tokens[at[em.key]].append(em.token)
+                from_llm[at[em.key]].append(em.from_llm)
+        sess.closed = True
+        stats, batch = sess.meter.finish(time.perf_counter() - t0)
+        return GenerationResult(tokens, from_llm, stats, batch, [[] for _ in prompts])

@@ -1,26 +1,45 @@
-"""Routed decoding with both models on llama.cpp (:class:`~citer.decoding.llama_cpp_runner.LlamaCppModel`): the SLM
-steps every live row in one batched decode, the router reads the hidden states llama.cpp returns, and the rows it
-sends to the LLM catch up in one batched decode of the tokens the LLM has not read yet, whose last logits write the
-token. The decision is :func:`~citer.decoding.decide.route` and the token choice the engine's sampler, keyed on
-(row id, tokens written) as in :class:`~citer.decoding.engine.RoutedEngine`, so a router and τ chosen with the
-torch engine decide the same way here. Rows join as others finish (a context's sequence ids are its slots).
+"""Routed decoding with both models on llama.cpp (:class:`~citer.decoding.llama_cpp_runner.LlamaCppModel`), a step at a
+time: :class:`LlamaCppSession`, the llama.cpp runner's counterpart of :class:`~citer.decoding.session.DecodeSession`
+(the same caller's side, so ``citer serve``'s scheduler steps either).
 
-Shapes: b = live rows, R = routed rows, V = vocabulary, H = the SLM's hidden size.
+Each :meth:`LlamaCppSession.step`:
+
+1. admits queued rows while the SLM's batch has room (a row waiting for the LLM has left it), each taking a free
+   sequence id in both contexts;
+2. the SLM reads every stepping row's unread tokens (an admitted row's prompt, the others' last token) in one batched
+   decode; the router (:func:`~citer.decoding.decide.route`) reads the hidden states llama.cpp returns and the
+   engine's sampler proposes a token per row; the rows the router sends wait for the LLM and leave the SLM's batch;
+3. the LLM catches the waiting rows up in one batched decode of the tokens it has not read, whose last logits write
+   each row's token, when the call rule (:mod:`citer.decoding.call_rule`) says so or no other row advances; a waiting
+   row does not advance, so sharing a call changes when its token arrives, never which;
+4. every row that advanced emits its token; rows at EOS or their budget leave and free their sequence ids.
+
+A row's random draws (router noise, sampling) are keyed on (row id, tokens written), as in the torch engine, so a
+router and τ chosen there decide the same way here and a row writes what it writes alone.
+:func:`routed_generate` decodes a list of prompts through a session; :func:`solo_generate` is one model alone.
+
+Shapes: b = rows the SLM steps, R = rows the LLM catches up, V = vocabulary, H = the SLM's hidden size.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from citer.decoding.baselines import wants_row_ids
-from citer.decoding.cost import CostMeter
+from citer.decoding.call_rule import CallRule, FixedRule, StepTimes
+from citer.decoding.choice import TopLogprobs, choose_token_tensor, token_logprobs
+from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
-from citer.decoding.sampling import select_tokens
+from citer.decoding.rows import Emitted, EngineInputError, Row, check_sampling
+
+MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
 
 
 @dataclass
@@ -41,6 +60,263 @@ class RoutedRun:
         return sum(sum(x) for x in self.from_llm) / n if n else 0.0
 
 
+class LlamaCppSession:
+    """Rows decoded together on llama.cpp; see the module docstring. ``llm=None`` (and ``router=None``): the SLM
+    alone. ``max_rows`` bounds the SLM's batch (None: every row admitted at once, up to the contexts' sequence
+    ids); the contexts grow, emptied, when no row is live. Not thread-safe: one caller steps it."""
+
+    def __init__(
+        self,
+        slm: LlamaCppModel,
+        llm: LlamaCppModel | None,
+        router: Callable[..., torch.Tensor] | None,
+        tau: float,
+        *,
+        meter: CostMeter,
+        eos_ids: Sequence[int] = (),
+        vocab_size: int | None = None,
+        rule: CallRule = FixedRule(),
+        times: StepTimes | None = None,
+        max_rows: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if llm is not None and not slm.hidden:
+            raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
+        if (llm is None) != (router is None):
+            raise ValueError("a router needs an LLM to route to, and an LLM a router")
+        if max_rows is not None and max_rows < 1:
+            raise EngineInputError(f"max_rows must be >= 1, got {max_rows}")
+        check_sampling(temperature, top_p)
+        self.slm, self.llm, self.router, self.tau = slm, llm, router, float(tau)
+        self.models = [slm] if llm is None else [slm, llm]
+        self.vocab_size = vocab_size or min(m.vocab_size for m in self.models)
+        self.max_positions = min(m.max_positions for m in self.models)
+        self.eos = {int(e) for e in eos_ids}
+        self.rule, self.times = rule, times if times is not None else StepTimes()
+        self.max_rows, self.sampling = max_rows, (float(temperature), float(top_p), int(seed))
+        self.meter = meter
+        self._takes_rows = router is not None and wants_row_ids(router)
+        self.rows: list[Row] = []  # live rows, in admission order
+        self.queue: deque[Row] = deque()  # added, admitted by a later step
+        self.seq_of: dict[int, int] = {}  # row key -> its sequence id in both contexts
+        self._free: list[int] = []  # sequence ids no live row holds
+        self.closed = (
+            False  # set by the caller when done: the engine may lend its contexts to the next session
+        )
+        self.slm_calls = self.llm_calls = self.llm_tokens_read = 0
+        self.slm_s = self.llm_s = 0.0
+        for m in self.models:
+            m.reset()
+
+    # -- the caller's side ------------------------------------------------------------------------------------------
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        row_id: int | None = None,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        draft: Sequence[int] = (),
+    ) -> int:
+        """Queue a row (checked now, admitted at a later step); returns its key. As
+        :meth:`~citer.decoding.session.DecodeSession.add`, but no ``draft``: llama.cpp runs no verified routing."""
+        if draft:
+            raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        seq = [int(t) for t in prompt]
+        if not seq:
+            raise EngineInputError("prompt: empty, nothing to continue")
+        if bad := [t for t in seq if not 0 <= t < self.vocab_size][:5]:
+            raise EngineInputError(f"prompt: token ids outside [0, {self.vocab_size}): {bad}")
+        if len(seq) + max_new_tokens > self.max_positions:
+            raise EngineInputError(
+                f"prompt: {len(seq)} tokens + max_new_tokens {max_new_tokens} exceed the models' "
+                f"{self.max_positions} positions"
+            )
+        if logprobs is not None and (
+            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
+        ):
+            raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
+        d = self.sampling
+        samp = (
+            d[0] if temperature is None else float(temperature),
+            d[1] if top_p is None else float(top_p),
+            d[2] if seed is None else int(seed),
+        )
+        check_sampling(samp[0], samp[1])
+        key = self.meter.add_rows(1)[0]
+        row_id = key if row_id is None else int(row_id)
+        self.queue.append(Row(key, row_id, seq, len(seq), max_new_tokens, samp, logprobs))
+        return key
+
+    def cancel(self, key: int) -> bool:
+        """Drop a queued or live row (a client went away); True if it was there."""
+        for r in self.queue:
+            if r.key == key:
+                self.queue.remove(r)
+                return True
+        for r in self.rows:
+            if r.key == key:
+                self._retire([r])
+                return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.queue)
+
+    @property
+    def stepping(self) -> int:
+        """Rows in the SLM's batch: the live rows not waiting for the LLM."""
+        return sum(1 for r in self.rows if r.waited < 0)
+
+    def room(self) -> int | None:
+        """How many more rows may be admitted now (None: any number): ``max_rows`` bounds the SLM's batch, and the
+        live rows stay at most twice that, as :meth:`~citer.decoding.session.DecodeSession.room`."""
+        if self.max_rows is None:
+            return None
+        return max(0, min(self.max_rows - self.stepping, 2 * self.max_rows - len(self.rows)))
+
+    def stats(self, key: int) -> RowStats:
+        return self.meter.row_stats([key])[0]
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+    def step(self) -> list[Emitted]:
+        """Advance every row that can by one token; returns the tokens chosen at this step."""
+        self._admit()
+        if not self.rows:
+            return []
+        tok: dict[int, tuple[int, bool, TopLogprobs | None]] = {}  # row key -> token, from the LLM, log-probs
+        stepping = [r for r in self.rows if r.waited < 0]
+        slm_s, routed = 0.0, 0
+        if stepping:
+            slm_s = self._slm_step(stepping, tok)
+            routed = len(stepping) - len(tok)
+        waiting = [r for r in self.rows if r.waited >= 0]
+        due = bool(waiting) and (not tok or self.rule.due([r.waited for r in waiting], self.times))
+        if due:
+            self._llm_call(waiting, tok)
+        else:
+            for r in waiting:
+                r.waited += 1
+        self.meter.step([] if due else [r.key for r in waiting])
+        if stepping:
+            self.times.slm_step(slm_s, routed)
+        return self._emit(tok)
+
+    def _slm_step(self, stepping: list[Row], tok: dict[int, tuple[int, bool, TopLogprobs | None]]) -> float:
+        """The SLM reads the stepping rows' unread tokens and proposes; rows the router sends start waiting, the
+        others' proposals go in ``tok``. Returns the call's seconds."""
+        fed = {self.seq_of[r.key]: r.seq[self.slm.lengths[self.seq_of[r.key]] :] for r in stepping}
+        before = [self.slm.lengths[s] for s in fed]
+        t0 = time.perf_counter()
+        logits, hidden = self.slm.feed(fed)  # (b, V), (b, H)
+        seconds = time.perf_counter() - t0
+        self.slm_s += seconds
+        self.slm_calls += 1
+        keys = [r.key for r in stepping]
+        self.meter.forward("slm", keys, [len(t) for t in fed.values()], before)
+        rid = torch.tensor([r.row_id for r in stepping])
+        steps = torch.tensor([r.n_out for r in stepping])
+        picked = choose_token_tensor(
+            logits, [r.sampling for r in stepping], rid, steps, self.vocab_size
+        )  # (b,)
+        if self.router is None:
+            hard = [False] * len(stepping)
+        else:
+            assert hidden is not None
+            hard = route(
+                self.router, self._takes_rows, self.tau, hidden, rid, steps
+            ).tolist()  # True: the LLM
+        proposal = picked.tolist()
+        lps = token_logprobs(logits, proposal, [r.logprobs for r in stepping], self.vocab_size)
+        for r, t, to_llm, lp in zip(stepping, proposal, hard, lps, strict=True):
+            if to_llm:
+                r.waited = 0
+            else:
+                tok[r.key] = (t, False, lp)
+        return seconds
+
+    def _llm_call(self, waiting: list[Row], tok: dict[int, tuple[int, bool, TopLogprobs | None]]) -> None:
+        """One LLM decode over the waiting rows' unread tokens; its logits write each row's token."""
+        assert self.llm is not None
+        seen = [self.llm.lengths[self.seq_of[r.key]] for r in waiting]
+        catch_up = {self.seq_of[r.key]: r.seq[n:] for r, n in zip(waiting, seen, strict=True)}
+        n_read = sum(len(t) for t in catch_up.values())
+        t0 = time.perf_counter()
+        logits, _ = self.llm.feed(catch_up)  # (R, V)
+        seconds = time.perf_counter() - t0
+        self.llm_s += seconds
+        self.llm_calls += 1
+        self.llm_tokens_read += n_read
+        self.times.llm_call(n_read, seconds)
+        keys, fed = [r.key for r in waiting], [len(t) for t in catch_up.values()]
+        self.meter.forward("llm", keys, fed, seen)
+        prompt = [max(0, r.prompt_len - n) for r, n in zip(waiting, seen, strict=True)]
+        self.meter.llm_fed(keys, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
+        rid = torch.tensor([r.row_id for r in waiting])
+        steps = torch.tensor([r.n_out for r in waiting])
+        chosen = choose_token_tensor(
+            logits, [r.sampling for r in waiting], rid, steps, self.vocab_size
+        ).tolist()
+        lps = token_logprobs(logits, chosen, [r.logprobs for r in waiting], self.vocab_size)
+        for r, t, lp in zip(waiting, chosen, lps, strict=True):
+            tok[r.key] = (t, True, lp)
+
+    def _emit(self, tok: dict[int, tuple[int, bool, TopLogprobs | None]]) -> list[Emitted]:
+        out, done = [], []
+        advanced = [r for r in self.rows if r.key in tok]
+        self.meter.emitted([r.key for r in advanced], [tok[r.key][1] for r in advanced])
+        for r in advanced:
+            t, from_llm, lp = tok[r.key]
+            r.seq.append(t)
+            r.waited = -1
+            fin = t in self.eos or r.n_out >= r.max_new
+            out.append(Emitted(r.key, t, from_llm, fin, *(lp if lp is not None else (None, None))))
+            if fin:
+                done.append(r)
+        self._retire(done)
+        return out
+
+    # -- sequence ids -----------------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        room = self.room()
+        want = len(self.queue) if room is None else min(room, len(self.queue))
+        if want == 0:
+            return
+        if not self.rows:  # no live row: the contexts may grow (emptied) to take the queue's next rows
+            batch = list(self.queue)[: min(want, MAX_SEQUENCES)]
+            rows = min(
+                MAX_SEQUENCES, max(len(batch), 2 * self.max_rows if self.max_rows else len(self.queue))
+            )
+            need = max(r.prompt_len + r.max_new for r in batch)
+            for m in self.models:
+                m.fit(rows, 1 << math.ceil(math.log2(need)))  # powers of two: few context rebuilds
+            self._free = list(range(min(m.rows for m in self.models)))[::-1]
+        per_row = min(m.row_tokens for m in self.models)
+        while (
+            want and self._free and self.queue and len(self.queue[0].seq) + self.queue[0].max_new <= per_row
+        ):
+            r = self.queue.popleft()  # a row longer than the contexts' rows waits until they are empty
+            self.seq_of[r.key] = self._free.pop()
+            self.rows.append(r)
+            want -= 1
+
+    def _retire(self, rows: list[Row]) -> None:
+        for r in rows:
+            s = self.seq_of.pop(r.key)
+            for m in self.models:
+                m.clear(s)
+            self._free.append(s)
+            self.rows.remove(r)
+
+
 def routed_generate(
     slm: LlamaCppModel,
     llm: LlamaCppModel | None,
@@ -54,98 +330,34 @@ def routed_generate(
     vocab_size: int | None = None,
     meter: CostMeter | None = None,
     max_rows: int | None = None,
+    rule: CallRule = FixedRule(),
+    times: StepTimes | None = None,
 ) -> RoutedRun:
-    """Decode every prompt, at most ``slm.rows`` (and ``llm.rows``) at once, a row ending at an id of ``eos_ids``
-    (kept) or after ``max_new_tokens``. ``llm=None`` (and ``router=None``): the first model alone. ``row_ids``
-    (default 0..n-1) key a random router and the sampler; ``vocab_size`` (default the smaller model's) cuts logits
-    before a choice; ``meter`` (rows 0..n-1 in prompt order) is charged every call; ``max_rows``: fewer rows at once
-    than the contexts hold."""
-    if llm is not None and not slm.hidden:
-        raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
-    if (llm is None) != (router is None):
-        raise ValueError("a router needs an LLM to route to, and an LLM a router")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    """Decode every prompt through a :class:`LlamaCppSession`, a row ending at an id of ``eos_ids`` (kept) or after
+    ``max_new_tokens``. ``llm=None`` (and ``router=None``): the first model alone. ``row_ids`` (default 0..n-1) key
+    a random router and the sampler; ``vocab_size`` (default the smaller model's) cuts logits before a choice;
+    ``meter`` (fresh: rows 0..n-1 in prompt order) is charged every call; ``max_rows`` bounds the SLM's batch;
+    ``rule``: when the LLM's queue is called (default at once)."""
     ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
     if len(ids) != len(prompts):
         raise ValueError(f"row_ids: need {len(prompts)}, got {len(ids)}")
-    models = [slm] if llm is None else [slm, llm]
-    per_row = min(m.row_tokens for m in models)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) + max_new_tokens > per_row:
-            raise ValueError(
-                f"prompt {i}: {len(p)} tokens + {max_new_tokens} new exceed the contexts' {per_row} tokens per row"
-            )
-    vocab = vocab_size or min(m.vocab_size for m in models)
-    takes_rows = router is not None and wants_row_ids(router)
+    if meter is None:
+        meter = CostMeter(slm.cost(), llm.cost() if llm is not None else None, 0)
     temperature, top_p, seed = sampling
-    eos = {int(e) for e in eos_ids}
+    sess = LlamaCppSession(
+        slm, llm, router, tau, meter=meter, eos_ids=eos_ids, vocab_size=vocab_size, rule=rule, times=times,
+        max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed,
+    )  # fmt: skip
+    keys = [sess.add(p, max_new_tokens, rid) for p, rid in zip(prompts, ids, strict=True)]
+    at = {k: i for i, k in enumerate(keys)}
     run = RoutedRun(tokens=[[] for _ in prompts], from_llm=[[] for _ in prompts])
-    seqs = [list(map(int, p)) for p in prompts]  # prompt + tokens written, per prompt
-    todo = list(range(len(prompts)))[::-1]  # prompts not started, next last
-    slot_of: dict[int, int] = {}  # prompt -> the sequence id it holds in both contexts
-    free = list(range(min([m.rows for m in models] + ([max_rows] if max_rows else []))))[::-1]
-    for m in models:
-        m.reset()
-    feed: dict[int, list[int]] = {}  # prompt -> tokens the SLM has not read
-    while todo or feed:
-        while todo and free:  # rows join as others leave
-            i = todo.pop()
-            slot_of[i] = free.pop()
-            feed[i] = list(seqs[i])
-        live = list(feed)
-        slots = [slot_of[i] for i in live]
-        before = [slm.lengths[s] for s in slots]
-        t0 = time.perf_counter()
-        logits, hidden = slm.feed({slot_of[i]: feed[i] for i in live})  # (b, V), (b, H)
-        run.slm_s += time.perf_counter() - t0
-        run.slm_calls += 1
-        if meter is not None:
-            meter.forward("slm", live, [len(feed[i]) for i in live], before)
-        rid = torch.tensor([ids[i] for i in live])
-        steps = torch.tensor([len(run.tokens[i]) for i in live])
-        picked = select_tokens(logits[:, :vocab], temperature, top_p, seed, rid, steps)  # (b,)
-        if llm is None or router is None:
-            hard = torch.zeros(len(live), dtype=torch.bool)
-        else:
-            assert hidden is not None
-            hard = route(router, takes_rows, tau, hidden, rid, steps)  # (b,) True: the LLM writes
-        sent = hard.nonzero().flatten().tolist()
-        if sent and llm is not None:
-            rows = [live[k] for k in sent]
-            seen = [llm.lengths[slot_of[i]] for i in rows]
-            catch_up = {slot_of[i]: seqs[i][n:] for i, n in zip(rows, seen, strict=True)}
-            run.llm_tokens_read += sum(len(t) for t in catch_up.values())
-            t0 = time.perf_counter()
-            llm_logits, _ = llm.feed(catch_up)  # (R, V)
-            run.llm_s += time.perf_counter() - t0
-            run.llm_calls += 1
-            if meter is not None:
-                fed = [len(t) for t in catch_up.values()]
-                meter.forward("llm", rows, fed, seen)
-                prompt = [max(0, len(prompts[i]) - n) for i, n in zip(rows, seen, strict=True)]
-                meter.llm_fed(rows, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
-            picked[sent] = select_tokens(
-                llm_logits[:, :vocab], temperature, top_p, seed, rid[sent], steps[sent]
-            )
-        flags = hard.tolist()
-        if meter is not None:
-            meter.emitted(live, flags)
-            meter.step([])
-        feed = {}
-        for k, i in enumerate(live):
-            t = int(picked[k])
-            run.tokens[i].append(t)
-            run.from_llm[i].append(bool(flags[k]))
-            seqs[i].append(t)
-            if t not in eos and len(run.tokens[i]) < max_new_tokens:
-                feed[i] = [t]
-            else:  # the row leaves; its slot takes the next prompt
-                for m in models:
-                    m.clear(slot_of[i])
-                free.append(slot_of.pop(i))
+    while sess.busy:
+        for em in sess.step():
+            run.tokens[at[em.key]].append(em.token)
+            run.from_llm[at[em.key]].append(em.from_llm)
+    sess.closed = True
+    run.slm_calls, run.llm_calls, run.llm_tokens_read = sess.slm_calls, sess.llm_calls, sess.llm_tokens_read
+    run.slm_s, run.llm_s = sess.slm_s, sess.llm_s
     return run
 
 

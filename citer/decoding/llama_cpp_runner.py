@@ -10,6 +10,7 @@ Shapes: R = rows fed in a call, V = the model's vocabulary, H = its hidden size.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,19 @@ def missing() -> str | None:
 
 
 _BACKEND: dict[str, Any] = {}
+
+# llama.cpp's AMX buffer type (int8 tiles for Q4_0/Q4_1/Q8_0/K-quants) segfaults in ggml_backend_amx_mul_mat on some
+# AMX Xeons (llama.cpp#20824, open upstream; here every quantized file, any shape, on an AMX VM). A build with AMX
+# compiled in therefore loads weights without the extra buffer types (no AMX, no CPU repacking) unless this is "1";
+# scripts/setup.sh builds without AMX (-mno-amx-int8), keeping the repacked AVX-512 kernels.
+AMX_ENV = "CITER_LLAMA_CPP_AMX"
+
+
+def extra_buffers() -> bool:
+    """Whether models load into llama.cpp's extra CPU buffer types (repacked weights, AMX tiles): yes, unless the
+    library was built with AMX and ``CITER_LLAMA_CPP_AMX`` is not ``1``."""
+    amx = "AMX_INT8 = 1" in _lib().llama_print_system_info().decode()
+    return not amx or os.environ.get(AMX_ENV) == "1"
 
 
 def _lib() -> Any:
@@ -64,7 +78,8 @@ class LlamaCppModel:
 
     ``hidden``: the context also returns each fed row's final-norm hidden state (llama.cpp's embeddings output with
     pooling none), as the SLM's router needs. :meth:`feed` appends tokens to rows; :meth:`clear` empties one row,
-    :meth:`reset` all; :meth:`fit` makes the context larger (the weights stay loaded).
+    :meth:`reset` all; :meth:`fit` makes the context larger (the weights stay loaded); :meth:`twin` is a second
+    context over the same weights.
     """
 
     path: Path
@@ -76,6 +91,7 @@ class LlamaCppModel:
     _ctx: Any = field(default=None, init=False, repr=False)
     _batch: Any = field(default=None, init=False, repr=False)
     _cap: int = field(default=0, init=False, repr=False)
+    _twin_of: LlamaCppModel | None = field(default=None, init=False, repr=False)  # whose weights a twin reads
     lengths: list[int] = field(default_factory=list, init=False)  # tokens held per row
 
     def __post_init__(self) -> None:
@@ -84,6 +100,7 @@ class LlamaCppModel:
         if not self.path.is_file():
             raise GgufError(f"{self.path}: no such GGUF file")
         mp = lc.llama_model_default_params()
+        mp.use_extra_bufts = extra_buffers()
         self._model = lc.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise GgufError(f"{self.path}: llama.cpp could not load it ({_last_log()})")
@@ -120,6 +137,14 @@ class LlamaCppModel:
         self.rows, self.row_tokens = max(rows, self.rows), max(row_tokens, self.row_tokens)
         self._make_context()
 
+    def twin(self) -> LlamaCppModel:
+        """An empty context of this one's size over the same loaded weights (a second session's rows; the weights
+        are read, never written, by either)."""
+        t = copy.copy(self)
+        t._ctx, t._batch, t._cap, t._twin_of = None, None, 0, self
+        t._make_context()
+        return t
+
     def clear(self, row: int) -> None:
         """Row ``row`` empty (its sequence's cache entries removed), for the next prompt to take it."""
         lc = _lib()
@@ -140,9 +165,9 @@ class LlamaCppModel:
         if self._ctx:
             lc.llama_free(self._ctx)
             self._ctx = None
-        if self._model:
+        if self._model and self._twin_of is None:
             lc.llama_model_free(self._model)
-            self._model = None
+        self._model = None
 
     def __del__(self) -> None:  # the weights and cache are llama.cpp's memory: a dropped engine frees them
         self.close()

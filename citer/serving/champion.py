@@ -68,7 +68,11 @@ def route_engine(
                 f"engine.runner llama_cpp runs no verified routing ({verify}); use runner: torch"
             )
         t = engine.llama_cpp_type
-        return LlamaCppEngine(gguf_for(slm, t), gguf_for(llm, t), router, tau, eos_token_id, vocab_size)
+        return LlamaCppEngine(
+            gguf_for(slm, t), gguf_for(llm, t), router, tau, eos_token_id, vocab_size,
+            llm_min_rows=engine.llm_min_rows, llm_max_wait_steps=engine.llm_max_wait_steps,
+            llm_schedule=engine.llm_schedule,
+        )  # fmt: skip
     return RoutedEngine(
         slm,
         llm,

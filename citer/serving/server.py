@@ -82,13 +82,14 @@ __all__ = [
 
 
 def _context_length(engine: Any) -> int | None:
-    """The smallest ``max_position_embeddings`` of the engine's models (None when they do not say)."""
+    """The smallest ``max_position_embeddings`` of the engine's models (a llama.cpp model's trained context; None when
+    they do not say)."""
     limits = []
     for m in (getattr(engine, "slm", None), getattr(engine, "llm", None)):
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "get_text_config"):
             cfg = cfg.get_text_config(decoder=True)
-        n = getattr(cfg, "max_position_embeddings", None)
+        n = getattr(cfg, "max_position_embeddings", getattr(m, "max_positions", None))
         if isinstance(n, int):
             limits.append(n)
     return min(limits) if limits else None
@@ -317,11 +318,6 @@ def serve_champion(
     host, port = host or s.host, port or s.port
     api_key = (os.environ.get(s.api_key_env) or "").strip() or None
     check_bind(host, api_key, allow_remote_without_key=s.allow_remote_without_key, api_key_env=s.api_key_env)
-    if proj.params.engine.runner != "torch":
-        raise ValueError(
-            f"params.yaml engine.runner: {proj.params.engine.runner!r}: citer serve steps the torch engine's "
-            "sessions; serve with runner: torch (citer route and the sweep take llama_cpp)"
-        )
     engine, tok, info = load_champion(
         proj, llm_fraction=llm_fraction, allow_pair_mismatch=allow_pair_mismatch
     )

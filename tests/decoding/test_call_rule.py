@@ -117,3 +117,13 @@ def test_reading_prompts_at_admission_changes_no_token(pair, router, verify):
 def test_bad_schedule_params_are_refused(pair, bad):
     with pytest.raises(EngineInputError, match=next(iter(bad))):
         RoutedEngine(*pair, RandomRouter(0.1), **bad)
+
+
+def test_the_rule_an_engine_block_names_is_checked():
+    from citer.decoding.call_rule import FixedRule, MeasuredRule, call_rule
+
+    assert call_rule("fixed", 4, 3) == FixedRule(4, 3) and call_rule("measured", 4, 3) == MeasuredRule()
+    for bad, field in ((("fixed", 0, 0), "llm_min_rows"), (("fixed", 1, -1), "llm_max_wait_steps"),
+                       (("fixed", True, 0), "llm_min_rows"), (("often", 1, 0), "llm_schedule")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            call_rule(*bad)

@@ -15,6 +15,7 @@ import torch
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, RandomRouter
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.llama_cpp_runner import missing
+from citer.decoding.rows import EngineInputError
 from citer.models.gguf import GgufError
 
 WHY = missing()
@@ -184,8 +185,9 @@ def test_bad_inputs_fail_with_a_clear_message(pair, tmp_path):
     s, lm = _runners(slm_path, llm_path)
     with s, lm:
         with pytest.raises(
-            ValueError, match="prompt 0: 60 tokens \\+ 12 new exceed the contexts' 64 tokens per row"
+            EngineInputError,
+            match="prompt: 250 tokens \\+ max_new_tokens 12 exceed the models' 256 positions",
         ):
-            routed_generate(s, lm, [[5] * 60], AlwaysSLM(), 0.5, NEW)
+            routed_generate(s, lm, [[5] * 250], AlwaysSLM(), 0.5, NEW)
         with pytest.raises(ValueError, match="must return hidden states"):
             routed_generate(lm, s, [[5] * 4], AlwaysSLM(), 0.5, NEW)

@@ -66,15 +66,88 @@ def test_engine_writes_the_torch_engines_tokens_and_meters_its_calls(answering_p
     assert eng.generate_batch(prompts, 10, row_ids=list(range(10, 16)), max_rows=2).tokens == want.tokens
 
 
+def test_shared_llm_calls_move_when_tokens_arrive_never_which(answering_pair, gguf_cache):
+    p = answering_pair
+    router = RandomRouter(0.3, seed=4)
+    prompts, ids = _prompts(p.tok, 8), list(range(20, 28))
+    at_once = _engine(p, router, gguf_cache).generate_batch(prompts, 10, row_ids=ids, max_rows=4)
+    shared_eng = _engine(p, router, gguf_cache, llm_min_rows=4, llm_max_wait_steps=3)
+    shared = shared_eng.generate_batch(prompts, 10, row_ids=ids, max_rows=4)
+    assert shared.tokens == at_once.tokens and shared.from_llm == at_once.from_llm
+    assert shared.batch.llm_calls < at_once.batch.llm_calls and shared.batch.wait_row_steps > 0
+    # the torch engine under the same rule writes the same tokens
+    torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok),
+                             llm_min_rows=4, llm_max_wait_steps=3)  # fmt: skip
+    assert torch_eng.generate_batch(prompts, 10, row_ids=ids, max_rows=4).tokens == shared.tokens
+    # the measured rule too (it only moves calls)
+    measured = _engine(p, router, gguf_cache, llm_schedule="measured")
+    assert measured.generate_batch(prompts, 10, row_ids=ids, max_rows=4).tokens == shared.tokens
+
+
+def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pair, gguf_cache):
+    from citer.decoding.session import DecodeSession
+
+    p = answering_pair
+    router = RandomRouter(0.3, seed=4)
+    prompts = _prompts(p.tok, 5)
+    eng = _engine(p, router, gguf_cache, llm_min_rows=2, llm_max_wait_steps=2)
+    alone = [eng.generate_batch([q], 10, row_ids=[30 + i]).tokens[0] for i, q in enumerate(prompts)]
+    torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok))
+
+    def drive(sess):
+        keys = {sess.add(q, 10, row_id=30 + i, logprobs=2): i for i, q in enumerate(prompts[:3])}
+        got: dict[int, list] = {}
+        live, step = [], 0
+        while sess.busy:
+            if step == 2:  # a request arrives mid-way, another leaves
+                keys[sess.add(prompts[3], 10, row_id=33, logprobs=2)] = 3
+                keys[sess.add(prompts[4], 10, row_id=34, logprobs=2)] = 4
+                assert sess.cancel(next(k for k, i in keys.items() if i == 1))
+            for em in sess.step():
+                got.setdefault(keys[em.key], []).append(em)
+            live.append(len(sess.rows))
+            assert len(sess.rows) <= 4  # twice max_rows: what the contexts hold
+            step += 1
+        return got, live
+
+    got, live = drive(eng.session(max_rows=2))
+    ref, _ = drive(DecodeSession(torch_eng, max_rows=2))
+    for i in (0, 2, 3, 4):
+        assert [e.token for e in got[i]] == alone[i] == [e.token for e in ref[i]]
+        assert got[i][-1].done and not any(e.done for e in got[i][:-1])
+        for a, b in zip(got[i], ref[i], strict=True):  # log-probs of the model that wrote each token
+            assert a.from_llm == b.from_llm and math.isclose(a.logprob, b.logprob, abs_tol=2e-3)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    assert len(got.get(1, [])) < len(alone[1])  # cancelled after two steps
+    assert max(live) > 2  # rows waiting for the LLM left the SLM's batch to admitted ones
+
+
+def test_a_second_live_session_decodes_on_contexts_of_its_own(answering_pair, gguf_cache):
+    p = answering_pair
+    eng = _engine(p, RandomRouter(0.3, seed=4), gguf_cache)
+    prompts = _prompts(p.tok, 4)
+    want = eng.generate_batch(prompts, 10).tokens
+    first, second = eng.session(), eng.session()
+    assert second.slm is not first.slm and second.slm._model is first.slm._model  # the weights loaded once
+    keys = [(first, first.add(q, 10, row_id=i)) if i % 2 == 0 else (second, second.add(q, 10, row_id=i))
+            for i, q in enumerate(prompts)]  # fmt: skip
+    out: dict[tuple[int, int], list[int]] = {}
+    while first.busy or second.busy:
+        for sess in (first, second):
+            for em in sess.step():
+                out.setdefault((id(sess), em.key), []).append(em.token)
+    assert [out[(id(s), k)] for s, k in keys] == want
+
+
 def test_more_rows_than_llama_cpp_has_sequence_ids_take_turns(answering_pair, gguf_cache, monkeypatch):
-    import citer.decoding.llama_cpp_engine as lce
+    import citer.decoding.llama_cpp_routed as lcr
 
     p = answering_pair
     eng = _engine(p, RandomRouter(0.3, seed=4), gguf_cache)
     prompts = _prompts(p.tok)
     want = eng.generate_batch(prompts, 8).tokens
     monkeypatch.setattr(
-        lce, "MAX_SEQUENCES", 3
+        lcr, "MAX_SEQUENCES", 3
     )  # llama.cpp's own is 256: the sweep's 300 rows then take turns
     assert eng.generate_batch(prompts, 8).tokens == want and eng.slm.rows >= 3
 
@@ -102,16 +175,6 @@ def test_engine_refuses_what_it_cannot_run(answering_pair, gguf_cache):
         eng.generate_batch([[5, 6]], 4, drafts=[[7]])
     with pytest.raises(EngineInputError, match="max_new_tokens must be an integer"):
         eng.generate_batch([[5, 6]], 0)
-
-
-def test_params_choose_the_runner_and_refuse_torch_only_options():
-    assert EngineParams().runner == "torch"
-    assert EngineParams(runner="llama_cpp", llama_cpp_type="Q4_K_M").runner_name() == "llama_cpp:Q4_K_M"
-    assert EngineParams(llama_cpp_type="Q4_0").runner_name() == "torch"  # the type matters only to llama_cpp
-    with pytest.raises(ValueError, match="llama_cpp runs no llm_min_rows"):
-        EngineParams(runner="llama_cpp", llm_min_rows=4)
-    with pytest.raises(ValueError, match="llama_cpp_type"):
-        EngineParams(runner="llama_cpp", llama_cpp_type="q4_0")
 
 
 def test_route_engine_builds_the_runner_the_params_name(answering_pair, gguf_cache):

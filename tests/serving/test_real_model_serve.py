@@ -4,8 +4,10 @@ loads it (:func:`citer.serving.champion.load_champion`: both models through ``lo
 socket, and the official ``openai`` client asking it questions through the model's own chat template.
 
 The SLM and LLM are the same file, so whichever the router picks the text is the model's greedy answer: the served
-text is checked against the engine alone. Skips in one line without the wheel, fails with ``CI=true``. Two model
-loads (about 40 s on 2 cores) and a few short answers.
+text is checked against the engine alone. Once per runner: ``engine.runner: torch``, and ``llama_cpp`` (the pair
+converted to F32 GGUF files on llama.cpp, a router registered with its runner; skips in one line without
+llama-cpp-python). Skips in one line without the wheel, fails with ``CI=true``. Two model loads per runner (about 40 s
+on 2 cores) and a few short answers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from live import serving
 
 from citer.decoding.baselines import AlwaysSLM
 from citer.decoding.engine import RoutedEngine
+from citer.decoding.llama_cpp_runner import missing
 
 pytestmark = pytest.mark.slow  # two loads of a real model, ~65 s on 2 cores
 
@@ -30,10 +33,18 @@ MAX_NEW = 20
 QUESTION = "What is the capital of France?"
 
 
+@pytest.fixture(scope="module", params=["torch", "llama_cpp"])
+def runner(request) -> str:
+    if request.param == "llama_cpp" and (why := missing()) is not None:
+        pytest.skip(why)
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def project(own_store, tmp_path_factory) -> Path:
+def project(own_store, runner, tmp_path_factory) -> Path:
     """A project as a user of GGUF files sets one up: the file under models/, params naming it as both models
-    (finetuning off), and a router for it registered in the project's store holding the champion alias."""
+    (finetuning off) and the runner, and a router for it registered in the project's store holding the champion
+    alias, chosen on that runner."""
     import mlflow
 
     from citer.project import load_project
@@ -51,6 +62,8 @@ def project(own_store, tmp_path_factory) -> Path:
     params["finetune"]["enabled"] = False
     params["bootstrap"]["enabled"] = False
     params["serve"] |= {"model_name": MODEL, "max_new_tokens": MAX_NEW}
+    if runner == "llama_cpp":
+        params["engine"] |= {"runner": "llama_cpp", "llama_cpp_type": "F32"}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     proj = load_project("params.yaml", root=root)
 
@@ -58,13 +71,13 @@ def project(own_store, tmp_path_factory) -> Path:
     meta = {"slm": ref, "llm": ref, "iteration": 2} | pair_digests(root / ref, root / ref)
     router_dir = save_router(MLPRouter(576).eval(), proj.router_dir(2), meta)  # SmolLM2-135M's hidden size
     client = mlflow.MlflowClient(tracking_uri=proj.tracking_uri)
-    exp = client.create_experiment("serve", artifact_location=(root / "mlartifacts").as_uri())
+    exp = client.create_experiment(f"serve-{runner}", artifact_location=(root / "mlartifacts").as_uri())
     publish_router(
         router_dir,
         model_name=proj.params.registry.model_name,
         alias=proj.params.registry.alias,
         run_id=client.create_run(exp).info.run_id,
-        tags={"slm": ref, "llm": ref, "tau": 0.5},
+        tags={"slm": ref, "llm": ref, "tau": 0.5, "runner": proj.params.engine.runner_name()},
         promote=True,
         tracking_uri=proj.tracking_uri,
     )
@@ -117,15 +130,22 @@ def _alone(champion, question: str) -> str:
     ids = tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
     )
-    engine = RoutedEngine(champion.engine.slm, None, AlwaysSLM(), eos_token_id=tok.eos_token_id)
+    if champion.engine.runner == "llama_cpp":
+        from citer.decoding.llama_cpp_engine import LlamaCppEngine
+
+        engine = LlamaCppEngine(champion.engine.slm.path, None, AlwaysSLM(), eos_token_id=tok.eos_token_id)
+    else:
+        engine = RoutedEngine(champion.engine.slm, None, AlwaysSLM(), eos_token_id=tok.eos_token_id)
     out = engine.generate_batch([list(ids)], MAX_NEW).tokens[0]
     return tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True)
 
 
-def test_the_champion_is_the_gguf_pair(champion):
+def test_the_champion_is_the_gguf_pair_on_the_params_runner(champion, runner):
     info = champion.info
     assert info["slm"].endswith(".gguf") and info["llm"].endswith(".gguf")
-    assert type(champion.engine.slm).__name__ == "LlamaForCausalLM" and champion.engine.tau == 0.5
+    assert champion.engine.runner == runner and champion.engine.tau == 0.5
+    held = {"torch": "LlamaForCausalLM", "llama_cpp": "LlamaCppModel"}[runner]
+    assert type(champion.engine.slm).__name__ == held
 
 
 def test_models_lists_the_served_model_with_its_own_chat_template(client, champion):
@@ -168,3 +188,26 @@ def test_completion_of_the_templated_prompt_equals_the_chat(client, champion):
     )
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
     assert r.choices[0].text == _alone(champion, QUESTION)
+
+
+def test_concurrent_requests_share_the_batch_and_answer_as_alone(client, champion):
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [QUESTION, "Name one planet of the solar system.", "What colour is the sky?"]
+
+    def ask(q: str) -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=MAX_NEW, temperature=0
+        )
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        got = list(pool.map(ask, questions))
+    assert got == [_alone(champion, q) for q in questions]
+
+
+def test_echo_scoring_is_refused_in_one_line_where_the_runner_cannot_score(client, runner):
+    if runner == "torch":
+        pytest.skip("the torch runner scores prompts (tests/serving/test_openai_features.py)")
+    with pytest.raises(openai.BadRequestError, match="engine.runner llama_cpp does not run"):
+        client.completions.create(model=MODEL, prompt="The capital", max_tokens=1, echo=True, logprobs=1)
