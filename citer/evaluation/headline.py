@@ -363,33 +363,38 @@ def roofline_block(reports: Path) -> Block:
     return out + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
 
 
-def llama_cpp_routed_block(reports: Path) -> Block:
-    """bench/llama_cpp_routed.py: routed pairs on llama.cpp's kernels at each precision, against the fastest LLM-only
-    decoder of the run at any precision, with routing's ceiling beside."""
-    r = _load(reports, "bench_cpu_llama_cpp_routed.json")
+def llama_cpp_routed_block(reports: Path, name: str = "bench_cpu_llama_cpp_routed.json") -> Block:
+    """bench/llama_cpp_routed.py (one report per CPU kind): routed pairs on llama.cpp's kernels at each precision,
+    calling the LLM at once and with the params' shared calls, against the fastest LLM-only decoder of the run at any
+    precision, with routing's ceiling beside."""
+    r = _load(reports, name)
     best = {
         b: max(x["llm_only_tok_s"] for x in r["rows"] if x["batch"] == b)
         for b in {x["batch"] for x in r["rows"]}
     }
+    shared = {x["batch"]: x.get("routed_shared_tok_s") for x in r["rows"]}
     rows = [[str(x["batch"]), x["precision"], f"{x['llm_only_tok_s']:.1f}", f"{x['slm_only_tok_s']:.0f}",
              f"{x['routed_tok_s']:.1f}", f"{x['routed_over_own_llm']:.2f}×", f"{x['ceiling_over_own_llm']:.2f}×",
-             f"{x['routed_tok_s'] / best[x['batch']]:.2f}×", f"{x['routed_over_ideal']:.2f}",
-             f"{x['llm_prompt_tok_s']:.0f}"] for x in r["rows"]]  # fmt: skip
+             f"{x['routed_tok_s'] / best[x['batch']]:.2f}×",
+             f"{x['routed_shared_tok_s'] / best[x['batch']]:.2f}×" if "routed_shared_tok_s" in x else "–",
+             f"{x['routed_over_ideal']:.2f}", f"{x['llm_prompt_tok_s']:.0f}"] for x in r["rows"]]  # fmt: skip
     head = ["batch", "SLM + LLM precision", "LLM alone tok/s", "SLM alone tok/s", "routed tok/s",
-            "routed ÷ its LLM alone", "ceiling ÷ its LLM alone", "routed ÷ best LLM-only", "routed ÷ step-time ideal",
-            "LLM prompt tok/s"]  # fmt: skip
+            "routed ÷ its LLM alone", "ceiling ÷ its LLM alone", "routed ÷ best LLM-only",
+            "shared calls ÷ best LLM-only", "routed ÷ step-time ideal", "LLM prompt tok/s"]  # fmt: skip
+    if not any(shared.values()):  # reports from before shared calls ran on llama.cpp
+        head, rows = head[:8] + head[9:], [x[:8] + x[9:] for x in rows]
     s, d = r["settings"], r["device"]
     # a pair's ceiling over its own LLM alone, rescaled to the batch's fastest LLM-only decoder
     ceil = {b: max(x["ceiling_over_own_llm"] * x["llm_only_tok_s"] / best[b] for x in r["rows"] if x["batch"] == b)
             for b in best}  # fmt: skip
     bests = "; ".join(f"batch {b}: {r['ratios'][f'b{b}_best_llm_only']}, routing's ceiling over it {ceil[b]:.2f}×"
                       for b in sorted(best))  # fmt: skip
+    rule = f"; shared calls: {s['shared_call_rule']}" if "shared_call_rule" in s else ""
     note = (f"SmolLM2 shapes ({s['pair']}), prompt {s['prompt_len']}, {s['new_tokens']} new tokens, f = {s['f']}, "
-            f"median of {s['reps']}; {d['cpu']}, {d['threads']} threads, llama-cpp-python {r['llama_cpp_python']}; "
-            f"other processes' share of the cores {r['others_cpu_share']}; best LLM-only: {bests}")  # fmt: skip
-    return table(head, rows) + f"\n\nFrom `reports/bench_cpu_llama_cpp_routed.json` ({note}).", [
-        "bench_cpu_llama_cpp_routed.json"
-    ]
+            f"median of {s['reps']}{rule}; {d['cpu']}, {d['threads']} threads, llama-cpp-python "
+            f"{r['llama_cpp_python']}; other processes' share of the cores {r['others_cpu_share']}; best LLM-only: "
+            f"{bests}")  # fmt: skip
+    return table(head, rows) + f"\n\nFrom `reports/{name}` ({note}).", [name]
 
 
 def real_model_agreement_block(reports: Path) -> Block:
@@ -470,6 +475,9 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
     "roofline": roofline_block,
     "llama_cpp_routed": llama_cpp_routed_block,
+    "llama_cpp_routed_xeon": lambda reports: llama_cpp_routed_block(
+        reports, "bench_cpu_llama_cpp_routed_xeon.json"
+    ),
     "real_model_agreement": real_model_agreement_block,
     "precision_sweep": precision_sweep_block,
 }
