@@ -32,10 +32,13 @@ def test_the_report_holds_its_ratios_by_their_definitions(tmp_path):
         assert r["ceiling_over_own_llm"] == pytest.approx(r["llm_only_s"] / floor)
         assert r["routed_over_own_llm"] == pytest.approx(r["llm_only_s"] / r["routed_s"])
         assert r["routed_over_ideal"] == pytest.approx(r["routed_s"] / (r["slm_only_s"] + r["routed_llm_s"]))
+    # batch > 1 also runs the params' shared calls (the same tokens: the bench asserts it)
+    assert all(("routed_shared_tok_s" in r) == (r["batch"] > 1) for r in rows)
+    assert "FixedRule" in rep["settings"]["shared_call_rule"] or "MeasuredRule" in rep["settings"]["shared_call_rule"]
     for b in (1, 2):
         at = [r for r in rows if r["batch"] == b]
         best = max(r["llm_only_tok_s"] for r in at)
-        top = max(r["routed_tok_s"] for r in at)
+        top = max(max(r["routed_tok_s"], r.get("routed_shared_tok_s", 0.0)) for r in at)
         assert rep["ratios"][f"b{b}_best_routed_over_best_llm_only"] == pytest.approx(top / best)
         assert rep["ratios"][f"b{b}_ceiling_over_best_llm_only"] == pytest.approx(bench.ceiling_over_best(at))
     assert rep["device"]["vector"] and rep["files"]["q8_0"]["llm"]["tensor_types"].get("Q8_0")
