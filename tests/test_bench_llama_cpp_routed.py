@@ -34,7 +34,10 @@ def test_the_report_holds_its_ratios_by_their_definitions(tmp_path):
         assert r["routed_over_ideal"] == pytest.approx(r["routed_s"] / (r["slm_only_s"] + r["routed_llm_s"]))
     # batch > 1 also runs the params' shared calls (the same tokens: the bench asserts it)
     assert all(("routed_shared_tok_s" in r) == (r["batch"] > 1) for r in rows)
-    assert "FixedRule" in rep["settings"]["shared_call_rule"] or "MeasuredRule" in rep["settings"]["shared_call_rule"]
+    assert (
+        "FixedRule" in rep["settings"]["shared_call_rule"]
+        or "MeasuredRule" in rep["settings"]["shared_call_rule"]
+    )
     for b in (1, 2):
         at = [r for r in rows if r["batch"] == b]
         best = max(r["llm_only_tok_s"] for r in at)

@@ -35,9 +35,11 @@ from citer.decoding.call_rule import CallRule, StepTimes, call_rule
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
 from citer.decoding.kv_pool import KVPool
+from citer.decoding.padding import right_padded
 from citer.decoding.pairing import (
     PairingError,
     check_full_attention,
+    input_device,
     model_label,
     shared_vocab_size,
 )
@@ -255,6 +257,20 @@ class RoutedEngine:
         """The hard flags (b,) bool for hidden (b, H): the rows whose next token the LLM writes
         (:func:`~citer.decoding.decide.route`); ``row_ids``/``steps`` (b,) on the CPU key a random router."""
         return route(self.router, self._router_ctx, self.tau, hidden, row_ids, steps)
+
+    def positions(
+        self, which: str, seqs: Sequence[Sequence[int]], rows: list[int], pos: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced: one causal pass of model ``which`` ("slm" | "llm") over ``seqs``; its logits (n, V) and
+        hidden states (n, H) at the pairs (``rows[i]``, ``pos[i]``). Right padding needs no mask: a causal model's
+        position never sees the pads after it. Eager, whatever the engine's runners compile: a pass over whole texts
+        is one call of a shape no step repeats."""
+        model = self.slm if which == "slm" else self.llm
+        assert model is not None, which
+        ids, _ = right_padded(seqs, 0)
+        dev = input_device(model)
+        pick = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev))
+        return ModelRunner(model).forward(ids.to(dev), last_index=pick)
 
     def session(
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0

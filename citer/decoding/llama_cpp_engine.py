@@ -6,22 +6,28 @@ quantizes the pipeline's own); the decoding is :class:`~citer.decoding.llama_cpp
 rows sharing LLM calls by the engine's call rule as the torch engine's do. Costs are metered like the torch
 engine's, at the files' own bytes (a 4-bit file reads a quarter of the bf16 weights) and llama.cpp's F16 KV cache.
 
-Not here (the torch engine's): verified routing, drafts, the LLM's prefill at admission, compiled forwards.
+Teacher-forced scoring (:mod:`citer.decoding.scoring`: echo log-probs, harness log-likelihoods) reads
+:meth:`LlamaCppEngine.positions` on contexts of its own. Not here (the torch engine's): verified routing, drafts, the
+LLM's prefill at admission, compiled forwards.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
-from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes
+import torch
+
+from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
 from citer.decoding.call_rule import StepTimes, call_rule
 from citer.decoding.cost import CostMeter
+from citer.decoding.decide import route
 from citer.decoding.engine import GenerationResult
-from citer.decoding.llama_cpp_routed import LlamaCppSession
+from citer.decoding.llama_cpp_routed import MAX_SEQUENCES, LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.rows import EngineInputError, check_prompts, check_sampling
 
@@ -70,11 +76,53 @@ class LlamaCppEngine:
         self.cost_slm = self.slm.cost().plus(self.router_bytes)
         self.cost_llm = self.llm.cost() if self.llm is not None else None
         self._lease: weakref.ref[LlamaCppSession] | None = None
+        self._scoring: dict[str, LlamaCppModel] = {}  # a context per model for teacher-forced passes
 
     def close(self) -> None:
-        for m in (self.slm, self.llm):
+        for m in (*self._scoring.values(), self.slm, self.llm):
             if m is not None:
                 m.close()
+
+    def check_prompts(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, row_ids: Sequence[int] | None
+    ) -> None:
+        """Raise :class:`EngineInputError` for prompts or a budget these models cannot take."""
+        models = [self.slm] if self.llm is None else [self.slm, self.llm]
+        check_prompts(prompts, max_new_tokens, row_ids, self.vocab_size,
+                      [(n, m.max_positions) for n, m in zip(("slm", "llm"), models, strict=False)])  # fmt: skip
+
+    def route(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """The hard flags (b,) for hidden (b, H): the rows whose next token the LLM writes."""
+        return route(self.router, wants_row_ids(self.router), self.tau, hidden, row_ids, steps)
+
+    def positions(
+        self, which: str, seqs: Sequence[Sequence[int]], rows: list[int], pos: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced: model ``which`` ("slm" | "llm") reads each of ``seqs`` whole; its logits (n, V) and hidden
+        states (n, H; None for the LLM) at the pairs (``rows[i]``, ``pos[i]``), on a context of its own (a live
+        session's rows untouched), :data:`MAX_SEQUENCES` texts a decode."""
+        model = self.slm if which == "slm" else self.llm
+        assert model is not None, which
+        ctx = self._scoring.get(which)
+        if ctx is None:
+            ctx = self._scoring[which] = model.twin()
+        chunk = min(len(seqs), MAX_SEQUENCES)
+        ctx.fit(chunk, 1 << math.ceil(math.log2(max(len(q) for q in seqs))))
+        logits, hidden = [], []
+        order = sorted(range(len(rows)), key=lambda i: rows[i])  # by text, so each chunk's pairs are together
+        for lo in range(0, len(seqs), chunk):
+            part = [i for i in order if lo <= rows[i] < lo + chunk]
+            if not part:
+                continue
+            got = ctx.positions([list(q) for q in seqs[lo : lo + chunk]], [rows[i] - lo for i in part],
+                                [pos[i] for i in part])  # fmt: skip
+            logits.append((part, got[0]))
+            hidden.append((part, got[1]))
+        back = torch.tensor([i for part, _ in logits for i in part]).argsort()  # to the callers' order
+        out_l = torch.cat([t for _, t in logits]).index_select(0, back)
+        if any(h is None for _, h in hidden):
+            return out_l, None
+        return out_l, torch.cat([h for _, h in hidden]).index_select(0, back)
 
     def session(
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
@@ -113,9 +161,7 @@ class LlamaCppEngine:
         """Generate for every prompt through one :meth:`session`, ``max_rows`` (default all) bounding the SLM's
         batch, rows joining as others finish (at most 256 live: llama.cpp's sequence ids); ``row_ids`` (default
         0..n-1) key the random router and the sampler, as in the torch engine."""
-        models = [self.slm] if self.llm is None else [self.slm, self.llm]
-        check_prompts(prompts, max_new_tokens, row_ids, self.vocab_size,
-                      [(n, m.max_positions) for n, m in zip(("slm", "llm"), models, strict=False)])  # fmt: skip
+        self.check_prompts(prompts, max_new_tokens, row_ids)
         check_sampling(temperature, top_p)
         if drafts is not None and any(drafts):
             raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")

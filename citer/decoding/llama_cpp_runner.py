@@ -11,6 +11,7 @@ Shapes: R = rows fed in a call, V = the model's vocabulary, H = its hidden size.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,7 @@ class LlamaCppModel:
 
     def close(self) -> None:
         lc = _BACKEND.get("lc")
-        if lc is None:
+        if lc is None or lc.llama_free is None:  # None: the interpreter is shutting down, the library with it
             return
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
@@ -196,13 +197,41 @@ class LlamaCppModel:
     def feed(self, tokens: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``tokens[row]`` to each row in one decode; the logits (R, V) float32 after each row's last token
         and, with ``hidden``, its hidden state (R, H), rows in the order of ``tokens``."""
+        if any(not t for t in tokens.values()):
+            raise ValueError("feed: every row fed needs at least one token")
+        return self._decode(tokens, {row: [len(t) - 1] for row, t in tokens.items()})
+
+    def positions(
+        self, seqs: list[list[int]], rows: list[int], pos: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced: each of ``seqs`` read whole (the context emptied first, at most :attr:`rows` sequences of
+        :attr:`row_tokens`), the logits (n, V) and, with ``hidden``, the hidden states (n, H) at the n pairs
+        ``(seqs index rows[i], position pos[i])``, in that order; the context is left empty."""
+        self.reset()
+        want: dict[int, list[int]] = {}
+        for r, q in zip(rows, pos, strict=True):
+            want.setdefault(r, []).append(q)
+        flagged = {r: sorted(set(qs)) for r, qs in want.items()}
+        try:
+            logits, hidden = self._decode({r: list(seqs[r]) for r in flagged}, flagged)
+        finally:
+            self.reset()
+        at = {(r, q): k for k, (r, q) in enumerate((r, q) for r, qs in flagged.items() for q in qs)}
+        idx = torch.tensor([at[r, q] for r, q in zip(rows, pos, strict=True)], dtype=torch.long)
+        return logits.index_select(0, idx), None if hidden is None else hidden.index_select(0, idx)
+
+    def _decode(
+        self, tokens: dict[int, list[int]], out: dict[int, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``tokens[row]`` to each row in one decode, reading the logits (and hidden states) at the indices
+        ``out[row]`` of each row's new tokens, rows in the order of ``tokens``."""
         lc = _lib()
         n = sum(len(t) for t in tokens.values())
-        if n == 0 or any(not t for t in tokens.values()):
-            raise ValueError("feed: every row fed needs at least one token")
+        if n == 0:
+            raise ValueError("feed: no tokens to decode")
         b = self._batch_for(n)
         i = 0
-        last = []  # each row's last token's index in the batch
+        read = []  # the batch index of every token whose outputs are read
         for row, toks in tokens.items():
             start = self.lengths[row]
             if start + len(toks) > self.row_tokens:
@@ -210,11 +239,12 @@ class LlamaCppModel:
                     f"{self.path.name}: row {row} would hold {start + len(toks)} tokens, over the context's "
                     f"{self.row_tokens} per row"
                 )
+            wanted = set(out.get(row, ()))
             for j, t in enumerate(toks):
                 b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = t, start + j, 1, row
-                b.logits[i] = j == len(toks) - 1
+                b.logits[i] = j in wanted
                 i += 1
-            last.append(i - 1)
+            read += [i - len(toks) + j for j in out.get(row, ())]
         b.n_tokens = n
         rc = lc.llama_decode(self._ctx, b)
         if rc != 0:
@@ -223,12 +253,12 @@ class LlamaCppModel:
             self.lengths[row] += len(toks)
         # read by batch index: with embeddings on, llama.cpp may output more tokens than were flagged
         logits = torch.from_numpy(np.stack([
-            np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, j), shape=(self.vocab_size,)) for j in last
+            np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, j), shape=(self.vocab_size,)) for j in read
         ]))  # fmt: skip
         if not self.hidden:
             return logits, None
         hidden = torch.from_numpy(np.stack([
-            np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self._ctx, j), shape=(self.hidden_size,)) for j in last
+            np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self._ctx, j), shape=(self.hidden_size,)) for j in read
         ]))  # fmt: skip
         return logits, hidden
 
@@ -247,7 +277,15 @@ def gguf_type_counts(path: str | os.PathLike[str]) -> dict[str, int]:
 def gguf_cost(path: str | os.PathLike[str]) -> ModelCost:
     """What a decode call of the GGUF file's model reads, as the engine's meter counts it, from the file alone (no
     model loaded): its tensors but an untied input embedding (rows looked up), and the K and V of one token at
-    llama.cpp's default cache type (F16)."""
+    llama.cpp's default cache type (F16). Kept per file version: reading a GGUF's tensor table takes about a second
+    for a 1.7B model, longer than a short decode."""
+    p = Path(path).resolve()
+    st = p.stat()
+    return _gguf_cost(p, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_cost(path: Path, size: int, mtime_ns: int) -> ModelCost:
     import gguf
 
     reader = gguf.GGUFReader(str(path))

@@ -19,9 +19,7 @@ from typing import Any
 
 import torch
 
-from citer.decoding.padding import right_padded
-from citer.decoding.pairing import cut_logits, input_device
-from citer.decoding.runner import ModelRunner
+from citer.decoding.pairing import cut_logits
 from citer.decoding.session import EngineInputError
 
 
@@ -42,18 +40,6 @@ class TokenScores:
     @property
     def greedy(self) -> bool:
         return all(self.is_greedy)
-
-
-def _rows(
-    model: Any, seqs: Sequence[Sequence[int]], rows: list[int], pos: list[int], pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One causal pass of ``model`` over ``seqs``: (logits (n, V), hidden (n, H)) at the ``(rows[i], pos[i])`` pairs.
-
-    Right padding needs no mask: a causal model's position t never sees the pads after it."""
-    ids, _ = right_padded(seqs, pad)
-    dev = input_device(model)
-    pick = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev))
-    return ModelRunner(model).forward(ids.to(dev), last_index=pick)
 
 
 def _score_with(
@@ -101,8 +87,7 @@ def routed_loglikelihood_batch(
         k for _, c in items for k in range(len(c))
     ]  # the step at which generation would choose the token
     targets = [seqs[r][q + 1] for r, q in zip(rows, pos, strict=True)]
-    pad = targets[0]  # never read: pads sit after every scored position
-    slm_logits, hidden = _rows(engine.slm, seqs, rows, pos, pad)
+    slm_logits, hidden = engine.positions("slm", seqs, rows, pos)
     to_llm = engine.route(
         hidden, torch.tensor([ids[r] for r in rows], dtype=torch.long), torch.tensor(steps, dtype=torch.long)
     ).cpu()
@@ -114,12 +99,8 @@ def routed_loglikelihood_batch(
         need = sorted({rows[i] for i in at})
         local = {r: j for j, r in enumerate(need)}
         last = {r: max(pos[i] for i in at if rows[i] == r) for r in need}
-        llm_logits, _ = _rows(
-            engine.llm,
-            [seqs[r][: last[r] + 1] for r in need],
-            [local[rows[i]] for i in at],
-            [pos[i] for i in at],
-            pad,
+        llm_logits, _ = engine.positions(
+            "llm", [seqs[r][: last[r] + 1] for r in need], [local[rows[i]] for i in at], [pos[i] for i in at]
         )
         l_lp, l_greedy, l_top = _score_with(llm_logits, [targets[i] for i in at], engine.vocab_size, top_k)
         for j, i in enumerate(at):

@@ -170,13 +170,6 @@ class _Server:
     async def score(self, items: list[tuple[list[int], list[int]]], top_k: int) -> list[Any]:
         """The routed teacher-forced scores of ``(prompt, continuation)`` id pairs
         (:func:`~citer.decoding.scoring.routed_loglikelihood_batch`), run by the engine thread between steps."""
-        runner = getattr(self.engine, "runner", "torch")
-        if runner != "torch":
-            raise RequestError(
-                f"echo with logprobs scores the prompt teacher-forced, which engine.runner {runner} does not run "
-                "(runner: torch does)",
-                param="echo",
-            )
         s = Sampling(1, 0.0, 1.0, 0, (), False, 1, top_k)
         job = self._submit([], s, score=items)
         try:

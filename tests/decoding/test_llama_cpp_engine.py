@@ -139,6 +139,44 @@ def test_a_second_live_session_decodes_on_contexts_of_its_own(answering_pair, gg
     assert [out[(id(s), k)] for s, k in keys] == want
 
 
+def test_teacher_forced_scores_are_the_torch_engines(answering_pair, gguf_cache, monkeypatch):
+    import citer.decoding.llama_cpp_engine as lce
+    from citer.decoding.scoring import routed_loglikelihood_batch
+
+    p = answering_pair
+    router = RandomRouter(0.4, seed=4)
+    prompts = _prompts(p.tok, 5)
+    items = [(q[: len(q) // 2], q[len(q) // 2 :]) for q in prompts]
+    want = routed_loglikelihood_batch(RoutedEngine(p.slm, p.llm, router, 0.5, vocab_size=len(p.tok)), items,
+                                      top_k=2)  # fmt: skip
+    eng = _engine(p, router, gguf_cache)
+    sess = eng.session()  # a live session's rows stay as they are: scoring reads contexts of its own
+    key = sess.add(prompts[0], 6, row_id=7)
+    sess.step()
+    monkeypatch.setattr(lce, "MAX_SEQUENCES", 2)  # five texts in three decodes
+    got = routed_loglikelihood_batch(eng, items, top_k=2)
+    for g, w in zip(got, want, strict=True):
+        assert g.from_llm == w.from_llm
+        assert g.is_greedy == w.is_greedy
+        assert g.logprobs == pytest.approx(w.logprobs, abs=2e-3)
+        assert [[t for t, _ in x] for x in g.top] == [[t for t, _ in x] for x in w.top]
+    # any pairs, in any order, across chunks: what the torch engine's pass gives there
+    rows, pos = [4, 0, 2, 0, 3, 1], [1, 2, 0, 0, 2, 1]
+    for which in ("slm", "llm"):
+        lg, hd = eng.positions(which, prompts, rows, pos)
+        tl, th = RoutedEngine(p.slm, p.llm, router, 0.5, vocab_size=len(p.tok)).positions(
+            which, prompts, rows, pos
+        )
+        # float32 both, summed in other orders: within 1e-2 (a position or text off by one differs by ~1)
+        assert torch.allclose(lg, tl.detach(), atol=1e-2) and (hd is None) == (which == "llm")
+        assert hd is None or torch.allclose(hd, th.detach(), atol=1e-2)
+    flags = [f for w in want for f in w.from_llm]
+    assert any(flags) and not all(flags)  # both models scored some tokens
+    while sess.busy:
+        sess.step()
+    assert sess.stats(key).new_tokens == 6
+
+
 def test_more_rows_than_llama_cpp_has_sequence_ids_take_turns(answering_pair, gguf_cache, monkeypatch):
     import citer.decoding.llama_cpp_routed as lcr
 

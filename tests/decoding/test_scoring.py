@@ -109,19 +109,20 @@ def test_one_model_routers_score_with_that_model_alone(pair):
 
 
 def test_a_batch_is_one_slm_pass_and_one_llm_pass_cut_after_its_last_llm_position(pair, monkeypatch):
-    from citer.decoding import scoring
 
     slm, llm = pair
     eng = RoutedEngine(slm, llm, spread_router(slm.config.hidden_size), tau=0.5)
     items = [(p, [3, 4, 5, 6, 7]) for p in PROMPTS]
     calls: dict[str, list[tuple[int, ...]]] = {"slm": [], "llm": []}
-    real = scoring.ModelRunner.forward
+    from citer.decoding.runner import ModelRunner
+
+    real = ModelRunner.forward
 
     def counted(runner, ids, *args, **kw):  # the real forward, each call's shape noted
         calls["slm" if runner.model is slm else "llm"].append(tuple(ids.shape))
         return real(runner, ids, *args, **kw)
 
-    monkeypatch.setattr(scoring.ModelRunner, "forward", counted)
+    monkeypatch.setattr(ModelRunner, "forward", counted)
     batch = routed_loglikelihood_batch(eng, items, top_k=1)
     assert calls["slm"] == [(len(items), max(len(p) + len(c) for p, c in items))]
     assert len(calls["llm"]) == 1

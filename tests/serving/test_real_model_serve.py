@@ -206,8 +206,10 @@ def test_concurrent_requests_share_the_batch_and_answer_as_alone(client, champio
     assert got == [_alone(champion, q) for q in questions]
 
 
-def test_echo_scoring_is_refused_in_one_line_where_the_runner_cannot_score(client, runner):
-    if runner == "torch":
-        pytest.skip("the torch runner scores prompts (tests/serving/test_openai_features.py)")
-    with pytest.raises(openai.BadRequestError, match="engine.runner llama_cpp does not run"):
-        client.completions.create(model=MODEL, prompt="The capital", max_tokens=1, echo=True, logprobs=1)
+def test_echo_scores_the_prompt_on_the_params_runner(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, echo=True,
+                                  logprobs=1, temperature=0)  # fmt: skip
+    lp = r.choices[0].logprobs
+    # every token but the first scored teacher-forced, then the one generated
+    assert lp.token_logprobs[0] is None and all(x <= 0.0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == len(lp.token_logprobs) >= 5
