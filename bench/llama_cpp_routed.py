@@ -11,7 +11,10 @@ defaults but for sizes and threads):
 - ``routed``: both at that precision (``routed_generate``), a random router sending a fraction ``f`` of the tokens to
   the LLM (the SLM's hidden states read, the LLM catching up on the rows sent, in one call per step);
 - ``routed_shared`` (batch > 1): the same with params.yaml's ``engine:`` call rule, as ``citer route`` runs it: a
-  routed row leaves the SLM's batch and waits for others to share the LLM's call;
+  routed row leaves the SLM's batch and waits for others to share the LLM's call. Its ``routed_shared_agreement``
+  is the share of its tokens equal to the at-once run's, position by position: sharing a call moves when a token
+  arrives, never which, but llama.cpp's kernels are not batch-invariant (a decode of other rows and sizes may take
+  another kernel, summing in another order), and random weights make near-ties everywhere, so a flip can happen;
 - ``ideal_s``: ``slm_only`` + the seconds the routed run spent in the LLM: routing's step-time ideal (SLM step + f x
   catch-up), against which ``routed`` shows the glue's cost.
 
@@ -124,9 +127,15 @@ def measure_batch(files: dict[str, dict[str, Path]], batch: int, prompts: list[l
                 shared_s, shared_walls, srun = timed(
                     partial(routed_generate, slms[sp], llms[lp], prompts, router, 0.5, new, rule=rule), reps
                 )
-                assert srun.tokens == run.tokens  # sharing calls moves when tokens arrive, never which
+                same = sum(
+                    x == y
+                    for a, b in zip(srun.tokens, run.tokens, strict=True)
+                    for x, y in zip(a, b, strict=True)
+                )
                 shared = {"routed_shared_s": shared_s, "routed_shared_walls": shared_walls,
-                          "routed_shared_tok_s": tokens / shared_s, "routed_shared_llm_calls": srun.llm_calls}  # fmt: skip
+                          "routed_shared_tok_s": tokens / shared_s, "routed_shared_llm_calls": srun.llm_calls,
+                          "routed_shared_llm_fraction": srun.llm_fraction,
+                          "routed_shared_agreement": same / max(1, sum(map(len, run.tokens)))}  # fmt: skip
             a, s = alone[lp], alone[sp]
             floor = s["slm_only_s"] + run.llm_tokens_read / a["llm_prompt_tok_s"]
             rows.append({

@@ -32,8 +32,9 @@ def test_the_report_holds_its_ratios_by_their_definitions(tmp_path):
         assert r["ceiling_over_own_llm"] == pytest.approx(r["llm_only_s"] / floor)
         assert r["routed_over_own_llm"] == pytest.approx(r["llm_only_s"] / r["routed_s"])
         assert r["routed_over_ideal"] == pytest.approx(r["routed_s"] / (r["slm_only_s"] + r["routed_llm_s"]))
-    # batch > 1 also runs the params' shared calls (the same tokens: the bench asserts it)
+    # batch > 1 also runs the params' shared calls, their tokens' agreement with calling at once beside
     assert all(("routed_shared_tok_s" in r) == (r["batch"] > 1) for r in rows)
+    assert all(0.0 < r["routed_shared_agreement"] <= 1.0 for r in rows if r["batch"] > 1)
     assert (
         "FixedRule" in rep["settings"]["shared_call_rule"]
         or "MeasuredRule" in rep["settings"]["shared_call_rule"]

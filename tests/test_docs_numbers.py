@@ -48,6 +48,11 @@ def test_rewrite_fills_blocks_and_refuses_unknown_ones(tmp_path):
     rows = json.loads((reports / "sweep.json").read_text())
     llm = next(r for r in rows if r["method"] == "llm")
     assert f"| llm | – | {llm['accuracy']:.3f}" in body and doc.read_text().endswith("end\n")
+    # a per-CPU report renders under its own block name
+    shutil.copy(reports / "bench_cpu_llama_cpp_routed.json", reports / "bench_cpu_llama_cpp_routed_zen9.json")
+    doc.write_text("<!-- citer:llama_cpp_routed_zen9 -->\nx\n<!-- /citer:llama_cpp_routed_zen9 -->\n")
+    assert rewrite(doc, reports) == ["llama_cpp_routed_zen9"]
+    assert "From `reports/bench_cpu_llama_cpp_routed_zen9.json`" in doc.read_text()
     doc.write_text("<!-- citer:nope -->\nx\n<!-- /citer:nope -->\n")
     with pytest.raises(ValueError, match="unknown citer blocks"):
         rewrite(doc, reports)

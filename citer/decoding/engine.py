@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -307,28 +308,42 @@ class RoutedEngine:
         t0 = time.perf_counter()
         sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
         sess.reserve(max(len(p) for p in prompts) + max_new_tokens)
-        ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
-        if drafts is not None and len(drafts) != len(prompts):
-            raise EngineInputError(f"drafts: need {len(prompts)} lists, got {len(drafts)}")
-        keys = [
-            sess.add(p, max_new_tokens, row_id=r, draft=drafts[i] if drafts is not None else ())
-            for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
-        ]
-        out_tok: dict[int, list[int]] = {k: [] for k in keys}
-        out_llm: dict[int, list[bool]] = {k: [] for k in keys}
-        out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}
-        while sess.busy:
-            for em in sess.step():
-                if em.replaced:
-                    out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
-                out_tok[em.key].append(em.token)
-                out_llm[em.key].append(em.from_llm)
-        sess.closed = True  # the engine's pools are free for the next call
-        rows, batch = sess.meter.finish(time.perf_counter() - t0)
-        return GenerationResult(
-            tokens=[out_tok[k] for k in keys],
-            from_llm=[out_llm[k] for k in keys],
-            rows=rows,
-            batch=batch,
-            replaced=[out_rep[k] for k in keys],
-        )
+        return decode_all(sess, prompts, max_new_tokens, row_ids, drafts, t0)
+
+
+def decode_all(
+    sess: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    row_ids: Sequence[int] | None,
+    drafts: Sequence[Sequence[int]] | None,
+    t0: float,
+) -> GenerationResult:
+    """Add every prompt to a session (either runner's: ``add``, ``step``, ``busy``, ``meter``), step it until every
+    row is done, and gather each row's tokens, which model wrote them and what verification took back; ``t0``: when
+    the call began (the batch's wall seconds)."""
+    ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+    if drafts is not None and len(drafts) != len(prompts):
+        raise EngineInputError(f"drafts: need {len(prompts)} lists, got {len(drafts)}")
+    keys = [
+        sess.add(p, max_new_tokens, row_id=r, draft=drafts[i] if drafts is not None else ())
+        for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
+    ]
+    out_tok: dict[int, list[int]] = {k: [] for k in keys}
+    out_llm: dict[int, list[bool]] = {k: [] for k in keys}
+    out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}
+    while sess.busy:
+        for em in sess.step():
+            if em.replaced:
+                out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
+            out_tok[em.key].append(em.token)
+            out_llm[em.key].append(em.from_llm)
+    sess.closed = True  # the engine's pools (or contexts) are free for the next call
+    rows, batch = sess.meter.finish(time.perf_counter() - t0)
+    return GenerationResult(
+        tokens=[out_tok[k] for k in keys],
+        from_llm=[out_llm[k] for k in keys],
+        rows=rows,
+        batch=batch,
+        replaced=[out_rep[k] for k in keys],
+    )

@@ -7,8 +7,8 @@ rows sharing LLM calls by the engine's call rule as the torch engine's do. Costs
 engine's, at the files' own bytes (a 4-bit file reads a quarter of the bf16 weights) and llama.cpp's F16 KV cache.
 
 Teacher-forced scoring (:mod:`citer.decoding.scoring`: echo log-probs, harness log-likelihoods) reads
-:meth:`LlamaCppEngine.positions` on contexts of its own. Not here (the torch engine's): verified routing, drafts, the
-LLM's prefill at admission, compiled forwards.
+:meth:`LlamaCppEngine.positions` on contexts of its own. Verified routing and drafts run as in the torch engine
+(``verify_*``). Not here (the torch engine's): the LLM's prefill at admission, compiled forwards.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants
 from citer.decoding.call_rule import StepTimes, call_rule
 from citer.decoding.cost import CostMeter
 from citer.decoding.decide import route
-from citer.decoding.engine import GenerationResult
+from citer.decoding.engine import GenerationResult, decode_all
 from citer.decoding.llama_cpp_routed import MAX_SEQUENCES, LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.rows import EngineInputError, check_prompts, check_sampling
+from citer.decoding.verify import Verification, VerificationError
 
 
 class LlamaCppEngine:
@@ -54,6 +55,9 @@ class LlamaCppEngine:
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
         llm_schedule: str = "fixed",
+        verify_rho: float = math.inf,
+        verify_window: int = 0,
+        verify_final: bool = False,
     ) -> None:
         if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
             raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
@@ -64,6 +68,12 @@ class LlamaCppEngine:
             self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         except ValueError as err:  # the engine's own input error, as every bad argument
             raise EngineInputError(str(err)) from None
+        try:
+            self.verify = Verification(verify_rho, verify_window, verify_final)
+        except VerificationError as err:
+            raise EngineInputError(str(err)) from None
+        if self.verify.on and llm is None:
+            raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [
             int(e) for e in eos_token_id
@@ -105,7 +115,7 @@ class LlamaCppEngine:
         assert model is not None, which
         ctx = self._scoring.get(which)
         if ctx is None:
-            ctx = self._scoring[which] = model.twin()
+            ctx = self._scoring[which] = model.twin(hidden=which == "slm")  # the SLM's even without a router
         chunk = min(len(seqs), MAX_SEQUENCES)
         ctx.fit(chunk, 1 << math.ceil(math.log2(max(len(q) for q in seqs))))
         logits, hidden = [], []
@@ -137,7 +147,7 @@ class LlamaCppEngine:
             slm, llm, self.router if llm is not None else None, self.tau,
             meter=CostMeter(self.cost_slm, self.cost_llm, 0, self.gpu), eos_ids=self.eos,
             vocab_size=self.vocab_size, rule=self.call_rule, times=self.times, max_rows=max_rows,
-            temperature=temperature, top_p=top_p, seed=seed,
+            temperature=temperature, top_p=top_p, seed=seed, verify=self.verify,
         )  # fmt: skip
         if not own:
             self._lease = weakref.ref(sess)
@@ -163,19 +173,6 @@ class LlamaCppEngine:
         0..n-1) key the random router and the sampler, as in the torch engine."""
         self.check_prompts(prompts, max_new_tokens, row_ids)
         check_sampling(temperature, top_p)
-        if drafts is not None and any(drafts):
-            raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")
-        sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
-        ids = range(len(prompts)) if row_ids is None else row_ids
-        keys = [sess.add(p, max_new_tokens, rid) for p, rid in zip(prompts, ids, strict=True)]
-        at = {k: i for i, k in enumerate(keys)}
-        tokens: list[list[int]] = [[] for _ in prompts]
-        from_llm: list[list[bool]] = [[] for _ in prompts]
         t0 = time.perf_counter()
-        while sess.busy:
-            for em in sess.step():
-                tokens[at[em.key]].append(em.token)
-                from_llm[at[em.key]].append(em.from_llm)
-        sess.closed = True
-        stats, batch = sess.meter.finish(time.perf_counter() - t0)
-        return GenerationResult(tokens, from_llm, stats, batch, [[] for _ in prompts])
+        sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
+        return decode_all(sess, prompts, max_new_tokens, row_ids, drafts, t0)

@@ -14,6 +14,10 @@ Each :meth:`LlamaCppSession.step`:
    row does not advance, so sharing a call changes when its token arrives, never which;
 4. every row that advanced emits its token; rows at EOS or their budget leave and free their sequence ids.
 
+With verification on (:mod:`citer.decoding.verify`) an LLM call reads the LLM's logits at every caught-up position,
+takes back a row's first rejected SLM token and what follows (both contexts forget them), and rows call the LLM to
+check (window, final); SLM tokens are held back until checked, as in the torch session, whose tokens these are.
+
 A row's random draws (router noise, sampling) are keyed on (row id, tokens written), as in the torch engine, so a
 router and τ chosen there decide the same way here and a row writes what it writes alone.
 :func:`routed_generate` decodes a list of prompts through a session; :func:`solo_generate` is one model alone.
@@ -37,7 +41,9 @@ from citer.decoding.choice import TopLogprobs, choose_token_tensor, token_logpro
 from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
+from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Emitted, EngineInputError, Row, check_sampling
+from citer.decoding.verify import Verification, first_cuts
 
 MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
 
@@ -81,6 +87,7 @@ class LlamaCppSession:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
+        verify: Verification = Verification(),
     ) -> None:
         if llm is not None and not slm.hidden:
             raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
@@ -96,7 +103,10 @@ class LlamaCppSession:
         self.eos = {int(e) for e in eos_ids}
         self.rule, self.times = rule, times if times is not None else StepTimes()
         self.max_rows, self.sampling = max_rows, (float(temperature), float(top_p), int(seed))
-        self.meter = meter
+        self.meter, self.verify = meter, verify
+        # This step's rows (by key) an LLM call checked (their tokens are final) and SLM tokens it took back.
+        self._checked: set[int] = set()
+        self._replaced: dict[int, list[int]] = {}
         self._takes_rows = router is not None and wants_row_ids(router)
         self.rows: list[Row] = []  # live rows, in admission order
         self.queue: deque[Row] = deque()  # added, admitted by a later step
@@ -124,15 +134,16 @@ class LlamaCppSession:
         draft: Sequence[int] = (),
     ) -> int:
         """Queue a row (checked now, admitted at a later step); returns its key. As
-        :meth:`~citer.decoding.session.DecodeSession.add`, but no ``draft``: llama.cpp runs no verified routing."""
-        if draft:
-            raise EngineInputError("drafts: the llama.cpp runner takes none (engine.runner: torch does)")
+        :meth:`~citer.decoding.session.DecodeSession.add` (``draft``: first new tokens given as the SLM's)."""
+        d = [int(t) for t in draft]
+        if d and len(d) >= max_new_tokens:
+            raise EngineInputError(f"draft: {len(d)} tokens leave nothing of max_new_tokens={max_new_tokens}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         seq = [int(t) for t in prompt]
         if not seq:
             raise EngineInputError("prompt: empty, nothing to continue")
-        if bad := [t for t in seq if not 0 <= t < self.vocab_size][:5]:
+        if bad := [t for t in seq + d if not 0 <= t < self.vocab_size][:5]:
             raise EngineInputError(f"prompt: token ids outside [0, {self.vocab_size}): {bad}")
         if len(seq) + max_new_tokens > self.max_positions:
             raise EngineInputError(
@@ -143,16 +154,21 @@ class LlamaCppSession:
             isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
         ):
             raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
-        d = self.sampling
+        default = self.sampling
         samp = (
-            d[0] if temperature is None else float(temperature),
-            d[1] if top_p is None else float(top_p),
-            d[2] if seed is None else int(seed),
+            default[0] if temperature is None else float(temperature),
+            default[1] if top_p is None else float(top_p),
+            default[2] if seed is None else int(seed),
         )
         check_sampling(samp[0], samp[1])
         key = self.meter.add_rows(1)[0]
         row_id = key if row_id is None else int(row_id)
-        self.queue.append(Row(key, row_id, seq, len(seq), max_new_tokens, samp, logprobs))
+        pending = [Emitted(key, t, False, False) for t in d]
+        self.queue.append(
+            Row(key, row_id, seq + d, len(seq), max_new_tokens, samp, logprobs, pending=pending)
+        )
+        if d:
+            self.meter.emitted([key] * len(d), [False] * len(d))
         return key
 
     def cancel(self, key: int) -> bool:
@@ -192,6 +208,7 @@ class LlamaCppSession:
         self._admit()
         if not self.rows:
             return []
+        self._checked, self._replaced = set(), {}
         tok: dict[int, tuple[int, bool, TopLogprobs | None]] = {}  # row key -> token, from the LLM, log-probs
         stepping = [r for r in self.rows if r.waited < 0]
         slm_s, routed = 0.0, 0
@@ -239,18 +256,28 @@ class LlamaCppSession:
         for r, t, to_llm, lp in zip(stepping, proposal, hard, lps, strict=True):
             if to_llm:
                 r.waited = 0
+            elif self.verify.wants_check(len(r.pending), t in self.eos or r.n_out + 1 >= r.max_new):
+                r.waited, r.check, r.check_lp = 0, t, lp  # the proposal is checked in the LLM's call
             else:
                 tok[r.key] = (t, False, lp)
         return seconds
 
     def _llm_call(self, waiting: list[Row], tok: dict[int, tuple[int, bool, TopLogprobs | None]]) -> None:
-        """One LLM decode over the waiting rows' unread tokens; its logits write each row's token."""
+        """One LLM decode over the waiting rows' unread tokens; its logits write each row's token (verifying: the
+        logits at every caught-up position check the row's provisional tokens, :meth:`_verified`)."""
         assert self.llm is not None
         seen = [self.llm.lengths[self.seq_of[r.key]] for r in waiting]
         catch_up = {self.seq_of[r.key]: r.seq[n:] for r, n in zip(waiting, seen, strict=True)}
         n_read = sum(len(t) for t in catch_up.values())
         t0 = time.perf_counter()
-        logits, _ = self.llm.feed(catch_up)  # (R, V)
+        if (
+            self.verify.on
+        ):  # the token at seq index t is predicted after index t - 1, chunk index t - 1 - seen
+            read = {self.seq_of[r.key]: [t - 1 - n for t in range(r.verified, len(r.seq) + 1)]
+                    for r, n in zip(waiting, seen, strict=True)}  # fmt: skip
+            logits, _ = self.llm.feed_at(catch_up, read)  # (N, V): every candidate of every row, in row order
+        else:
+            logits, _ = self.llm.feed(catch_up)  # (R, V)
         seconds = time.perf_counter() - t0
         self.llm_s += seconds
         self.llm_calls += 1
@@ -260,6 +287,9 @@ class LlamaCppSession:
         self.meter.forward("llm", keys, fed, seen)
         prompt = [max(0, r.prompt_len - n) for r, n in zip(waiting, seen, strict=True)]
         self.meter.llm_fed(keys, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
+        if self.verify.on:
+            self._verified(waiting, logits, tok)
+            return
         rid = torch.tensor([r.row_id for r in waiting])
         steps = torch.tensor([r.n_out for r in waiting])
         chosen = choose_token_tensor(
@@ -268,6 +298,49 @@ class LlamaCppSession:
         lps = token_logprobs(logits, chosen, [r.logprobs for r in waiting], self.vocab_size)
         for r, t, lp in zip(waiting, chosen, lps, strict=True):
             tok[r.key] = (t, True, lp)
+
+    def _verified(
+        self, rows: list[Row], flat: torch.Tensor, tok: dict[int, tuple[int, bool, TopLogprobs | None]]
+    ) -> None:
+        """Check each row's provisional tokens (and a check row's proposal) against the LLM's logits ``flat`` (N, V)
+        at every candidate position; cut a row at its first rejected token (the torch session's rule,
+        :func:`~citer.decoding.verify.first_cuts`). A forced row's last position is always the LLM's."""
+        owner: list[int] = []
+        proposed: list[int] = []
+        step_of: list[int] = []
+        for i, r in enumerate(rows):
+            for t in range(r.verified, len(r.seq) + 1):
+                owner.append(i)
+                step_of.append(t - r.prompt_len)
+                proposed.append(r.seq[t] if t < len(r.seq) else -1 if r.check is None else r.check)
+        rid = torch.tensor([rows[i].row_id for i in owner])
+        choice = choose_token_tensor(
+            flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), self.vocab_size
+        ).tolist()
+        logp = torch.log_softmax(cut_logits(flat, self.vocab_size).float(), dim=-1)  # (N, V)
+        cuts = first_cuts(logp, proposed, choice, owner, self.verify.rho, len(rows))
+        for r, n in zip(rows, cuts, strict=True):
+            self._checked.add(r.key)
+            if n < 0:  # every token passed, the check's proposal included: the SLM's token stands
+                assert r.check is not None
+                tok[r.key] = (r.check, False, r.check_lp)
+            else:
+                lp = token_logprobs(flat[n : n + 1], [choice[n]], [r.logprobs], self.vocab_size)[0]
+                tok[r.key] = (choice[n], True, lp)
+                t = step_of[n] + r.prompt_len
+                if t < len(r.seq):
+                    self._rewind(r, t)
+            r.check, r.check_lp = None, None
+
+    def _rewind(self, r: Row, t: int) -> None:
+        """Take back the row's provisional tokens from seq index ``t`` on; both contexts forget them."""
+        assert t >= r.verified and self.llm is not None
+        self._replaced[r.key] = r.seq[t:]
+        self.meter.rolled_back([r.key], [len(r.seq) - t])
+        del r.pending[t - r.verified :]  # before seq: ``verified`` is derived from both
+        del r.seq[t:]
+        for m in self.models:
+            m.rewind(self.seq_of[r.key], t)
 
     def _emit(self, tok: dict[int, tuple[int, bool, TopLogprobs | None]]) -> list[Emitted]:
         out, done = [], []
@@ -278,7 +351,15 @@ class LlamaCppSession:
             r.seq.append(t)
             r.waited = -1
             fin = t in self.eos or r.n_out >= r.max_new
-            out.append(Emitted(r.key, t, from_llm, fin, *(lp if lp is not None else (None, None))))
+            em = Emitted(
+                r.key, t, from_llm, fin, *(lp if lp is not None else (None, None)), self._replaced.get(r.key)
+            )
+            if self.verify.on and not fin and r.key not in self._checked:
+                r.pending.append(em)  # provisional: released once a call checks it or the row finishes
+            else:
+                out += r.pending
+                out.append(em)
+                r.pending.clear()
             if fin:
                 done.append(r)
         self._retire(done)

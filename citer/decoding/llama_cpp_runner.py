@@ -138,11 +138,12 @@ class LlamaCppModel:
         self.rows, self.row_tokens = max(rows, self.rows), max(row_tokens, self.row_tokens)
         self._make_context()
 
-    def twin(self) -> LlamaCppModel:
+    def twin(self, hidden: bool | None = None) -> LlamaCppModel:
         """An empty context of this one's size over the same loaded weights (a second session's rows; the weights
-        are read, never written, by either)."""
+        are read, never written, by either); ``hidden`` (default this one's): whether it returns hidden states."""
         t = copy.copy(self)
         t._ctx, t._batch, t._cap, t._twin_of = None, None, 0, self
+        t.hidden = self.hidden if hidden is None else hidden
         t._make_context()
         return t
 
@@ -200,6 +201,23 @@ class LlamaCppModel:
         if any(not t for t in tokens.values()):
             raise ValueError("feed: every row fed needs at least one token")
         return self._decode(tokens, {row: [len(t) - 1] for row, t in tokens.items()})
+
+    def feed_at(
+        self, tokens: dict[int, list[int]], read: dict[int, list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`feed`, reading the outputs after the new tokens at indices ``read[row]`` of each row's chunk
+        (verification reads every caught-up position): logits (n, V), rows in the order of ``tokens``, each row's
+        indices in the order given."""
+        if any(not t for t in tokens.values()):
+            raise ValueError("feed: every row fed needs at least one token")
+        return self._decode(tokens, read)
+
+    def rewind(self, row: int, length: int) -> None:
+        """Row ``row`` keeps its first ``length`` tokens; the cache forgets the rest (a verified row cut)."""
+        if length < self.lengths[row]:
+            lc = _lib()
+            lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), row, length, -1)
+            self.lengths[row] = length
 
     def positions(
         self, seqs: list[list[int]], rows: list[int], pos: list[int]

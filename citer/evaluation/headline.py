@@ -363,6 +363,17 @@ def roofline_block(reports: Path) -> Block:
     return out + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
 
 
+def _shared_cell(row: dict[str, Any], best: float) -> str:
+    """The shared-call run over the batch's best LLM-only decoder, with its tokens' agreement with calling at once
+    where the report has it."""
+    if "routed_shared_tok_s" not in row:
+        return "–"
+    cell = f"{row['routed_shared_tok_s'] / best:.2f}×"
+    if "routed_shared_agreement" in row:
+        cell += f" ({row['routed_shared_agreement']:.0%} same tokens)"
+    return cell
+
+
 def llama_cpp_routed_block(reports: Path, name: str = "bench_cpu_llama_cpp_routed.json") -> Block:
     """bench/llama_cpp_routed.py (one report per CPU kind): routed pairs on llama.cpp's kernels at each precision,
     calling the LLM at once and with the params' shared calls, against the fastest LLM-only decoder of the run at any
@@ -376,7 +387,7 @@ def llama_cpp_routed_block(reports: Path, name: str = "bench_cpu_llama_cpp_route
     rows = [[str(x["batch"]), x["precision"], f"{x['llm_only_tok_s']:.1f}", f"{x['slm_only_tok_s']:.0f}",
              f"{x['routed_tok_s']:.1f}", f"{x['routed_over_own_llm']:.2f}×", f"{x['ceiling_over_own_llm']:.2f}×",
              f"{x['routed_tok_s'] / best[x['batch']]:.2f}×",
-             f"{x['routed_shared_tok_s'] / best[x['batch']]:.2f}×" if "routed_shared_tok_s" in x else "–",
+             _shared_cell(x, best[x["batch"]]),
              f"{x['routed_over_ideal']:.2f}", f"{x['llm_prompt_tok_s']:.0f}"] for x in r["rows"]]  # fmt: skip
     head = ["batch", "SLM + LLM precision", "LLM alone tok/s", "SLM alone tok/s", "routed tok/s",
             "routed ÷ its LLM alone", "ceiling ÷ its LLM alone", "routed ÷ best LLM-only",
@@ -475,13 +486,10 @@ BLOCKS: dict[str, Callable[[Path], Block]] = {
     "speed_gpu": lambda reports: speed_block(reports, "bench_gpu.json"),
     "roofline": roofline_block,
     "llama_cpp_routed": llama_cpp_routed_block,
-    "llama_cpp_routed_xeon": lambda reports: llama_cpp_routed_block(
-        reports, "bench_cpu_llama_cpp_routed_xeon.json"
-    ),
     "real_model_agreement": real_model_agreement_block,
     "precision_sweep": precision_sweep_block,
 }
-_MARK = re.compile(r"<!-- citer:(?P<name>[a-z_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
+_MARK = re.compile(r"<!-- citer:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)<!-- /citer:(?P=name) -->", re.S)
 
 
 def blocks_in(text: str) -> dict[str, str]:
@@ -489,8 +497,22 @@ def blocks_in(text: str) -> dict[str, str]:
     return {m["name"]: m["body"].removesuffix("\n") for m in _MARK.finditer(text)}
 
 
+# One block per CPU kind a bench ran on: ``llama_cpp_routed_<kind>`` renders bench_cpu_llama_cpp_routed_<kind>.json.
+_PER_CPU = {"llama_cpp_routed_": llama_cpp_routed_block}
+
+
+def block(name: str) -> Callable[[Path], Block] | None:
+    """The renderer of block ``name``: a fixed one, or a per-CPU report's; None where none is known."""
+    if name in BLOCKS:
+        return BLOCKS[name]
+    for prefix, render in _PER_CPU.items():
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return lambda reports: render(reports, f"bench_cpu_{name}.json")
+    return None
+
+
 def render_blocks(reports: str | os.PathLike[str], names: list[str]) -> dict[str, Block]:
-    return {n: BLOCKS[n](Path(reports)) for n in names}
+    return {n: block(n)(Path(reports)) for n in names}
 
 
 def rewrite(doc: str | os.PathLike[str], reports: str | os.PathLike[str]) -> list[str]:
@@ -498,9 +520,11 @@ def rewrite(doc: str | os.PathLike[str], reports: str | os.PathLike[str]) -> lis
     path = Path(doc)
     text = path.read_text(encoding="utf-8")
     names = list(blocks_in(text))
-    unknown = [n for n in names if n not in BLOCKS]
+    unknown = [n for n in names if block(n) is None]
     if unknown:
-        raise ValueError(f"{path}: unknown citer blocks {unknown}; known: {sorted(BLOCKS)}")
+        raise ValueError(
+            f"{path}: unknown citer blocks {unknown}; known: {sorted(BLOCKS)} and {[p + '<cpu>' for p in _PER_CPU]}"
+        )
     fresh = render_blocks(reports, names)
     new = _MARK.sub(
         lambda m: f"<!-- citer:{m['name']} -->\n{fresh[m['name']][0]}\n<!-- /citer:{m['name']} -->", text

@@ -17,6 +17,7 @@ import torch
 from citer.decoding.padding import right_padded
 from citer.decoding.pairing import cut_logits
 from citer.evaluation.passes import batches
+from citer.evaluation.thresholds import answer_positions
 
 
 @torch.no_grad()
@@ -27,9 +28,13 @@ def oracle_flags(
     batch_size: int,
     pad_id: int,
     vocab_size: int,
+    engine: Any | None = None,
 ) -> list[list[bool]]:
     """Per example, per token of the LLM's answer: True where the SLM's greedy token (given the LLM's prefix)
-    differs, i.e. where the LLM must write it."""
+    differs, i.e. where the LLM must write it. The SLM is ``engine``'s where given (``engine.positions``: the
+    runner that replays the flags, whose greedy tokens may differ from the torch ``slm``'s), else ``slm``."""
+    if engine is not None:
+        return _flags_on(engine, prompts, llm_outputs, batch_size, vocab_size)
     dev = next(slm.parameters()).device
     out: list[list[bool]] = [[] for _ in prompts]
     for idx in batches(prompts, batch_size):
@@ -41,6 +46,28 @@ def oracle_flags(
             start, n = len(prompts[i]) - 1, len(llm_outputs[i])
             slm_tok = greedy[r, start : start + n].tolist()
             out[i] = [a != b for a, b in zip(slm_tok, llm_outputs[i], strict=True)]
+    return out
+
+
+def _flags_on(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    llm_outputs: Sequence[Sequence[int]],
+    batch_size: int,
+    vocab_size: int,
+) -> list[list[bool]]:
+    out: list[list[bool]] = [[] for _ in prompts]
+    for idx in batches(prompts, batch_size):
+        seqs, rows, pos = answer_positions(prompts, llm_outputs, idx)
+        if not rows:
+            continue
+        logits, _ = engine.positions("slm", seqs, rows, pos)  # (n, V)
+        greedy = cut_logits(logits, vocab_size).argmax(-1).tolist()  # (n,)
+        at = 0
+        for i in idx:
+            n = len(llm_outputs[i])
+            out[i] = [a != b for a, b in zip(greedy[at : at + n], llm_outputs[i], strict=True)]
+            at += n
     return out
 
 

@@ -25,6 +25,7 @@ from citer.decoding.baselines import AlwaysSLM, RandomRouter, Router
 from citer.decoding.cost import call_tally
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.speculative import speculative_generate
+from citer.decoding.verify import Verification
 from citer.evaluation.passes import PassResult, decode_pass, speculative_result
 from citer.evaluation.pricing import CallCounts, Pricing, RouterShape
 from citer.evaluation.sweep_rows import SweepError
@@ -129,10 +130,11 @@ class PassBench:
         from citer.decoding.llama_cpp_engine import LlamaCppEngine
         from citer.models.to_gguf import gguf_for
 
-        if spec.engine:
+        other = sorted(set(spec.engine) - set(Verification().engine_kwargs()))
+        if other:
             raise SweepError(
-                f"pass {spec.name!r}: engine options {dict(spec.engine)} need engine.runner torch (the llama_cpp "
-                "runner has no verified routing)"
+                f"pass {spec.name!r}: engine options {other} need engine.runner torch (the llama_cpp runner takes "
+                "verified routing's only)"
             )
         t = self.engine_params.llama_cpp_type
         if solo is not None:
@@ -140,7 +142,15 @@ class PassBench:
                 gguf_for(solo, t), None, AlwaysSLM(), 1.0, self.eos, self.vocab, self.params.gpu
             )
         return LlamaCppEngine(gguf_for(self.slm, t), gguf_for(self.llm, t), self.router(spec), spec.tau, self.eos,
-                              self.vocab, self.params.gpu)  # fmt: skip
+                              self.vocab, self.params.gpu, **dict(spec.engine))  # fmt: skip
+
+    def scoring_engine(self) -> Any | None:
+        """The engine whose SLM the sweep's teacher-forced passes read (τ's quantiles, the oracle's flags): the
+        runner's own where it is not torch (its kernels and precision write the hidden states the router will read),
+        else None (the torch SLM itself). The caller closes it."""
+        if self.engine_params.runner != "llama_cpp":
+            return None
+        return self._llama_cpp_engine(PassSpec("teacher-forced slm", "dev", "slm"), self.slm)
 
     def pricings(self, runner: str | None = None) -> tuple[Pricing, Pricing | None]:
         """The pair that ran (to check a pass's counts against its bytes; ``runner``, default the params', names

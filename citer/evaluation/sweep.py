@@ -32,7 +32,6 @@ from citer.config.serving import EngineParams
 from citer.data.formats import Format
 from citer.decoding.baselines import ConfidenceRouter, Router, router_read_bytes
 from citer.decoding.cost import GPU_BANDWIDTH
-from citer.decoding.verify import Verification
 from citer.evaluation.oracle import OracleRouter, oracle_flags, oracle_summary
 from citer.evaluation.passes import PassResult, encode_prompts, examples_hash, speculative_row, to_row
 from citer.evaluation.plan import (
@@ -197,8 +196,8 @@ def run_sweep(
     (``citer@<tag>`` -> the CITER router at each ``router.layers_grid`` width, :mod:`citer.evaluation.widths`):
     each is decoded on dev, the rule picks one, and it is ``citer`` on test (``routers['citer']`` then goes
     unused). ``engine`` (the params' block): ``runner: llama_cpp`` decodes every routed and reference pass on
-    llama.cpp (:class:`~citer.decoding.llama_cpp_engine.LlamaCppEngine`); it runs no verified routing, so the
-    verified methods are left out (noted) and a champion registered with verification is refused."""
+    llama.cpp (:class:`~citer.decoding.llama_cpp_engine.LlamaCppEngine`, verified routing included), and τ's
+    quantiles and the oracle's flags come from its SLM's teacher-forced pass (the hidden states its router reads)."""
     if "citer" not in routers:
         raise SweepError("routers: key 'citer' missing (the trained router is required)")
     unknown = sorted(set(routers) - set(ROUTER_KEYS))
@@ -211,12 +210,6 @@ def run_sweep(
         if isinstance(r, torch.nn.Module):
             r.eval()
     engine = engine or EngineParams()
-    if engine.runner != "torch" and champion is not None and not Verification.plain(champion_verify):
-        raise SweepError(
-            f"engine.runner {engine.runner}: the champion was promoted with verified routing ({dict(champion_verify)}), "
-            "which this runner does not run; sweep with runner: torch, or register this runner's routers under "
-            "another registry.model_name"
-        )
     bench = PassBench(slm, llm, tokenizer, fmt, params, engine_params=engine)
     run = _Passes(bench, passes, log or (lambda _m: None))
     dev = bench.splits["dev"] = _split(tokenizer, dev_rows, fmt, params.n_examples, "dev")
@@ -242,7 +235,8 @@ def run_sweep(
     if champion is not None:
         scored["champion"] = champion
     bench.routers.update(scored)
-    scores = method_scores(slm, scored, dev.prompts, slm_dev.tokens, params.batch_size, bench.pad)
+    scoring = bench.scoring_engine()  # τ and the oracle from the SLM that decodes (torch's where None)
+    scores = method_scores(slm, scored, dev.prompts, slm_dev.tokens, params.batch_size, bench.pad, scoring)
     thresholds = {m: taus_at_fractions(s, params.llm_fractions) for m, s in scores.items()}
     quantiles = {m: quantile_table(s) for m, s in scores.items()}
     notes: dict[str, Any] = {"dev_examples": len(dev.rows), "test_examples": len(test.rows)}
@@ -283,9 +277,7 @@ def run_sweep(
     )
     methods = [*scored, "random"] + (["query"] if query is not None else [])
     chosen = {m: best_row(dev_out, rule, m, feasible_only=True) for m in methods}
-    stages = _verify_stages(params, dev_out, scored, scores, llm is not None and engine.runner == "torch")
-    if engine.runner != "torch" and params.verify.enabled:
-        notes["verify"] = {"skipped": f"engine.runner {engine.runner} runs no verified routing"}
+    stages = _verify_stages(params, dev_out, scored, scores, llm is not None)
     if stages is not None:
         # 3. dev: verified routing in stages (ρ x fraction, then windows at the best point).
         specs = stages.stage1()
@@ -314,7 +306,9 @@ def run_sweep(
         verified = stages.test_curve(closest)
         last += verified
     if params.oracle:
-        flags = oracle_flags(slm, test.prompts, llm_test.tokens, params.batch_size, bench.pad, bench.vocab)
+        flags = oracle_flags(
+            slm, test.prompts, llm_test.tokens, params.batch_size, bench.pad, bench.vocab, scoring
+        )
         bench.routers["oracle"] = OracleRouter(flags)
         last.append(PassSpec("test oracle", "test", method="oracle", router="oracle", tau=0.5))
     test_outs |= {s.name: o for s, o in zip(last, run(last), strict=True)}
@@ -346,6 +340,9 @@ def run_sweep(
     for r in [*dev_out, *test_out]:  # the priced columns say which pair they are priced at
         if r.bytes_priced is not None and params.price_at is not None:
             r.priced_at = params.price_at.name
+    if scoring is not None:
+        scoring.close()
+        notes["teacher_forced_on"] = f"{engine.runner} {engine.llama_cpp_type}"
     return SweepResult(dev_out, test_out, thresholds, quantiles, chosen, notes)
 
 

@@ -5,6 +5,8 @@ hand-made τ grid spans very different costs per method. Instead every threshold
 fractions of tokens sent to the LLM: τ_f is the f-quantile of the router's scores at the positions where it decides
 on dev. Those positions are taken from the SLM's own greedy answers (what the router reads while the SLM writes);
 a routed answer visits slightly different positions, so the realised fraction on test is reported beside the target.
+The SLM that scores them is the one that decodes: the torch model, or the runner's own (llama.cpp's kernels at the
+precision that serves, :func:`decision_hidden_on`), whose hidden states differ from float32 torch's.
 
 A version's quantile table (:func:`quantile_table`) is a file logged with it in the registry, so ``route``/``serve``
 can be asked for a fraction instead of a raw τ (:func:`tau_for_fraction`, via :mod:`citer.tracking.deployed`).
@@ -39,12 +41,46 @@ def decision_hidden(
     decoder = slm.get_decoder()
     out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
     for idx in batches(prompts, batch_size):
-        seqs = [list(prompts[i]) + list(outputs[i])[:-1] for i in idx]  # the last token decides nothing
+        seqs = answer_positions(prompts, outputs, idx)[0]
         ids, mask = right_padded(seqs, pad_id)  # (B, T)
         hidden = decoder(input_ids=ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state  # (B, T, H)
         for r, i in enumerate(idx):
             start = len(prompts[i]) - 1
             out[i] = hidden[r, start : start + len(outputs[i])].float()  # (T_i, H)
+    return out
+
+
+def answer_positions(
+    prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], idx: Sequence[int]
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """For examples ``idx``: the texts prompt + answer (its last token dropped: it decides nothing) and the
+    (row, position) pairs where each answer token is decided (position len(prompt) - 1 + t decides token t), in
+    example then token order."""
+    seqs = [list(prompts[i]) + list(answers[i])[:-1] for i in idx]
+    rows: list[int] = []
+    pos: list[int] = []
+    for r, i in enumerate(idx):
+        start = len(prompts[i]) - 1
+        rows += [r] * len(answers[i])
+        pos += range(start, start + len(answers[i]))
+    return seqs, rows, pos
+
+
+@torch.no_grad()
+def decision_hidden_on(
+    engine: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], batch_size: int
+) -> list[torch.Tensor]:
+    """:func:`decision_hidden` on an engine's own SLM (``engine.positions``, e.g. llama.cpp's kernels at the
+    precision that serves), so τ is a quantile of the scores the router will read there."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+    for idx in batches(prompts, batch_size):
+        seqs, rows, pos = answer_positions(prompts, outputs, idx)
+        if not rows:
+            continue
+        _, hidden = engine.positions("slm", seqs, rows, pos)  # (n, H)
+        assert hidden is not None, "the engine's SLM returns no hidden states"
+        for i, h in zip(idx, hidden.float().split([len(outputs[i]) for i in idx]), strict=True):
+            out[i] = h  # (T_i, H)
     return out
 
 
@@ -116,7 +152,13 @@ def method_scores(
     outputs: Sequence[Sequence[int]],
     batch_size: int,
     pad_id: int,
+    engine: Any | None = None,
 ) -> dict[str, np.ndarray]:
-    """Each router's scores at the decision positions of the SLM's own answers (one SLM pass for all routers)."""
-    hidden = decision_hidden(slm, prompts, outputs, batch_size, pad_id)
+    """Each router's scores at the decision positions of the SLM's own answers (one SLM pass for all routers); on
+    ``engine``'s SLM (:func:`decision_hidden_on`) where given, else on the torch ``slm``."""
+    hidden = (
+        decision_hidden(slm, prompts, outputs, batch_size, pad_id)
+        if engine is None
+        else decision_hidden_on(engine, prompts, outputs, batch_size)
+    )
     return {name: router_scores(r, hidden) for name, r in routers.items()}

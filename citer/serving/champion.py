@@ -9,7 +9,6 @@ from typing import Any, NamedTuple
 
 from citer.config.serving import EngineParams
 from citer.decoding.engine import RoutedEngine
-from citer.decoding.verify import Verification
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
 from citer.tracking.deployed import ChampionError, Deployment, open_champion
@@ -63,15 +62,11 @@ def route_engine(
         from citer.decoding.llama_cpp_engine import LlamaCppEngine
         from citer.models.to_gguf import gguf_for
 
-        if not Verification.plain(verify):
-            raise ChampionError(
-                f"engine.runner llama_cpp runs no verified routing ({verify}); use runner: torch"
-            )
         t = engine.llama_cpp_type
         return LlamaCppEngine(
             gguf_for(slm, t), gguf_for(llm, t), router, tau, eos_token_id, vocab_size,
             llm_min_rows=engine.llm_min_rows, llm_max_wait_steps=engine.llm_max_wait_steps,
-            llm_schedule=engine.llm_schedule,
+            llm_schedule=engine.llm_schedule, **verify,
         )  # fmt: skip
     return RoutedEngine(
         slm,

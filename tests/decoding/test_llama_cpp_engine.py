@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from conftest import answering_rows
@@ -84,6 +85,40 @@ def test_shared_llm_calls_move_when_tokens_arrive_never_which(answering_pair, gg
     assert measured.generate_batch(prompts, 10, row_ids=ids, max_rows=4).tokens == shared.tokens
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("rho,window,final", [(1.0, 0, False), (0.5, 3, True)])
+def test_verified_routing_writes_and_takes_back_what_the_torch_engine_does(
+    answering_pair, gguf_cache, temperature, rho, window, final
+):
+    """Verified routing on llama.cpp (F32 files): the torch engine's tokens, the same tokens taken back at the same
+    places, the same calls -- shared calls and a row limit included -- and drafts a check may take back."""
+    p = answering_pair
+    router = RandomRouter(0.2, seed=3)
+    prompts, ids = _prompts(p.tok, 6), list(range(40, 46))
+    kw = dict(verify_rho=rho, verify_window=window, verify_final=final)
+    want = RoutedEngine(
+        p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok), **kw
+    ).generate_batch(prompts, 12, temperature=temperature, seed=5, row_ids=ids)
+    got = _engine(p, router, gguf_cache, **kw).generate_batch(prompts, 12, temperature=temperature, seed=5,
+                                                              row_ids=ids)  # fmt: skip
+    assert got.tokens == want.tokens and got.from_llm == want.from_llm and got.replaced == want.replaced
+    assert sum(map(len, got.replaced)) > 0  # some rows were cut: the rewind ran
+    for g, w in zip(got.rows, want.rows, strict=True):
+        assert (g.rolled_back_tokens, g.llm_calls, g.slm_calls) == (
+            w.rolled_back_tokens,
+            w.llm_calls,
+            w.slm_calls,
+        )
+    shared = _engine(p, router, gguf_cache, llm_min_rows=3, llm_max_wait_steps=2, **kw).generate_batch(
+        prompts, 12, temperature=temperature, seed=5, row_ids=ids, max_rows=3
+    )
+    assert shared.tokens == want.tokens  # shared calls and turns move when tokens arrive, never which
+    drafts = [[t] * 2 for t in (5, 6, 7, 8, 9, 10)]
+    want_d = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok), **kw)
+    got_d = _engine(p, router, gguf_cache, **kw).generate_batch(prompts, 12, row_ids=ids, drafts=drafts)
+    assert got_d.tokens == want_d.generate_batch(prompts, 12, row_ids=ids, drafts=drafts).tokens
+
+
 def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pair, gguf_cache):
     from citer.decoding.session import DecodeSession
 
@@ -93,6 +128,10 @@ def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pa
     eng = _engine(p, router, gguf_cache, llm_min_rows=2, llm_max_wait_steps=2)
     alone = [eng.generate_batch([q], 10, row_ids=[30 + i]).tokens[0] for i, q in enumerate(prompts)]
     torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok))
+    # the row cancelled before the third step: one that writes at least three tokens is still there in both drives
+    # (the trained pair's answers, so their lengths, depend on the CPU it trained on)
+    victim = max(range(3), key=lambda i: len(alone[i]))
+    assert len(alone[victim]) >= 3
 
     def drive(sess):
         keys = {sess.add(q, 10, row_id=30 + i, logprobs=2): i for i, q in enumerate(prompts[:3])}
@@ -102,7 +141,7 @@ def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pa
             if step == 2:  # a request arrives mid-way, another leaves
                 keys[sess.add(prompts[3], 10, row_id=33, logprobs=2)] = 3
                 keys[sess.add(prompts[4], 10, row_id=34, logprobs=2)] = 4
-                assert sess.cancel(next(k for k, i in keys.items() if i == 1))
+                assert sess.cancel(next(k for k, i in keys.items() if i == victim))
             for em in sess.step():
                 got.setdefault(keys[em.key], []).append(em)
             live.append(len(sess.rows))
@@ -112,13 +151,13 @@ def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pa
 
     got, live = drive(eng.session(max_rows=2))
     ref, _ = drive(DecodeSession(torch_eng, max_rows=2))
-    for i in (0, 2, 3, 4):
+    for i in sorted({0, 1, 2, 3, 4} - {victim}):
         assert [e.token for e in got[i]] == alone[i] == [e.token for e in ref[i]]
         assert got[i][-1].done and not any(e.done for e in got[i][:-1])
         for a, b in zip(got[i], ref[i], strict=True):  # log-probs of the model that wrote each token
             assert a.from_llm == b.from_llm and math.isclose(a.logprob, b.logprob, abs_tol=2e-3)
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
-    assert len(got.get(1, [])) < len(alone[1])  # cancelled after two steps
+    assert len(got.get(victim, [])) < len(alone[victim])  # cancelled after two steps
     assert max(live) > 2  # rows waiting for the LLM left the SLM's batch to admitted ones
 
 
@@ -150,6 +189,7 @@ def test_teacher_forced_scores_are_the_torch_engines(answering_pair, gguf_cache,
     want = routed_loglikelihood_batch(RoutedEngine(p.slm, p.llm, router, 0.5, vocab_size=len(p.tok)), items,
                                       top_k=2)  # fmt: skip
     eng = _engine(p, router, gguf_cache)
+    alone = eng.generate_batch([prompts[0]], 6, row_ids=[7]).tokens[0]
     sess = eng.session()  # a live session's rows stay as they are: scoring reads contexts of its own
     key = sess.add(prompts[0], 6, row_id=7)
     sess.step()
@@ -174,7 +214,58 @@ def test_teacher_forced_scores_are_the_torch_engines(answering_pair, gguf_cache,
     assert any(flags) and not all(flags)  # both models scored some tokens
     while sess.busy:
         sess.step()
-    assert sess.stats(key).new_tokens == 6
+    assert sess.stats(key).new_tokens == len(alone)  # (an answer may end before 6 tokens)
+
+
+class _Recording:
+    """The trained router, keeping each score it gives by (row, step): what the router reads while decoding."""
+
+    def __init__(self, router):
+        self.router, self.seen = router, {}
+
+    def __call__(self, hidden, row_ids=None, steps=None):
+        s = self.router(hidden).reshape(-1)
+        for r, t, x in zip(row_ids.tolist(), steps.tolist(), s.tolist(), strict=True):
+            self.seen[r, t] = x
+        return s
+
+
+def test_tau_and_the_oracle_come_from_the_runners_own_slm(answering_pair, gguf_cache):
+    """The sweep's teacher-forced passes on a Q4_0 llama.cpp SLM: the scores τ is a quantile of are those the
+    router reads while that SLM writes, and the oracle's flags replayed there return the LLM's answers exactly."""
+    from citer.evaluation.oracle import OracleRouter, oracle_flags
+    from citer.evaluation.plan import PassBench
+    from citer.evaluation.thresholds import method_scores
+
+    p = answering_pair
+    prompts = _prompts(p.tok, 8)
+    bench = PassBench(p.slm, p.llm, p.tok, "math", SweepParams(),
+                      engine_params=EngineParams(runner="llama_cpp", llama_cpp_type="Q4_0"))  # fmt: skip
+    scoring = bench.scoring_engine()
+    rec = _Recording(p.router)
+    answers = _engine(p, rec, gguf_cache, "Q4_0").generate_batch(prompts, 12).tokens  # τ 0.5: some routed
+    n = [len(a) for a in answers]
+    seen = np.array([rec.seen[i, t] for i in range(len(prompts)) for t in range(n[i])])
+    # the positions where the SLM wrote (the routed ones were scored too, then written by the LLM)
+    ours = method_scores(p.slm, {"citer": p.router}, prompts, answers, 3, p.tok.pad_token_id, scoring)[
+        "citer"
+    ]
+    torch_scores = method_scores(p.slm, {"citer": p.router}, prompts, answers, 3, p.tok.pad_token_id)["citer"]
+    assert len(ours) == len(seen) == sum(n)
+    err, torch_err = np.abs(ours - seen).max(), np.abs(torch_scores - seen).max()
+    assert err < 1e-3 and err < torch_err, (err, torch_err)  # torch's float32 SLM is not the one that decodes
+
+    from citer.decoding.baselines import AlwaysSLM
+    from citer.decoding.llama_cpp_engine import LlamaCppEngine
+    from citer.models.to_gguf import gguf_for
+
+    llm_only = LlamaCppEngine(gguf_for(p.llm, "Q4_0"), None, AlwaysSLM(), 1.0, p.tok.eos_token_id, len(p.tok))
+    llm_answers = llm_only.generate_batch(prompts, 12).tokens
+    flags = oracle_flags(p.slm, prompts, llm_answers, 3, p.tok.pad_token_id, len(p.tok), scoring)
+    assert any(map(any, flags)) and not all(map(all, flags))
+    replay = _engine(p, OracleRouter(flags), gguf_cache, "Q4_0").generate_batch(prompts, 12)
+    assert replay.tokens == llm_answers  # torch's float32 flags may not: Q4_0's greedy token differs at some
+    scoring.close()
 
 
 def test_more_rows_than_llama_cpp_has_sequence_ids_take_turns(answering_pair, gguf_cache, monkeypatch):
@@ -209,8 +300,10 @@ def test_engine_refuses_what_it_cannot_run(answering_pair, gguf_cache):
     eng = _engine(p, RandomRouter(0.3), gguf_cache)
     with pytest.raises(EngineInputError, match=r"prompts\[0\]: token ids outside"):
         eng.generate_batch([[len(p.tok) + 5]], 4)
-    with pytest.raises(EngineInputError, match="drafts"):
-        eng.generate_batch([[5, 6]], 4, drafts=[[7]])
+    with pytest.raises(EngineInputError, match="draft: 4 tokens leave nothing"):
+        eng.generate_batch([[5, 6]], 4, drafts=[[7, 7, 7, 7]])
+    with pytest.raises(EngineInputError, match="verify_window"):
+        _engine(p, RandomRouter(0.3), gguf_cache, verify_rho=1.0, verify_window=-1)
     with pytest.raises(EngineInputError, match="max_new_tokens must be an integer"):
         eng.generate_batch([[5, 6]], 0)
 
@@ -218,16 +311,15 @@ def test_engine_refuses_what_it_cannot_run(answering_pair, gguf_cache):
 def test_route_engine_builds_the_runner_the_params_name(answering_pair, gguf_cache):
     from citer.decoding.llama_cpp_engine import LlamaCppEngine
     from citer.serving.champion import route_engine
-    from citer.tracking.deployed import ChampionError
 
     p = answering_pair
     eng = route_engine(p.slm, p.llm, p.router, 0.4, EngineParams(runner="llama_cpp", llama_cpp_type="Q8_0"),
                        p.tok.eos_token_id)  # fmt: skip
     assert isinstance(eng, LlamaCppEngine) and eng.tau == 0.4
     assert len(list(gguf_cache.glob("*-q8_0.gguf"))) == 2  # both models converted once, then cached
-    with pytest.raises(ChampionError, match="no verified routing"):
-        route_engine(p.slm, p.llm, p.router, 0.4, EngineParams(runner="llama_cpp"), p.tok.eos_token_id,
-                     verify_rho=1.0, verify_window=0, verify_final=True)  # fmt: skip
+    verified = route_engine(p.slm, p.llm, p.router, 0.4, EngineParams(runner="llama_cpp"), p.tok.eos_token_id,
+                            verify_rho=1.0, verify_window=0, verify_final=True)  # fmt: skip
+    assert (verified.verify.rho, verified.verify.final) == (1.0, True)
 
 
 def _sweep(pair, engine: EngineParams):
@@ -239,19 +331,20 @@ def _sweep(pair, engine: EngineParams):
                      {"citer": pair.router}, params, engine=engine)  # fmt: skip
 
 
-def _key(row):
-    return row.method, row.tau, row.extra.get("target_llm_fraction")
+def _key(row):  # a threshold method's point by its target fraction: each runner takes τ from its own scores
+    target = row.extra.get("target_llm_fraction")
+    verify = tuple(row.extra.get(k) for k in ("verify_rho", "verify_window", "verify_final"))
+    return row.method, target, row.tau if target is None else None, verify
 
 
 @pytest.mark.slow
 def test_the_sweep_decodes_every_pass_on_the_runner_the_params_name(answering_pair, gguf_cache):
     on_torch = _sweep(answering_pair, EngineParams())
     on_llama = _sweep(answering_pair, EngineParams(runner="llama_cpp", llama_cpp_type="F32"))
-    verified = {"citer_verify", "bild"}
     for split in ("dev", "test"):
-        want = {_key(r): r for r in getattr(on_torch, split) if r.method not in verified}
+        want = {_key(r): r for r in getattr(on_torch, split)}
         got = {_key(r): r for r in getattr(on_llama, split)}
-        assert set(got) == set(want), split  # every method but the verified ones, at the same dev-chosen taus
+        assert set(got) == set(want), split  # every method, verified ones included, at the same points
         for k, r in got.items():
             w = want[k]
             facts, wanted = (
@@ -269,5 +362,12 @@ def test_the_sweep_decodes_every_pass_on_the_runner_the_params_name(answering_pa
         assert any(
             r.bytes_moved != want[k].bytes_moved for k, r in got.items()
         )  # llama.cpp's F16 KV, own bytes
-    assert {k[0] for k in got} >= {"llm", "slm", "random", "citer", "confidence"}
-    assert on_llama.notes["verify"] == {"skipped": "engine.runner llama_cpp runs no verified routing"}
+    assert {k[0] for k in got} >= {"llm", "slm", "random", "citer", "confidence", "citer_verify", "bild"}
+    assert on_llama.notes["verify"] == on_torch.notes["verify"]
+    assert (
+        on_llama.notes["teacher_forced_on"] == "llama_cpp F32" and "teacher_forced_on" not in on_torch.notes
+    )
+    # F32 both: τ from llama.cpp's scores, within float error of torch's
+    for m, taus in on_llama.thresholds.items():
+        assert [f for f, _ in taus] == [f for f, _ in on_torch.thresholds[m]], m
+        assert [t for _, t in taus] == pytest.approx([t for _, t in on_torch.thresholds[m]], abs=1e-3), m
