@@ -44,12 +44,11 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.rows import check_prompts
+from citer.decoding.rows import check_prompts, engine_verification
 from citer.decoding.runner import FORWARDS, ModelRunner
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
 from citer.decoding.step_compile import StepMode
-from citer.decoding.verify import Verification, VerificationError
 
 # static_steps (citer.decoding.static_step): None = the ragged eager call; "eager" = fixed-shape calls, bucketed, run
 # eagerly; "default" = compiled (Inductor), exact shapes, no captures (the CPU's fastest); "graphs" = compiled per
@@ -184,12 +183,7 @@ class RoutedEngine:
         self._pools: tuple[KVPool, KVPool | None] | None = None
         self._lease: weakref.ref[object] | None = None  # the session the pools are lent to
         self._decisions: dict[tuple[float, float, int], Decision] = {}
-        try:
-            self.verify = Verification(verify_rho, verify_window, verify_final)
-        except VerificationError as exc:
-            raise EngineInputError(str(exc)) from exc
-        if self.verify.on and llm is None:
-            raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
+        self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
 
     def static_for(self, which: str) -> StaticSteps | None:
         """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``static_steps`` asks for them and the model

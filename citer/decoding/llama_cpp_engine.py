@@ -29,8 +29,7 @@ from citer.decoding.decide import route
 from citer.decoding.engine import GenerationResult, decode_all
 from citer.decoding.llama_cpp_routed import MAX_SEQUENCES, LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
-from citer.decoding.rows import EngineInputError, check_prompts, check_sampling
-from citer.decoding.verify import Verification, VerificationError
+from citer.decoding.rows import EngineInputError, check_prompts, check_sampling, engine_verification
 
 
 class LlamaCppEngine:
@@ -68,12 +67,7 @@ class LlamaCppEngine:
             self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         except ValueError as err:  # the engine's own input error, as every bad argument
             raise EngineInputError(str(err)) from None
-        try:
-            self.verify = Verification(verify_rho, verify_window, verify_final)
-        except VerificationError as err:
-            raise EngineInputError(str(err)) from None
-        if self.verify.on and llm is None:
-            raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
+        self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [
             int(e) for e in eos_token_id

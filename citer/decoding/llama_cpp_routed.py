@@ -42,7 +42,7 @@ from citer.decoding.cost import CostMeter, RowStats
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.pairing import cut_logits
-from citer.decoding.rows import Emitted, EngineInputError, Row, check_sampling
+from citer.decoding.rows import Emitted, EngineInputError, Row, check_sampling, checked_draft, new_row
 from citer.decoding.verify import Verification, first_cuts
 
 MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
@@ -135,11 +135,9 @@ class LlamaCppSession:
     ) -> int:
         """Queue a row (checked now, admitted at a later step); returns its key. As
         :meth:`~citer.decoding.session.DecodeSession.add` (``draft``: first new tokens given as the SLM's)."""
-        d = [int(t) for t in draft]
-        if d and len(d) >= max_new_tokens:
-            raise EngineInputError(f"draft: {len(d)} tokens leave nothing of max_new_tokens={max_new_tokens}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        d = checked_draft(draft, max_new_tokens)
         seq = [int(t) for t in prompt]
         if not seq:
             raise EngineInputError("prompt: empty, nothing to continue")
@@ -150,26 +148,11 @@ class LlamaCppSession:
                 f"prompt: {len(seq)} tokens + max_new_tokens {max_new_tokens} exceed the models' "
                 f"{self.max_positions} positions"
             )
-        if logprobs is not None and (
-            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
-        ):
-            raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
-        default = self.sampling
-        samp = (
-            default[0] if temperature is None else float(temperature),
-            default[1] if top_p is None else float(top_p),
-            default[2] if seed is None else int(seed),
+        row = new_row(
+            self.meter, seq, d, max_new_tokens, row_id, self.sampling, temperature, top_p, seed, logprobs
         )
-        check_sampling(samp[0], samp[1])
-        key = self.meter.add_rows(1)[0]
-        row_id = key if row_id is None else int(row_id)
-        pending = [Emitted(key, t, False, False) for t in d]
-        self.queue.append(
-            Row(key, row_id, seq + d, len(seq), max_new_tokens, samp, logprobs, pending=pending)
-        )
-        if d:
-            self.meter.emitted([key] * len(d), [False] * len(d))
-        return key
+        self.queue.append(row)
+        return row.key
 
     def cancel(self, key: int) -> bool:
         """Drop a queued or live row (a client went away); True if it was there."""

@@ -17,7 +17,7 @@ from citer.decoding.call_rule import CallRule, StepTimes
 from citer.decoding.choice import TopLogprobs
 from citer.decoding.cost import ModelCost
 from citer.decoding.decide import Sampling
-from citer.decoding.verify import Verification
+from citer.decoding.verify import Verification, VerificationError
 
 
 class Engine(Protocol):
@@ -136,3 +136,61 @@ class Row:
     @property
     def verified(self) -> int:  # seq[:verified] is final; seq[verified:] are provisional SLM tokens
         return len(self.seq) - len(self.pending)
+
+
+def checked_draft(draft: Sequence[int], max_new_tokens: int) -> list[int]:
+    """A row's draft as ints, refused where it leaves nothing of the row's budget."""
+    d = [int(t) for t in draft]
+    if d and len(d) >= max_new_tokens:
+        raise EngineInputError(f"draft: {len(d)} tokens leave nothing of max_new_tokens={max_new_tokens}")
+    return d
+
+
+def new_row(
+    meter: Any,
+    prompt: Sequence[int],
+    draft: list[int],
+    max_new_tokens: int,
+    row_id: int | None,
+    defaults: Sampling,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    logprobs: int | None,
+) -> Row:
+    """The row a session's ``add`` queues (its prompt and draft already checked against the models), charged to
+    ``meter`` (a :class:`~citer.decoding.cost.CostMeter`: its key) once every setting passed: the sampling settings
+    default to the session's, ``row_id`` to the key; the draft's tokens lead as provisional SLM tokens."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
+    samp = (
+        defaults[0] if temperature is None else float(temperature),
+        defaults[1] if top_p is None else float(top_p),
+        defaults[2] if seed is None else int(seed),
+    )
+    check_sampling(samp[0], samp[1])
+    seq = [int(t) for t in prompt]
+    key = meter.add_rows(1)[0]
+    if draft:
+        meter.emitted([key] * len(draft), [False] * len(draft))
+    return Row(
+        key=key,
+        row_id=key if row_id is None else int(row_id),
+        seq=seq + draft,
+        prompt_len=len(seq),
+        max_new=max_new_tokens,
+        sampling=samp,
+        logprobs=logprobs,
+        pending=[Emitted(key, t, False, False) for t in draft],
+    )
+
+
+def engine_verification(rho: float, window: int, final: bool, has_llm: bool) -> Verification:
+    """An engine's ``verify_*`` arguments as a :class:`Verification`, refused as the engine's input error."""
+    try:
+        verify = Verification(rho, window, final)
+    except VerificationError as exc:
+        raise EngineInputError(str(exc)) from exc
+    if verify.on and not has_llm:
+        raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
+    return verify

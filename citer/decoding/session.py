@@ -43,7 +43,15 @@ from citer.decoding.choice import (
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter, RowStats
-from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, check_sampling
+from citer.decoding.rows import (
+    Emitted,
+    Engine,
+    EngineInputError,
+    Row,
+    check_sampling,
+    checked_draft,
+    new_row,
+)
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
 
@@ -105,38 +113,14 @@ class DecodeSession(CatchUpCalls):
         ``draft``: the row's first new tokens, given as if the SLM had written them (counted in ``max_new_tokens``,
         returned as its first tokens, without log-probs); with verification on they are provisional like any SLM
         token, so a check may take them back -- what label rollouts ask: would the catch-up repair this token?"""
-        d = [int(t) for t in draft]
-        if len(d) >= max_new_tokens:
-            raise EngineInputError(f"draft: {len(d)} tokens leave nothing of max_new_tokens={max_new_tokens}")
+        d = checked_draft(draft, max_new_tokens)
         self.e.check_prompts([[*prompt, *d]], max_new_tokens - len(d), None)
-        if logprobs is not None and (
-            isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0
-        ):
-            raise EngineInputError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}")
-        samp = (
-            self.temperature if temperature is None else float(temperature),
-            self.top_p if top_p is None else float(top_p),
-            self.seed if seed is None else int(seed),
+        defaults = (self.temperature, self.top_p, self.seed)
+        row = new_row(
+            self.meter, prompt, d, max_new_tokens, row_id, defaults, temperature, top_p, seed, logprobs
         )
-        check_sampling(samp[0], samp[1])
-        key = self.meter.add_rows(1)[0]
-        seq = [int(t) for t in prompt]
-        rid = key if row_id is None else int(row_id)
-        self.queue.append(
-            Row(
-                key=key,
-                row_id=rid,
-                seq=seq + d,
-                prompt_len=len(seq),
-                max_new=max_new_tokens,
-                sampling=samp,
-                logprobs=logprobs,
-                pending=[Emitted(key, t, False, False) for t in d],
-            )
-        )
-        if d:
-            self.meter.emitted([key] * len(d), [False] * len(d))
-        return key
+        self.queue.append(row)
+        return row.key
 
     @torch.inference_mode()
     def cancel(self, key: int) -> bool:
