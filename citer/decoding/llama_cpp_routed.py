@@ -365,7 +365,7 @@ class LlamaCppSession:
             self._free = list(range(min(m.rows for m in self.models)))[::-1]
         per_row = min(m.row_tokens for m in self.models)
         while (
-            want and self._free and self.queue and len(self.queue[0].seq) + self.queue[0].max_new <= per_row
+            want and self._free and self.queue and self.queue[0].prompt_len + self.queue[0].max_new <= per_row
         ):
             r = self.queue.popleft()  # a row longer than the contexts' rows waits until they are empty
             self.seq_of[r.key] = self._free.pop()

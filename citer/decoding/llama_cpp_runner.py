@@ -216,7 +216,11 @@ class LlamaCppModel:
         """Row ``row`` keeps its first ``length`` tokens; the cache forgets the rest (a verified row cut)."""
         if length < self.lengths[row]:
             lc = _lib()
-            lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), row, length, -1)
+            if not lc.llama_memory_seq_rm(lc.llama_get_memory(self._ctx), row, length, -1):
+                # a recurrent model's memory cannot forget part of a sequence: verified routing cannot run on it
+                raise RuntimeError(
+                    f"{self.path.name}: llama.cpp cannot take back row {row}'s tokens from {length}"
+                )
             self.lengths[row] = length
 
     def positions(

@@ -170,12 +170,13 @@ def new_row(
     )
     check_sampling(samp[0], samp[1])
     seq = [int(t) for t in prompt]
+    rid = None if row_id is None else int(row_id)
     key = meter.add_rows(1)[0]
     if draft:
         meter.emitted([key] * len(draft), [False] * len(draft))
     return Row(
         key=key,
-        row_id=key if row_id is None else int(row_id),
+        row_id=key if rid is None else rid,
         seq=seq + draft,
         prompt_len=len(seq),
         max_new=max_new_tokens,

@@ -15,6 +15,7 @@ differs from what the committed reports render, or when a file it reads has no m
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -370,7 +371,10 @@ def _shared_cell(row: dict[str, Any], best: float) -> str:
         return "–"
     cell = f"{row['routed_shared_tok_s'] / best:.2f}×"
     if "routed_shared_agreement" in row:
-        cell += f" ({row['routed_shared_agreement']:.0%} same tokens)"
+        same = (
+            math.floor(row["routed_shared_agreement"] * 1000) / 10
+        )  # floored: 99.9%, never a rounded-up 100%
+        cell += f" ({same:g}% same tokens)"
     return cell
 
 
@@ -512,6 +516,11 @@ def block(name: str) -> Callable[[Path], Block] | None:
 
 
 def render_blocks(reports: str | os.PathLike[str], names: list[str]) -> dict[str, Block]:
+    unknown = [n for n in names if block(n) is None]
+    if unknown:
+        raise ValueError(
+            f"unknown citer blocks {unknown}; known: {sorted(BLOCKS)} and {[p + '<cpu>' for p in _PER_CPU]}"
+        )
     return {n: block(n)(Path(reports)) for n in names}
 
 
@@ -520,12 +529,10 @@ def rewrite(doc: str | os.PathLike[str], reports: str | os.PathLike[str]) -> lis
     path = Path(doc)
     text = path.read_text(encoding="utf-8")
     names = list(blocks_in(text))
-    unknown = [n for n in names if block(n) is None]
-    if unknown:
-        raise ValueError(
-            f"{path}: unknown citer blocks {unknown}; known: {sorted(BLOCKS)} and {[p + '<cpu>' for p in _PER_CPU]}"
-        )
-    fresh = render_blocks(reports, names)
+    try:
+        fresh = render_blocks(reports, names)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     new = _MARK.sub(
         lambda m: f"<!-- citer:{m['name']} -->\n{fresh[m['name']][0]}\n<!-- /citer:{m['name']} -->", text
     )

@@ -32,7 +32,9 @@ def oracle_flags(
 ) -> list[list[bool]]:
     """Per example, per token of the LLM's answer: True where the SLM's greedy token (given the LLM's prefix)
     differs, i.e. where the LLM must write it. The SLM is ``engine``'s where given (``engine.positions``: the
-    runner that replays the flags, whose greedy tokens may differ from the torch ``slm``'s), else ``slm``."""
+    runner that replays the flags, whose greedy tokens may differ from the torch ``slm``'s), else ``slm``. llama.cpp's
+    logits are not bit-identical between this whole-text pass and step-by-step decoding, so at a near-tie a replay
+    may still leave the LLM's answer; the oracle row's accuracy says so."""
     if engine is not None:
         return _flags_on(engine, prompts, llm_outputs, batch_size, vocab_size)
     dev = next(slm.parameters()).device

@@ -119,6 +119,23 @@ def test_verified_routing_writes_and_takes_back_what_the_torch_engine_does(
     assert got_d.tokens == want_d.generate_batch(prompts, 12, row_ids=ids, drafts=drafts).tokens
 
 
+def test_a_drafted_row_fills_the_context_it_was_sized_for(answering_pair, gguf_cache):
+    """A draft counts inside the row's budget: a prompt plus budget of exactly the context's 64 tokens per row is
+    admitted with a draft, and finishes."""
+    p = answering_pair
+    eng = _engine(p, RandomRouter(0.3, seed=4), gguf_cache, verify_rho=1.0)
+    prompt = _prompts(p.tok, 1)[0]
+    budget = 64 - len(prompt)
+    sess = eng.session()
+    key = sess.add(prompt, budget, draft=[5, 6])
+    for _ in range(budget + 1):  # at most one step a token
+        sess.step()
+        if not sess.busy:
+            break
+    assert not sess.busy and eng.slm.row_tokens == 64
+    assert 1 <= sess.stats(key).new_tokens <= budget
+
+
 def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pair, gguf_cache):
     from citer.decoding.session import DecodeSession
 
