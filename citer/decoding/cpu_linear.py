@@ -1,4 +1,5 @@
-"""bf16 linears on the CPU: a small AVX512-BF16 kernel for a few rows, oneDNN's prepacked weights for more.
+"""Linears on the CPU: for bf16 a small AVX512-BF16 kernel for a few rows and oneDNN's prepacked weights for more;
+for float32 on AMD CPUs oneDNN's prepacked weights.
 
 A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs
 on (AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and
@@ -18,7 +19,16 @@ The kernel is built with ``torch.utils.cpp_extension`` at the first bf16 CPU cal
 ``TORCH_EXTENSIONS_DIR``). Where the CPU lacks AVX512-BF16 (oneDNN emulates bf16 there), the build fails, or
 ``CITER_CPU_LINEAR=0``, every call is torch's ``F.linear`` (a failed build alone keeps the packed weights), with one
 warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs
-may differ in the last bit; float32 never takes this path.
+may differ in the last bit.
+
+float32 on an AMD CPU: torch's ``F.linear`` is MKL's SGEMM, which on AMD runs a path far from the memory's rate for a
+few rows (a 2,048 x 16,384 weight: 28 ms for 8 rows against 7.6 ms for one; docs/results.md). oneDNN's linear on the
+packed weight reads it at the memory's rate for 1 to 32 rows and is no slower up to 2,048, and a row's products do
+not depend on the rows beside it (MKL's do). Its sums run in another order: outputs differ from ``F.linear``'s in
+the last bits. Only weights of at least :data:`FP32_PACKED_MIN` elements take it: below, oneDNN's ~40 µs a call
+costs more than the product (so tiny models, the pipeline's own among them, keep ``F.linear`` bit for bit). Intel
+CPUs keep ``F.linear`` in float32 (MKL is tuned there; not measured against oneDNN yet). The packed copy doubles the
+float32 weights a process holds, as for bf16.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel
 # Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
 PACKED_MAX_ROWS = 512
+# float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight (measured crossover: 288 x 96
+# and 512 x 96 ran 1.3-2.4x slower on oneDNN, 1,024 x 256 and up 1.4-3x faster).
+FP32_PACKED_MIN = 1 << 17
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 _state: dict[str, bool] = {}
@@ -55,6 +68,23 @@ def _enabled() -> bool:
     got = _state.get("cpu")
     if got is None:
         got = _state["cpu"] = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and _cpu_has_bf16_dot()
+    return got
+
+
+def _fp32_packed() -> bool:
+    """Whether float32 calls may take oneDNN's packed weight: an AMD CPU (where MKL's few-row SGEMM is slow), oneDNN
+    built in, and not ``CITER_CPU_LINEAR=0``."""
+    got = _state.get("fp32")
+    if got is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+        got = _state["fp32"] = (
+            os.environ.get("CITER_CPU_LINEAR", "1") != "0"
+            and "AuthenticAMD" in text
+            and torch.backends.mkldnn.is_available()
+        )
     return got
 
 
@@ -105,7 +135,21 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)``; a bf16 call on a CPU with AVX512-BF16 runs the kernel (at most :data:`MAX_ROWS` rows)
-    or oneDNN's linear on the packed weight (at most :data:`PACKED_MAX_ROWS`, eager and without autograd)."""
+    or oneDNN's linear on the packed weight (at most :data:`PACKED_MAX_ROWS`, eager and without autograd); a float32
+    call on an AMD CPU over a weight of at least :data:`FP32_PACKED_MIN` elements the packed weight (any rows, eager
+    and without autograd)."""
+    if (
+        x.dtype is torch.float32
+        and w.dtype is torch.float32
+        and x.device.type == "cpu"
+        and w.dim() == 2
+        and w.stride(-1) == 1
+        and w.numel() >= FP32_PACKED_MIN
+        and not torch.compiler.is_compiling()  # first: dynamo cannot trace the checks below
+        and _fp32_packed()
+        and not (torch.is_grad_enabled() and w.requires_grad)
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     if (
         x.dtype is torch.bfloat16
         and x.device.type == "cpu"

@@ -412,6 +412,32 @@ def llama_cpp_routed_block(reports: Path, name: str = "bench_cpu_llama_cpp_route
     return table(head, rows) + f"\n\nFrom `reports/{name}` ({note}).", [name]
 
 
+def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Block:
+    """bench/cpu_linear.py (one report per CPU kind): torch's float32 linear against oneDNN's on a packed weight, per
+    weight shape and row count, cold weights, and which of the two ``citer.decoding.cpu_linear`` takes here."""
+    r = _load(reports, name)
+    by: dict[str, list[dict[str, Any]]] = {}
+    for x in r["rows"]:
+        by.setdefault(x["shape"], []).append(x)
+    counts = [x["rows"] for x in next(iter(by.values()))]
+    rows = []
+    for shape, xs in by.items():
+        one = xs[0]
+        rows.append([f"{shape} ({one['out']} × {one['in']})", "/".join(sorted({x["chosen"] for x in xs})),
+                     f"{one['torch_ms']:.3f} / {one['packed_ms']:.3f} ms", f"{one['packed_gb_s']:.1f}",
+                     *(f"{x['torch_over_packed']:.2f}×" for x in xs)])  # fmt: skip
+    head = ["weight (out × in)", "chosen here", f"{counts[0]} row{'s' * (counts[0] != 1)}: torch / packed",
+            f"packed GB/s, {counts[0]} row{'s' * (counts[0] != 1)}",
+            *(f"torch ÷ packed, {n} row{'s' * (n != 1)}" for n in counts)]  # fmt: skip
+    inv = {k: sum(x["row_invariant"][k] for x in r["rows"]) for k in ("torch", "packed")}
+    note = (f"{r['cpu']}, {r['threads']} threads, torch {r['torch']}, bandwidth limit {r['bandwidth_gb_s']:.1f} GB/s "
+            f"measured in the run, median of {r['reps']}, cold weights; float32 packed from "
+            f"{r['fp32_packed_min']:,} elements here: {r['fp32_packed_here']}; a row's outputs bit for bit the same "
+            f"alone and beside the others: torch {inv['torch']}/{len(r['rows'])} calls, packed "
+            f"{inv['packed']}/{len(r['rows'])}; other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
+    return table(head, rows) + f"\n\nFrom `reports/{name}` ({note}).", [name]
+
+
 def real_model_agreement_block(reports: Path) -> Block:
     """bench/real_model_agreement.py: each runner and precision against float32 on the real model."""
     r = _load(reports, "bench_real_model_agreement.json")
@@ -501,17 +527,21 @@ def blocks_in(text: str) -> dict[str, str]:
     return {m["name"]: m["body"].removesuffix("\n") for m in _MARK.finditer(text)}
 
 
-# One block per CPU kind a bench ran on: ``llama_cpp_routed_<kind>`` renders bench_cpu_llama_cpp_routed_<kind>.json.
-_PER_CPU = {"llama_cpp_routed_": llama_cpp_routed_block}
+# One block per CPU kind a bench ran on: ``llama_cpp_routed_<kind>`` renders bench_cpu_llama_cpp_routed_<kind>.json,
+# ``cpu_linear_<kind>`` bench_cpu_linear_<kind>.json.
+_PER_CPU = {
+    "llama_cpp_routed_": (llama_cpp_routed_block, "bench_cpu_llama_cpp_routed_"),
+    "cpu_linear_": (cpu_linear_block, "bench_cpu_linear_"),
+}
 
 
 def block(name: str) -> Callable[[Path], Block] | None:
     """The renderer of block ``name``: a fixed one, or a per-CPU report's; None where none is known."""
     if name in BLOCKS:
         return BLOCKS[name]
-    for prefix, render in _PER_CPU.items():
+    for prefix, (render, file) in _PER_CPU.items():
         if name.startswith(prefix) and len(name) > len(prefix):
-            return lambda reports: render(reports, f"bench_cpu_{name}.json")
+            return lambda reports: render(reports, f"{file}{name.removeprefix(prefix)}.json")
     return None
 
 

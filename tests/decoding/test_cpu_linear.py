@@ -1,7 +1,9 @@
 """The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
 one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; more rows
 take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
-everything else is torch's linear, bit for bit."""
+float32 on an AMD CPU, over a weight of at least FP32_PACKED_MIN elements, takes oneDNN's packed weight (torch's linear
+up to float32 rounding, a row's products independent of the rows beside it); everything else is torch's linear, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import torch.nn.functional as F
 from citer.decoding import cpu_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 or no compiler here")
+needs_fp32_packed = pytest.mark.skipif(
+    not cpu_linear._fp32_packed(), reason="not an AMD CPU: float32 takes torch's linear"
+)
 needs_bf16 = pytest.mark.skipif(
     not cpu_linear._enabled(), reason="no AVX512-BF16 here: bf16 takes torch's linear"
 )
@@ -91,3 +96,31 @@ def test_training_and_big_products_keep_torchs_linear():
     big = torch.randn(cpu_linear.PACKED_MAX_ROWS + 1, 64).bfloat16()
     w2 = torch.randn(16, 64).bfloat16()
     assert torch.equal(cpu_linear.linear(big, w2), F.linear(big, w2)) and w2 not in cpu_linear._packed
+
+
+@needs_fp32_packed
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_over_a_big_weight_takes_the_packed_weight(bias):
+    torch.manual_seed(6)
+    w = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256)  # exactly the threshold
+    b = torch.randn(w.shape[0]) if bias else None
+    x = torch.randn(8, 256)
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, w, b)
+        alone = cpu_linear.linear(x[3:4], w, b)
+        # (1, 3, in): a row's products whatever the shape around it
+        three = cpu_linear.linear(x[None, 2:5], w, b)
+    assert w in cpu_linear._packed
+    assert _close(got, x, w, b) < 1e-5  # float32 sums in another order
+    assert torch.equal(alone[0], got[3]) and torch.equal(three[0, 1], got[3])
+
+
+def test_float32_small_weights_and_training_keep_torchs_linear():
+    torch.manual_seed(7)
+    w = torch.randn(cpu_linear.FP32_PACKED_MIN // 256 - 1, 256)  # one row below the threshold
+    x = torch.randn(8, 256)
+    with torch.inference_mode():
+        assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w)) and w not in cpu_linear._packed
+    big = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256, requires_grad=True)
+    cpu_linear.linear(x, big).sum().backward()  # autograd runs through F.linear
+    assert big.grad is not None and big not in cpu_linear._packed

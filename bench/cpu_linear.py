@@ -1,0 +1,153 @@
+"""Which float32 linear a decode step should call on this CPU: ``python bench/cpu_linear.py``.
+
+A decode step's linears are products of a few rows with a weight read once from memory. Per weight shape (the
+SmolLM2 pair's five matrices a layer and head, and the pipeline's embedded pair's, where a call's fixed cost shows)
+and per row count, in one process, with cold weights (copies cycled past the caches):
+
+- ``torch_ms``: torch's ``F.linear`` (MKL's SGEMM in torch's CPU wheels);
+- ``packed_ms``: oneDNN's linear on the weight packed once (``torch.ops.mkldnn._linear_pointwise``);
+- ``chosen``: which of the two ``citer.decoding.cpu_linear.linear`` takes for that call on this CPU;
+- ``torch_gb_s`` / ``packed_gb_s``: the weight's bytes over the call's time (memory-bound calls near the bandwidth
+  limit, which the run measures at its start as the fastest large read);
+- ``row_invariant``: per kernel, whether row 0's outputs are bit for bit the same computed alone and beside the
+  others (what lets regrouped calls keep a row's tokens).
+
+Writes ``reports/bench_cpu_linear_<cpu>.json`` (``--out``; ``<cpu>`` a short name you give, e.g. ``zen3``), stamped
+in ``reports/provenance.json``; docs/results.md renders it (block ``cpu_linear_<cpu>``). Say whether the machine was
+quiet: ``others_cpu_share`` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from speed_report import cpu_times, others_cpu_share  # noqa: E402
+
+from citer.decoding import cpu_linear  # noqa: E402
+from citer.ops.io import write_text  # noqa: E402
+from citer.tracking.provenance import cpu_kind  # noqa: E402
+
+# (name, out, in): the matrices a decode step reads, fused as the lean forward fuses them.
+SHAPES = [
+    ("smollm2-1.7b qkv", 6144, 2048), ("smollm2-1.7b o", 2048, 2048), ("smollm2-1.7b gate+up", 16384, 2048),
+    ("smollm2-1.7b down", 2048, 8192), ("smollm2-1.7b head", 49152, 2048),
+    ("smollm2-135m qkv", 960, 576), ("smollm2-135m o", 576, 576), ("smollm2-135m gate+up", 3072, 576),
+    ("smollm2-135m down", 576, 1536), ("smollm2-135m head", 49152, 576),
+    ("embedded-llm gate+up", 576, 96), ("embedded-llm head", 512, 96), ("embedded-slm gate+up", 128, 32),
+]  # fmt: skip
+QUICK_SHAPES = [("small", 96, 32), ("mid", 1024, 256)]
+
+
+def bandwidth_gb_s(mib: int = 256, reps: int = 5) -> float:
+    """The fastest large read this process makes: a sum over ``mib`` MiB of float32, best of ``reps``."""
+    a = torch.ones(mib * 2**20 // 4)
+    best = min(_seconds(lambda: a.sum()) for _ in range(reps))
+    return a.numel() * 4 / best / 1e9
+
+
+def _seconds(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def time_calls(fn: Any, weights: list[torch.Tensor], reps: int) -> float:
+    """Seconds a call, the median over ``reps`` passes through every (cold) weight, after one warm pass."""
+    for w in weights[:2]:
+        fn(w)
+    per = [_seconds(lambda: [fn(w) for w in weights]) / len(weights) for _ in range(reps)]
+    return statistics.median(per)
+
+
+def measure(
+    name: str, out: int, inp: int, rows_list: list[int], cold_mb: float, reps: int
+) -> list[dict[str, Any]]:
+    """Both kernels over copies of one (out, inp) float32 weight, each row count; see the module docstring."""
+    n = max(2, min(256, int(cold_mb * 1e6 / (out * inp * 4))))
+    gen = torch.Generator().manual_seed(out * 7 + inp)
+    weights = [torch.randn(out, inp, generator=gen) for _ in range(n)]
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w) for w in weights}
+    rows_out = []
+    for rows in rows_list:
+        x = torch.randn(rows, inp, generator=gen)
+
+        def torch_call(w: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
+            return F.linear(x, w)
+
+        def packed_call(w: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
+
+        with torch.inference_mode():
+            t_torch = time_calls(torch_call, weights, reps)
+            t_packed = time_calls(packed_call, weights, reps)
+            w = weights[0]
+            cpu_linear.linear(x, w)
+            # the library keeps a packed copy of a weight it called packed
+            chosen = "packed" if w in cpu_linear._packed else "torch"
+            invariant = {
+                "torch": torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1]),
+                "packed": torch.equal(packed_call(w, x[:1]), packed_call(w, x)[:1]),
+            }
+        gb = out * inp * 4 / 1e9
+        rows_out.append({
+            "shape": name, "out": out, "in": inp, "rows": rows, "torch_ms": t_torch * 1e3,
+            "packed_ms": t_packed * 1e3, "torch_over_packed": t_torch / t_packed, "torch_gb_s": gb / t_torch,
+            "packed_gb_s": gb / t_packed, "chosen": chosen, "row_invariant": invariant,
+        })  # fmt: skip
+        r = rows_out[-1]
+        print(f"{name} ({out}x{inp}) rows {rows}: torch {r['torch_ms']:.3f} ms, packed {r['packed_ms']:.3f} ms "
+              f"({r['torch_over_packed']:.2f}x), chosen {chosen}", flush=True)  # fmt: skip
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
+    ap.add_argument("--cold-mb", type=float, default=300.0, help="MB of weight copies cycled per shape")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="two small shapes, for a test")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_cpu_linear.json"))
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    start, t0 = cpu_times(), time.perf_counter()
+    rows_list = [int(x) for x in a.rows.split(",") if x]
+    shapes = QUICK_SHAPES if a.quick else SHAPES
+    bw = bandwidth_gb_s(16 if a.quick else 256)
+    rows = [r for name, o, i in shapes for r in measure(name, o, i, rows_list, a.cold_mb, a.reps)]
+    report = {
+        "bench": "cpu_linear",
+        "cpu": cpu_kind(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "bandwidth_gb_s": bw,
+        "fp32_packed_min": cpu_linear.FP32_PACKED_MIN,
+        "fp32_packed_here": cpu_linear._fp32_packed(),
+        "reps": a.reps,
+        "cold_mb": a.cold_mb,
+        "rows": rows,
+        "others_cpu_share": others_cpu_share(start, cpu_times()),
+    }
+    write_text(a.out, json.dumps(report, indent=1) + "\n")
+    if Path(a.out).resolve().parent == ROOT / "reports":
+        from citer.tracking.provenance import stamp_bench
+
+        stamp_bench(a.out, "cpu_linear", a, time.perf_counter() - t0)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""bench/cpu_linear.py on two small shapes: each ratio by its definition, the kernel it says the library chose is the
+one ``citer.decoding.cpu_linear`` takes for such a weight here, and the report renders as its per-CPU docs block."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import bench_module
+
+from citer.decoding import cpu_linear
+from citer.evaluation.headline import render_blocks
+
+
+def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
+    bench = bench_module("cpu_linear")
+    out = tmp_path / "bench_cpu_linear_here.json"
+    assert bench.main(["--quick", "--rows", "1,8", "--reps", "1", "--cold-mb", "4", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [(x["shape"], x["rows"]) for x in rep["rows"]] == [
+        ("small", 1),
+        ("small", 8),
+        ("mid", 1),
+        ("mid", 8),
+    ]
+    assert rep["fp32_packed_here"] == cpu_linear._fp32_packed()
+    for x in rep["rows"]:
+        assert x["torch_over_packed"] == pytest.approx(x["torch_ms"] / x["packed_ms"])
+        assert x["packed_gb_s"] == pytest.approx(x["out"] * x["in"] * 4 / 1e9 / (x["packed_ms"] / 1e3))
+        big = x["out"] * x["in"] >= cpu_linear.FP32_PACKED_MIN
+        assert x["chosen"] == ("packed" if big and rep["fp32_packed_here"] else "torch")
+    body, files = render_blocks(tmp_path, ["cpu_linear_here"])["cpu_linear_here"]
+    assert files == ["bench_cpu_linear_here.json"] and "| mid (1024 × 256) |" in body
