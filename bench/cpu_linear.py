@@ -12,6 +12,12 @@ and per row count, in one process, with cold weights (copies cycled past the cac
 - ``row_invariant``: per kernel, whether row 0's outputs are bit for bit the same computed alone and beside the
   others (what lets regrouped calls keep a row's tokens).
 
+``--engine 1,8`` also times, per batch, the engines ``citer route`` builds (``route_engine`` on the params'
+``engine:`` block, as ``bench/roofline.py``: LLM alone, SLM alone, routed with a random router at f = 0.1) at the
+SmolLM2 shapes in float32, with the packed path on and off in turn in one process (``engine_rows``: the median of
+``--reps`` after a warm-up each; ``same_tokens``: whether both wrote the same tokens, which random weights' near ties
+need not).
+
 Writes ``reports/bench_cpu_linear_<cpu>.json`` (``--out``; ``<cpu>`` a short name you give, e.g. ``zen3``), stamped
 in ``reports/provenance.json``; docs/results.md renders it (block ``cpu_linear_<cpu>``). Say whether the machine was
 quiet: ``others_cpu_share`` is recorded.
@@ -113,12 +119,51 @@ def measure(
     return rows_out
 
 
+def engine_rows(
+    batches: list[int], pair_name: str, params: Path, prompt_len: int, new_tokens: int, reps: int
+) -> list[dict[str, Any]]:
+    """Each engine at each batch with the float32 packed path on, then off, timed in turn (module docstring)."""
+    from roofline import engine_block, engines, timed_in_turn
+    from speed_report import build_pair
+
+    pair = build_pair(pair_name, "cpu", "fp32")
+    built = engines(pair, 0.1, engine_block(params))
+    out = []
+    for b in batches:
+        gen = torch.Generator().manual_seed(b)
+        prompts = torch.randint(0, pair.vocab, (b, prompt_len), generator=gen).tolist()
+
+        def run(e: Any, on: bool, prompts: list[list[int]] = prompts) -> Any:
+            cpu_linear.use_float32_packed(on)
+            return e.generate_batch(prompts, new_tokens).tokens
+
+        fns = {(k, on): (lambda e=e, on=on: run(e, on)) for k, e in built.items() for on in (True, False)}
+        got = timed_in_turn(fns, reps)
+        for k in built:
+            (packed_s, packed_tok), (torch_s, torch_tok) = got[(k, True)], got[(k, False)]
+            out.append({"batch": b, "engine": k, "packed_s": packed_s, "torch_s": torch_s,
+                        "torch_over_packed": torch_s / packed_s, "same_tokens": packed_tok == torch_tok})  # fmt: skip
+            print(
+                f"b{b} {k}: packed {packed_s:.2f} s, torch {torch_s:.2f} s ({torch_s / packed_s:.2f}x)",
+                flush=True,
+            )
+    cpu_linear.use_float32_packed(True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,512")
     ap.add_argument("--cold-mb", type=float, default=300.0, help="MB of weight copies cycled per shape")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="two small shapes, for a test")
+    ap.add_argument(
+        "--engine", default="", help="batches to time citer route's engines at, packed on and off"
+    )
+    ap.add_argument("--pair", default="smollm2", help="--engine: the pair (bench/speed_report.py PAIRS)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_cpu_linear.json"))
     a = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -138,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         "reps": a.reps,
         "cold_mb": a.cold_mb,
         "rows": rows,
+        "engine_settings": {"pair": a.pair, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "f": 0.1},
+        "engine_rows": engine_rows(
+            [int(x) for x in a.engine.split(",") if x],
+            a.pair,
+            Path(a.params),
+            a.prompt_len,
+            a.new_tokens,
+            a.reps,
+        ),
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }
     write_text(a.out, json.dumps(report, indent=1) + "\n")

@@ -15,7 +15,9 @@ from citer.evaluation.headline import render_blocks
 def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
     bench = bench_module("cpu_linear")
     out = tmp_path / "bench_cpu_linear_here.json"
-    assert bench.main(["--quick", "--rows", "1,8", "--reps", "1", "--cold-mb", "4", "--out", str(out)]) == 0
+    args = ["--quick", "--rows", "1,8", "--reps", "1", "--cold-mb", "4", "--out", str(out),
+            "--engine", "1,2", "--pair", "tiny", "--prompt-len", "4", "--new-tokens", "3"]  # fmt: skip
+    assert bench.main(args) == 0
     rep = json.loads(out.read_text())
     assert [(x["shape"], x["rows"]) for x in rep["rows"]] == [
         ("small", 1),
@@ -29,5 +31,18 @@ def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
         assert x["packed_gb_s"] == pytest.approx(x["out"] * x["in"] * 4 / 1e9 / (x["packed_ms"] / 1e3))
         big = x["out"] * x["in"] >= cpu_linear.FP32_PACKED_MIN
         assert x["chosen"] == ("packed" if big and rep["fp32_packed_here"] else "torch")
+    assert [(x["batch"], x["engine"]) for x in rep["engine_rows"]] == [
+        (b, e) for b in (1, 2) for e in ("llm", "slm", "routed")
+    ]
+    for x in rep["engine_rows"]:
+        assert x["torch_over_packed"] == pytest.approx(x["torch_s"] / x["packed_s"])
+        assert x[
+            "same_tokens"
+        ]  # the tiny pair's weights are all below the threshold: torch's linear both times
+    assert cpu_linear._fp32_packed() == rep["fp32_packed_here"]  # the bench leaves the path as it found it
     body, files = render_blocks(tmp_path, ["cpu_linear_here"])["cpu_linear_here"]
-    assert files == ["bench_cpu_linear_here.json"] and "| mid (1024 × 256) |" in body
+    assert (
+        files == ["bench_cpu_linear_here.json"]
+        and "| mid (1024 × 256) |" in body
+        and "| 2 | routed |" in body
+    )

@@ -88,6 +88,13 @@ def _fp32_packed() -> bool:
     return got
 
 
+def use_float32_packed(on: bool) -> None:
+    """Turn the float32 packed path on (where :func:`_fp32_packed`'s CPU check holds) or off for this process: what
+    ``bench/cpu_linear.py --engine`` times in turn. Packed copies already made are kept."""
+    _state.pop("fp32", None)
+    _state["fp32"] = on and _fp32_packed()
+
+
 def available() -> bool:
     """True when the kernel is built and loaded (building it on the first call that asks)."""
     got = _state.get("ok")

@@ -435,7 +435,17 @@ def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Bloc
             f"{r['fp32_packed_min']:,} elements here: {r['fp32_packed_here']}; a row's outputs bit for bit the same "
             f"alone and beside the others: torch {inv['torch']}/{len(r['rows'])} calls, packed "
             f"{inv['packed']}/{len(r['rows'])}; other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
-    return table(head, rows) + f"\n\nFrom `reports/{name}` ({note}).", [name]
+    md = table(head, rows)
+    if r.get("engine_rows"):
+        es = r["engine_settings"]
+        md += "\n\n" + table(
+            ["batch", "engine (citer route's)", "torch's linear", "packed", "torch ÷ packed", "same tokens"],
+            [[str(x["batch"]), x["engine"], f"{x['torch_s']:.2f} s", f"{x['packed_s']:.2f} s",
+              f"{x['torch_over_packed']:.2f}×", "yes" if x["same_tokens"] else "no"] for x in r["engine_rows"]],
+        )  # fmt: skip
+        note += (f"; engines: {es['pair']} shapes in float32, prompt {es['prompt_len']}, {es['new_tokens']} new tokens, "
+                 f"routed by a random router at f = {es['f']}, the packed path on and off in turn")  # fmt: skip
+    return md + f"\n\nFrom `reports/{name}` ({note}).", [name]
 
 
 def real_model_agreement_block(reports: Path) -> Block:
