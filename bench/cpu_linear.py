@@ -26,7 +26,6 @@ quiet: ``others_cpu_share`` is recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -40,10 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_report import cpu_times, others_cpu_share  # noqa: E402
+from speed_report import cpu_times, others_cpu_share, write_report  # noqa: E402
 
 from citer.decoding import cpu_linear  # noqa: E402
-from citer.ops.io import write_text  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
 # (name, out, in): the matrices a decode step reads, fused as the lean forward fuses them.
@@ -194,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }
-    write_text(a.out, json.dumps(report, indent=1) + "\n")
-    if Path(a.out).resolve().parent == ROOT / "reports":
-        from citer.tracking.provenance import stamp_bench
-
-        stamp_bench(a.out, "cpu_linear", a, time.perf_counter() - t0)
+    write_report(a.out, report, "cpu_linear", a, time.perf_counter() - t0)
     print(f"wrote {a.out}")
     return 0
 

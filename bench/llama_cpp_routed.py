@@ -43,7 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_report import PAIRS, SPECS, build_model, cpu_times, cpu_vector, others_cpu_share  # noqa: E402
+from speed_report import (  # noqa: E402
+    PAIRS,
+    SPECS,
+    build_model,
+    cpu_times,
+    cpu_vector,
+    others_cpu_share,
+    write_report,
+)
 
 from citer.config import load_params  # noqa: E402
 from citer.decoding.baselines import RandomRouter  # noqa: E402
@@ -51,7 +59,6 @@ from citer.decoding.call_rule import CallRule, call_rule  # noqa: E402
 from citer.decoding.llama_cpp_routed import routed_generate, solo_generate  # noqa: E402
 from citer.decoding.llama_cpp_runner import LlamaCppModel, gguf_type_counts, missing  # noqa: E402
 from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
-from citer.ops.io import write_text  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
 
@@ -258,11 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "others_cpu_share": others_cpu_share(start, cpu_times()),
         "elapsed_s": round(time.time() - t0, 1),
     }
-    write_text(Path(a.out), json.dumps(report, indent=1) + "\n")
-    if Path(a.out).resolve().parent == ROOT / "reports":
-        from citer.tracking.provenance import stamp_bench
-
-        stamp_bench(a.out, "llama_cpp_routed", a, time.time() - t0)
+    write_report(a.out, report, "llama_cpp_routed", a, time.time() - t0)
     print(json.dumps(report["ratios"], indent=2))
     return 0
 

@@ -27,9 +27,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from speed_report import write_report  # noqa: E402
 
 from citer.config.serving import EngineParams  # noqa: E402
-from citer.ops.io import write_text  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
 
@@ -105,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": cpu_kind(),
         "elapsed_s": round(time.time() - t0, 1),
     }
-    write_text(out_path, json.dumps(report, indent=1) + "\n")
-    if out_path.parent == ROOT / "reports":
-        from citer.tracking.provenance import stamp_bench
-
-        stamp_bench(out_path, "precision_sweep", {"types": a.types}, time.time() - t0)
+    write_report(out_path, report, "precision_sweep", {"types": a.types}, time.time() - t0)
     return 0
 
 

@@ -38,7 +38,6 @@ Writes ``reports/bench_roofline.json`` (``--out``), stamped in ``reports/provena
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -52,12 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from speed_report import build_pair, cpu_times, others_cpu_share  # noqa: E402
+from speed_report import build_pair, cpu_times, others_cpu_share, write_report  # noqa: E402
 
 from citer.config import load_params  # noqa: E402
 from citer.config.serving import EngineParams  # noqa: E402
 from citer.decoding.baselines import AlwaysSLM, RandomRouter  # noqa: E402
-from citer.ops.io import write_text  # noqa: E402
 from citer.serving.champion import route_engine  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
@@ -231,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }
-    write_text(a.out, json.dumps(report, indent=1) + "\n")
-    if Path(a.out).resolve().parent == ROOT / "reports":
-        from citer.tracking.provenance import stamp_bench
-
-        stamp_bench(a.out, "roofline", a, time.perf_counter() - t0)
+    write_report(a.out, report, "roofline", a, time.perf_counter() - t0)
     print(f"wrote {a.out}")
     return 0
 

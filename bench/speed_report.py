@@ -310,6 +310,18 @@ def host_probe() -> dict[str, Any]:
     return out
 
 
+def write_report(
+    out: str | os.PathLike[str], report: dict[str, Any], bench: str, args: Any, wall_s: float
+) -> None:
+    """``report`` as JSON at ``out`` (atomically), stamped in ``reports/provenance.json`` (as bench ``bench`` with its
+    arguments ``args``) where ``out`` lies in this checkout's ``reports/``."""
+    write_text(out, json.dumps(report, indent=1) + "\n")
+    if Path(out).resolve().parent == Path(__file__).resolve().parent.parent / "reports":
+        from citer.tracking.provenance import stamp_bench
+
+        stamp_bench(out, bench, args, wall_s)
+
+
 def cpu_times() -> tuple[float, float, float]:
     """(wall s, busy CPU s of the whole machine from /proc/stat, CPU s of this process and its children)."""
     busy = float("nan")
