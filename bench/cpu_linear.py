@@ -10,7 +10,11 @@ and per row count, in one process, with cold weights (copies cycled past the cac
 - ``torch_gb_s`` / ``packed_gb_s``: the weight's bytes over the call's time (memory-bound calls near the bandwidth
   limit, which the run measures at its start as the fastest large read);
 - ``row_invariant``: per kernel, whether row 0's outputs are bit for bit the same computed alone and beside the
-  others (what lets regrouped calls keep a row's tokens).
+  others (what lets regrouped calls keep a row's tokens);
+- ``int8_bf16_ms`` (up to :data:`INT8_MAX_ROWS` rows) / ``int8_fp32_ms`` (one row): torch's own int8 weight-only
+  CPU kernel (``torch.ops.aten._weight_int8pack_mm``, what torchao's int8 weight-only config runs), per-channel
+  scales, with bf16 / float32 activations over int8 copies of the weight (a quarter of its float32 bytes): whether a
+  torch runner in 8 bits would read the weights faster than float32 (issue #47 asks it measured).
 
 ``--engine 1,8`` also times, per batch, the engines ``citer route`` builds (``route_engine`` on the params'
 ``engine:`` block, as ``bench/roofline.py``: LLM alone, SLM alone, routed with a random router at f = 0.1) at the
@@ -52,6 +56,7 @@ SHAPES = [
     ("smollm2-135m down", 576, 1536), ("smollm2-135m head", 49152, 576),
     ("embedded-llm gate+up", 576, 96), ("embedded-llm head", 512, 96), ("embedded-slm gate+up", 128, 32),
 ]  # fmt: skip
+INT8_MAX_ROWS = 64  # above, the int8 kernel's dequantizing products are compute-bound and slow to time
 QUICK_SHAPES = [("small", 96, 32), ("mid", 1024, 256)]
 
 
@@ -105,16 +110,38 @@ def measure(
                 "torch": torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1]),
                 "packed": torch.equal(packed_call(w, x[:1]), packed_call(w, x)[:1]),
             }
+        int8 = int8_times(weights, x, reps) if rows <= INT8_MAX_ROWS else {}
         gb = out * inp * 4 / 1e9
         rows_out.append({
             "shape": name, "out": out, "in": inp, "rows": rows, "torch_ms": t_torch * 1e3,
             "packed_ms": t_packed * 1e3, "torch_over_packed": t_torch / t_packed, "torch_gb_s": gb / t_torch,
-            "packed_gb_s": gb / t_packed, "chosen": chosen, "row_invariant": invariant,
+            "packed_gb_s": gb / t_packed, "chosen": chosen, "row_invariant": invariant, **int8,
         })  # fmt: skip
         r = rows_out[-1]
         print(f"{name} ({out}x{inp}) rows {rows}: torch {r['torch_ms']:.3f} ms, packed {r['packed_ms']:.3f} ms "
-              f"({r['torch_over_packed']:.2f}x), chosen {chosen}", flush=True)  # fmt: skip
+              f"({r['torch_over_packed']:.2f}x), chosen {chosen}, int8 {int8}", flush=True)  # fmt: skip
     return rows_out
+
+
+def int8_times(weights: list[torch.Tensor], x: torch.Tensor, reps: int) -> dict[str, float]:
+    """torch's int8 weight-only kernel over int8 copies of ``weights`` (as many as make them cold: each a quarter of
+    the float32 bytes): ms a call with bf16 activations, and with float32 ones at one row."""
+    scales = [w.abs().amax(1).clamp_min(1e-12) / 127 for w in weights[:2]]
+    q = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights[:2], scales, strict=True)]
+    copies = [q[i % 2].clone() for i in range(4 * len(weights))]
+    idx = {id(c): i % 2 for i, c in enumerate(copies)}
+    out = {}
+    for name, dtype in (("int8_bf16_ms", torch.bfloat16), ("int8_fp32_ms", torch.float32)):
+        if dtype is torch.float32 and x.shape[0] > 1:
+            continue
+        xd, sd = x.to(dtype), [s.to(dtype) for s in scales]
+
+        def call(c: torch.Tensor, xd: torch.Tensor = xd, sd: list[torch.Tensor] = sd) -> torch.Tensor:
+            return torch.ops.aten._weight_int8pack_mm(xd, c, sd[idx[id(c)]])
+
+        with torch.inference_mode():
+            out[name] = time_calls(call, copies, reps) * 1e3
+    return out
 
 
 def engine_rows(

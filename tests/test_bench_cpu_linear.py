@@ -31,6 +31,7 @@ def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
         assert x["packed_gb_s"] == pytest.approx(x["out"] * x["in"] * 4 / 1e9 / (x["packed_ms"] / 1e3))
         big = x["out"] * x["in"] >= cpu_linear.FP32_PACKED_MIN
         assert x["chosen"] == ("packed" if big and rep["fp32_packed_here"] else "torch")
+        assert x["int8_bf16_ms"] > 0 and ("int8_fp32_ms" in x) == (x["rows"] == 1)
     assert [(x["batch"], x["engine"]) for x in rep["engine_rows"]] == [
         (b, e) for b in (1, 2) for e in ("llm", "slm", "routed")
     ]
@@ -46,3 +47,4 @@ def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
         and "| mid (1024 × 256) |" in body
         and "| 2 | routed |" in body
     )
+    assert "int8 weights, bf16 activations, 8 rows" in body

@@ -436,6 +436,18 @@ def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Bloc
             f"alone and beside the others: torch {inv['torch']}/{len(r['rows'])} calls, packed "
             f"{inv['packed']}/{len(r['rows'])}; other processes' share of the cores {r['others_cpu_share']}")  # fmt: skip
     md = table(head, rows)
+    q8 = [c for c in counts if any("int8_bf16_ms" in x for x in r["rows"] if x["rows"] == c)]
+    if q8:  # torch's int8 weight-only kernel beside the packed float32 linear (reports since it was timed)
+        cells = {(x["shape"], x["rows"]): x for x in r["rows"]}
+        md += "\n\n" + table(
+            ["weight (out × in)", "int8 weights, float32 activations, 1 row: time ÷ packed float32's",
+             *(f"int8 weights, bf16 activations, {n} row{'s' * (n != 1)}: time ÷ packed float32's" for n in q8)],
+            [[f"{shape} ({xs[0]['out']} × {xs[0]['in']})",
+              f"{cells[(shape, 1)]['int8_fp32_ms'] / cells[(shape, 1)]['packed_ms']:.2f}×" if (shape, 1) in cells
+              else "–",
+              *(f"{cells[(shape, n)]['int8_bf16_ms'] / cells[(shape, n)]['packed_ms']:.2f}×" for n in q8)]
+             for shape, xs in by.items()],
+        )  # fmt: skip
     if r.get("engine_rows"):
         es = r["engine_settings"]
         md += "\n\n" + table(
