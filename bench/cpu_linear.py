@@ -220,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }
     write_report(a.out, report, "cpu_linear", a, time.perf_counter() - t0)
-    print(f"wrote {a.out}")
     return 0
 
 

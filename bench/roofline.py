@@ -230,7 +230,6 @@ def main(argv: list[str] | None = None) -> int:
         "others_cpu_share": others_cpu_share(start, cpu_times()),
     }
     write_report(a.out, report, "roofline", a, time.perf_counter() - t0)
-    print(f"wrote {a.out}")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from citer.decoding.cost import GPU_BANDWIDTH, ModelCost
+from citer.ops.cpu import host_cpu
 from citer.ops.io import write_text
 
 # ----------------------------------------------------------------------------------------------------------- models
@@ -314,12 +315,13 @@ def write_report(
     out: str | os.PathLike[str], report: dict[str, Any], bench: str, args: Any, wall_s: float
 ) -> None:
     """``report`` as JSON at ``out`` (atomically), stamped in ``reports/provenance.json`` (as bench ``bench`` with its
-    arguments ``args``) where ``out`` lies in this checkout's ``reports/``."""
+    arguments ``args``) where ``out`` lies in this checkout's ``reports/``; says where it wrote."""
     write_text(out, json.dumps(report, indent=1) + "\n")
     if Path(out).resolve().parent == Path(__file__).resolve().parent.parent / "reports":
         from citer.tracking.provenance import stamp_bench
 
         stamp_bench(out, bench, args, wall_s)
+    print(f"wrote {out}", flush=True)
 
 
 def cpu_times() -> tuple[float, float, float]:
@@ -350,20 +352,11 @@ VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
 
 def cpu_vector() -> list[str]:
     """This CPU's vector extensions among ``VECTOR_FLAGS`` (``Features`` on ARM), in that order."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in VECTOR_FLAGS if f in have]
-    return []
+    return host_cpu().listed(VECTOR_FLAGS)
 
 
 def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "cpu"
+    return host_cpu().model or "cpu"
 
 
 def _fmt(v: Any) -> str:

@@ -398,8 +398,13 @@ def test_params_choose_the_runner_and_refuse_torch_only_options():
     assert EngineParams().runner == "torch"
     assert EngineParams(runner="llama_cpp", llama_cpp_type="Q4_K_M").runner_name() == "llama_cpp:Q4_K_M"
     assert EngineParams(llama_cpp_type="Q4_0").runner_name() == "torch"  # the type matters only to llama_cpp
-    with pytest.raises(ValueError, match="llama_cpp runs no llm_prefill"):
-        EngineParams(runner="llama_cpp", llm_prefill="admit")
+    with pytest.raises(ValueError, match="llama_cpp runs no overlap"):
+        EngineParams(runner="llama_cpp", overlap=True)
+    with pytest.raises(ValueError, match="llama_cpp runs no compile_forward"):
+        EngineParams(runner="llama_cpp", compile_forward=True)
+    assert (
+        EngineParams(runner="llama_cpp", llm_prefill="admit").llm_prefill == "admit"
+    )  # both runners read prompts so
     shared = EngineParams(runner="llama_cpp", llm_min_rows=4, llm_max_wait_steps=3, llm_schedule="measured")
     assert shared.llm_min_rows == 4  # shared LLM calls run on either runner
     with pytest.raises(ValueError, match="llama_cpp_type"):

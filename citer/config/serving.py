@@ -38,8 +38,8 @@ class EngineParams(_Block):
     # Which kernels decode: "torch" (this engine, every option above) or "llama_cpp" (both models as GGUF files on
     # llama.cpp's CPU kernels, citer.decoding.llama_cpp_engine; needs llama-cpp-python: CITER_LLAMA_CPP=1 bash
     # scripts/setup.sh). Honoured by citer route, the sweep's passes and citer serve, so tau is chosen on the runner
-    # that serves. It shares LLM calls as the torch engine does (llm_min_rows, llm_max_wait_steps, llm_schedule) and
-    # runs no llm_prefill "admit", compile_forward or overlap.
+    # that serves. It shares LLM calls (llm_min_rows, llm_max_wait_steps, llm_schedule) and reads prompts
+    # (llm_prefill) as the torch engine does, and runs no compile_forward or overlap.
     runner: Literal["torch", "llama_cpp"] = "torch"
     # The llama.cpp type the pipeline's models are converted to (llama.cpp's quantizer for the quantized ones):
     # F32, BF16, F16, Q8_0, Q6_K, Q5_K_M, Q5_0, Q4_K_M, Q4_0, ... ; K-quants need widths that are multiples of 256.
@@ -51,7 +51,7 @@ class EngineParams(_Block):
 
     @model_validator(mode="after")
     def _one_runner(self) -> EngineParams:
-        torch_only = {"llm_prefill": "lazy", "compile_forward": False, "overlap": False}
+        torch_only = {"compile_forward": False, "overlap": False}
         if self.runner == "llama_cpp":
             for name, default in torch_only.items():
                 if getattr(self, name) != default:

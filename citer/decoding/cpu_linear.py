@@ -1,34 +1,32 @@
 """Linears on the CPU: for bf16 a small AVX512-BF16 kernel for a few rows and oneDNN's prepacked weights for more;
 for float32 on AMD CPUs oneDNN's prepacked weights.
 
-A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs
-on (AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and
-costs ~25 µs a call before any work; the kernel in ``cpu_linear.cpp`` reads each weight row once per call whatever the
-rows (up to :data:`MAX_ROWS`), sums in fp32 with ``vdpbf16ps`` and costs ~2 µs a call (measurements:
-docs/results.md). It is a ``citer::linear_bf16`` operator, so a compiled forward calls it like any other.
+A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs on
+(AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and costs
+tens of microseconds a call before any work; the kernel in ``cpu_linear.cpp`` reads each weight row once per call
+whatever the rows (up to :data:`MAX_ROWS`), sums in fp32 with ``vdpbf16ps`` and costs a few microseconds a call
+(measurements: docs/results.md). It is a ``citer::linear_bf16`` operator, so a compiled forward calls it like any other.
 
-Calls of up to :data:`PACKED_MAX_ROWS` rows (batched steps, catch-ups, short prefills) run oneDNN's linear on a copy
-of the weight laid out once in its blocked format (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
-freezing does for a compiled CPU model): torch's ``F.linear`` lays the plain weight out again at every call, which
-at a few to a few hundred rows is a large part of the call. The copy is made at a weight's first such call and kept
-while the weight lives (weakly keyed; made again if the weight changes in place), so a model whose calls take this
-path holds its bf16 weights twice (``CITER_CPU_LINEAR=0`` turns both paths off). Its outputs are ``F.linear``'s (the
-same oneDNN kernels). Compiled forwards keep ``F.linear``: inductor packs their weights itself.
+Calls of up to :data:`PACKED_MAX_ROWS` rows (batched steps, catch-ups, short prefills) run oneDNN's linear on a copy of
+the weight laid out once in its blocked format (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing
+does for a compiled CPU model): torch's ``F.linear`` lays the plain weight out again at every call, which at a few to a
+few hundred rows is a large part of the call. The copy is made at a weight's first such call and kept while the weight
+lives (weakly keyed; made again if the weight changes in place), so a model whose calls take this path holds its bf16
+weights twice (``CITER_CPU_LINEAR=0`` turns both paths off). Its outputs are ``F.linear``'s (the same oneDNN kernels).
+Compiled forwards keep ``F.linear``: inductor packs their weights itself.
 
 The kernel is built with ``torch.utils.cpp_extension`` at the first bf16 CPU call (tens of seconds once, cached in
 ``TORCH_EXTENSIONS_DIR``). Where the CPU lacks AVX512-BF16 (oneDNN emulates bf16 there), the build fails, or
 ``CITER_CPU_LINEAR=0``, every call is torch's ``F.linear`` (a failed build alone keeps the packed weights), with one
-warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs
-may differ in the last bit.
+warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs may differ in the last bit.
 
 float32 on an AMD CPU: torch's ``F.linear`` is MKL's SGEMM, which on AMD runs a path far from the memory's rate for a
-few rows (a 2,048 x 16,384 weight: 28 ms for 8 rows against 7.6 ms for one; docs/results.md). oneDNN's linear on the
-packed weight reads it at the memory's rate for 1 to 32 rows and is no slower up to 2,048, and a row's products do
-not depend on the rows beside it (MKL's do). Its sums run in another order: outputs differ from ``F.linear``'s in
-the last bits. Only weights of at least :data:`FP32_PACKED_MIN` elements take it: below, oneDNN's ~40 µs a call
-costs more than the product (so tiny models, the pipeline's own among them, keep ``F.linear`` bit for bit). Intel
-CPUs keep ``F.linear`` in float32 (MKL is tuned there; not measured against oneDNN yet). The packed copy doubles the
-float32 weights a process holds, as for bf16.
+few rows (several times one row's time for 2 to 32 rows: docs/results.md). oneDNN's linear on the packed weight reads it
+at the memory's rate for 1 to 32 rows and is no slower up to 2,048, and a row's products do not depend on the rows
+beside it (MKL's do). Its sums run in another order: outputs differ from ``F.linear``'s in the last bits. Only weights
+of at least :data:`FP32_PACKED_MIN` elements take it: below, oneDNN's fixed cost a call exceeds the product (so tiny
+models, the pipeline's own among them, keep ``F.linear`` bit for bit). Intel CPUs keep ``F.linear`` in float32 (MKL is
+tuned there; not measured against oneDNN yet). The packed copy doubles the float32 weights a process holds, as for bf16.
 """
 
 from __future__ import annotations
@@ -42,11 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from citer.ops.cpu import host_cpu
+
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel
 # Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
 PACKED_MAX_ROWS = 512
-# float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight (measured crossover: 288 x 96
-# and 512 x 96 ran 1.3-2.4x slower on oneDNN, 1,024 x 256 and up 1.4-3x faster).
+# float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py
+# measured (docs/results.md).
 FP32_PACKED_MIN = 1 << 17
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
@@ -55,19 +55,11 @@ _lock = threading.Lock()
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version when packed, the packed copy)
 
 
-def _cpu_has_bf16_dot() -> bool:
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags.split()
-
-
 def _enabled() -> bool:
     """The switch and the CPU: both paths need AVX512-BF16 and neither runs with ``CITER_CPU_LINEAR=0``."""
     got = _state.get("cpu")
     if got is None:
-        got = _state["cpu"] = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and _cpu_has_bf16_dot()
+        got = _state["cpu"] = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and host_cpu().has("avx512_bf16")
     return got
 
 
@@ -76,13 +68,9 @@ def _fp32_packed() -> bool:
     built in, and not ``CITER_CPU_LINEAR=0``."""
     got = _state.get("fp32")
     if got is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            text = ""
         got = _state["fp32"] = (
             os.environ.get("CITER_CPU_LINEAR", "1") != "0"
-            and "AuthenticAMD" in text
+            and host_cpu().amd
             and torch.backends.mkldnn.is_available()
         )
     return got
@@ -140,41 +128,25 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def _eager_inference(w: torch.Tensor) -> bool:
+    """A call may take the packed weight: not while compiling (checked first: dynamo cannot trace the checks after
+    it, and inductor lays a graph's weights out for oneDNN itself) and without autograd through ``w``."""
+    return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and w.requires_grad)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)``; a bf16 call on a CPU with AVX512-BF16 runs the kernel (at most :data:`MAX_ROWS` rows)
     or oneDNN's linear on the packed weight (at most :data:`PACKED_MAX_ROWS`, eager and without autograd); a float32
     call on an AMD CPU over a weight of at least :data:`FP32_PACKED_MIN` elements the packed weight (any rows, eager
     and without autograd)."""
-    if (
-        x.dtype is torch.float32
-        and w.dtype is torch.float32
-        and x.device.type == "cpu"
-        and w.dim() == 2
-        and w.stride(-1) == 1
-        and w.numel() >= FP32_PACKED_MIN
-        and not torch.compiler.is_compiling()  # first: dynamo cannot trace the checks below
-        and _fp32_packed()
-        and not (torch.is_grad_enabled() and w.requires_grad)
-    ):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
-    if (
-        x.dtype is torch.bfloat16
-        and x.device.type == "cpu"
-        and w.dtype is torch.bfloat16
-        and w.dim() == 2
-        and w.stride(-1) == 1
-        and _enabled()
-    ):
+    if x.device.type != "cpu" or w.dtype is not x.dtype or w.dim() != 2 or w.stride(-1) != 1:
+        return F.linear(x, w, b)
+    if x.dtype is torch.bfloat16 and _enabled():
         rows = x.numel() // max(x.shape[-1], 1)
         if rows <= MAX_ROWS and available():
             return torch.ops.citer.linear_bf16(x, w, b)
-        # Not while compiling (checked first: dynamo cannot trace torch.backends): a graph takes F.linear, which
-        # Inductor lays out for oneDNN itself.
-        if (
-            not torch.compiler.is_compiling()
-            and rows <= PACKED_MAX_ROWS
-            and torch.backends.mkldnn.is_available()
-            and not (torch.is_grad_enabled() and w.requires_grad)
-        ):
+        if rows <= PACKED_MAX_ROWS and _eager_inference(w) and torch.backends.mkldnn.is_available():
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
+    elif x.dtype is torch.float32 and w.numel() >= FP32_PACKED_MIN and _eager_inference(w) and _fp32_packed():
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     return F.linear(x, w, b)

@@ -8,7 +8,7 @@ engine's, at the files' own bytes (a 4-bit file reads a quarter of the bf16 weig
 
 Teacher-forced scoring (:mod:`citer.decoding.scoring`: echo log-probs, harness log-likelihoods) reads
 :meth:`LlamaCppEngine.positions` on contexts of its own. Verified routing and drafts run as in the torch engine
-(``verify_*``). Not here (the torch engine's): the LLM's prefill at admission, compiled forwards.
+(``verify_*``). Not here (the torch engine's): compiled forwards, overlapped calls.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class LlamaCppEngine:
     an :class:`AlwaysSLM` router). ``eos_token_id``: one id or several; ``vocab_size``: the ids the models share
     (default the smaller vocabulary); ``gpu``: the bandwidth named for projected seconds, as the torch engine's;
     ``llm_min_rows``, ``llm_max_wait_steps``, ``llm_schedule``: when routed rows call the LLM, as the torch
-    engine's (:func:`~citer.decoding.call_rule.call_rule`)."""
+    engine's (:func:`~citer.decoding.call_rule.call_rule`); ``llm_prefill``: ``"admit"`` has the LLM read admitted
+    prompts at once, ``"lazy"`` at each row's first catch-up, as the torch engine's."""
 
     runner = "llama_cpp"
 
@@ -54,6 +55,7 @@ class LlamaCppEngine:
         llm_min_rows: int = 1,
         llm_max_wait_steps: int = 0,
         llm_schedule: str = "fixed",
+        llm_prefill: str = "lazy",
         verify_rho: float = math.inf,
         verify_window: int = 0,
         verify_final: bool = False,
@@ -67,6 +69,9 @@ class LlamaCppEngine:
             self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         except ValueError as err:  # the engine's own input error, as every bad argument
             raise EngineInputError(str(err)) from None
+        if llm_prefill not in ("lazy", "admit"):
+            raise EngineInputError(f"llm_prefill must be 'lazy' or 'admit', got {llm_prefill!r}")
+        self.llm_prefill = llm_prefill
         self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [
@@ -141,7 +146,7 @@ class LlamaCppEngine:
             slm, llm, self.router if llm is not None else None, self.tau,
             meter=CostMeter(self.cost_slm, self.cost_llm, 0, self.gpu), eos_ids=self.eos,
             vocab_size=self.vocab_size, rule=self.call_rule, times=self.times, max_rows=max_rows,
-            temperature=temperature, top_p=top_p, seed=seed, verify=self.verify,
+            temperature=temperature, top_p=top_p, seed=seed, verify=self.verify, llm_prefill=self.llm_prefill,
         )  # fmt: skip
         if not own:
             self._lease = weakref.ref(sess)

@@ -5,7 +5,7 @@ time: :class:`LlamaCppSession`, the llama.cpp runner's counterpart of :class:`~c
 Each :meth:`LlamaCppSession.step`:
 
 1. admits queued rows while the SLM's batch has room (a row waiting for the LLM has left it), each taking a free
-   sequence id in both contexts;
+   sequence id in both contexts (with ``llm_prefill="admit"`` the LLM reads their prompts in one decode then);
 2. the SLM reads every stepping row's unread tokens (an admitted row's prompt, the others' last token) in one batched
    decode; the router (:func:`~citer.decoding.decide.route`) reads the hidden states llama.cpp returns and the
    engine's sampler proposes a token per row; the rows the router sends wait for the LLM and leave the SLM's batch;
@@ -38,11 +38,11 @@ import torch
 from citer.decoding.baselines import wants_row_ids
 from citer.decoding.call_rule import CallRule, FixedRule, StepTimes
 from citer.decoding.choice import TopLogprobs, choose_token_tensor, token_logprobs
-from citer.decoding.cost import CostMeter, RowStats
+from citer.decoding.cost import CostMeter
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.pairing import cut_logits
-from citer.decoding.rows import Emitted, EngineInputError, Row, check_sampling, checked_draft, new_row
+from citer.decoding.rows import Emitted, EngineInputError, Row, RowQueue, check_sampling
 from citer.decoding.verify import Verification, first_cuts
 
 MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
@@ -66,7 +66,7 @@ class RoutedRun:
         return sum(sum(x) for x in self.from_llm) / n if n else 0.0
 
 
-class LlamaCppSession:
+class LlamaCppSession(RowQueue):
     """Rows decoded together on llama.cpp; see the module docstring. ``llm=None`` (and ``router=None``): the SLM
     alone. ``max_rows`` bounds the SLM's batch (None: every row admitted at once, up to the contexts' sequence
     ids); the contexts grow, emptied, when no row is live. Not thread-safe: one caller steps it."""
@@ -88,6 +88,7 @@ class LlamaCppSession:
         top_p: float = 1.0,
         seed: int = 0,
         verify: Verification = Verification(),
+        llm_prefill: str = "lazy",
     ) -> None:
         if llm is not None and not slm.hidden:
             raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
@@ -104,6 +105,9 @@ class LlamaCppSession:
         self.rule, self.times = rule, times if times is not None else StepTimes()
         self.max_rows, self.sampling = max_rows, (float(temperature), float(top_p), int(seed))
         self.meter, self.verify = meter, verify
+        # "admit": the LLM reads an admitted row's prompt (but its last token) at once, in one decode with the other
+        # newcomers'; "lazy": at the row's first catch-up, which otherwise reads it.
+        self.llm_prefill = llm_prefill
         # This step's rows (by key) an LLM call checked (their tokens are final) and SLM tokens it took back.
         self._checked: set[int] = set()
         self._replaced: dict[int, list[int]] = {}
@@ -120,70 +124,21 @@ class LlamaCppSession:
         for m in self.models:
             m.reset()
 
-    # -- the caller's side ------------------------------------------------------------------------------------------
-    def add(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        row_id: int | None = None,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: int | None = None,
-        draft: Sequence[int] = (),
-    ) -> int:
-        """Queue a row (checked now, admitted at a later step); returns its key. As
-        :meth:`~citer.decoding.session.DecodeSession.add` (``draft``: first new tokens given as the SLM's)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        d = checked_draft(draft, max_new_tokens)
+    # -- the caller's side (add, cancel, room: RowQueue) ------------------------------------------------------------
+    def _check_row(self, prompt: Sequence[int], draft: list[int], max_new_tokens: int) -> None:
         seq = [int(t) for t in prompt]
         if not seq:
             raise EngineInputError("prompt: empty, nothing to continue")
-        if bad := [t for t in seq + d if not 0 <= t < self.vocab_size][:5]:
+        if bad := [t for t in seq + draft if not 0 <= t < self.vocab_size][:5]:
             raise EngineInputError(f"prompt: token ids outside [0, {self.vocab_size}): {bad}")
         if len(seq) + max_new_tokens > self.max_positions:
             raise EngineInputError(
                 f"prompt: {len(seq)} tokens + max_new_tokens {max_new_tokens} exceed the models' "
                 f"{self.max_positions} positions"
             )
-        row = new_row(
-            self.meter, seq, d, max_new_tokens, row_id, self.sampling, temperature, top_p, seed, logprobs
-        )
-        self.queue.append(row)
-        return row.key
 
-    def cancel(self, key: int) -> bool:
-        """Drop a queued or live row (a client went away); True if it was there."""
-        for r in self.queue:
-            if r.key == key:
-                self.queue.remove(r)
-                return True
-        for r in self.rows:
-            if r.key == key:
-                self._retire([r])
-                return True
-        return False
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.queue)
-
-    @property
-    def stepping(self) -> int:
-        """Rows in the SLM's batch: the live rows not waiting for the LLM."""
-        return sum(1 for r in self.rows if r.waited < 0)
-
-    def room(self) -> int | None:
-        """How many more rows may be admitted now (None: any number): ``max_rows`` bounds the SLM's batch, and the
-        live rows stay at most twice that, as :meth:`~citer.decoding.session.DecodeSession.room`."""
-        if self.max_rows is None:
-            return None
-        return max(0, min(self.max_rows - self.stepping, 2 * self.max_rows - len(self.rows)))
-
-    def stats(self, key: int) -> RowStats:
-        return self.meter.row_stats([key])[0]
+    def _drop(self, row: Row) -> None:
+        self._retire([row])
 
     # -- one step ---------------------------------------------------------------------------------------------------
     def step(self) -> list[Emitted]:
@@ -221,7 +176,9 @@ class LlamaCppSession:
         self.slm_s += seconds
         self.slm_calls += 1
         keys = [r.key for r in stepping]
-        self.meter.forward("slm", keys, [len(t) for t in fed.values()], before)
+        new = [len(t) for t in fed.values()]
+        # the columns each row attends after the call, its new tokens included (the meter's KV read)
+        self.meter.forward("slm", keys, new, [b + n for b, n in zip(before, new, strict=True)])
         rid = torch.tensor([r.row_id for r in stepping])
         steps = torch.tensor([r.n_out for r in stepping])
         picked = choose_token_tensor(
@@ -267,7 +224,7 @@ class LlamaCppSession:
         self.llm_tokens_read += n_read
         self.times.llm_call(n_read, seconds)
         keys, fed = [r.key for r in waiting], [len(t) for t in catch_up.values()]
-        self.meter.forward("llm", keys, fed, seen)
+        self.meter.forward("llm", keys, fed, [n + f for n, f in zip(seen, fed, strict=True)])
         prompt = [max(0, r.prompt_len - n) for r, n in zip(waiting, seen, strict=True)]
         self.meter.llm_fed(keys, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
         if self.verify.on:
@@ -364,13 +321,37 @@ class LlamaCppSession:
                 m.fit(rows, 1 << math.ceil(math.log2(need)))  # powers of two: few context rebuilds
             self._free = list(range(min(m.rows for m in self.models)))[::-1]
         per_row = min(m.row_tokens for m in self.models)
+        new: list[Row] = []
         while (
             want and self._free and self.queue and self.queue[0].prompt_len + self.queue[0].max_new <= per_row
         ):
             r = self.queue.popleft()  # a row longer than the contexts' rows waits until they are empty
             self.seq_of[r.key] = self._free.pop()
             self.rows.append(r)
+            new.append(r)
             want -= 1
+        if new and self.llm_prefill == "admit" and self.llm is not None:
+            self._llm_prefill(new)
+
+    def _llm_prefill(self, new: list[Row]) -> None:
+        """The LLM reads the admitted rows' prompts but their last token in one decode; the last token stays for the
+        row's first catch-up, whose logits there choose (or check) its first new token."""
+        assert self.llm is not None
+        rows = [r for r in new if r.prompt_len > 1]
+        if not rows:
+            return
+        chunks = {self.seq_of[r.key]: r.seq[: r.prompt_len - 1] for r in rows}
+        t0 = time.perf_counter()
+        self.llm.feed(chunks)
+        seconds = time.perf_counter() - t0
+        n = [len(c) for c in chunks.values()]
+        self.llm_s += seconds
+        self.llm_calls += 1
+        self.llm_tokens_read += sum(n)
+        self.times.llm_call(sum(n), seconds)
+        keys = [r.key for r in rows]
+        self.meter.forward("llm", keys, n, n)
+        self.meter.llm_fed(keys, n, [0] * len(n))
 
     def _retire(self, rows: list[Row]) -> None:
         for r in rows:

@@ -1,4 +1,5 @@
-"""What a decoding session is made of: the engine it needs, the rows it decodes, the tokens it emits.
+"""What a decoding session is made of: the engine it needs, the rows it decodes, the tokens it emits, and the
+caller's side both runners' sessions share (:class:`RowQueue`).
 
 Shapes: k = rows, V = vocab.
 """
@@ -6,6 +7,7 @@ Shapes: k = rows, V = vocab.
 from __future__ import annotations
 
 import numbers
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -15,7 +17,7 @@ from torch import nn
 
 from citer.decoding.call_rule import CallRule, StepTimes
 from citer.decoding.choice import TopLogprobs
-from citer.decoding.cost import ModelCost
+from citer.decoding.cost import CostMeter, ModelCost, RowStats
 from citer.decoding.decide import Sampling
 from citer.decoding.verify import Verification, VerificationError
 
@@ -195,3 +197,83 @@ def engine_verification(rho: float, window: int, final: bool, has_llm: bool) -> 
     if verify.on and not has_llm:
         raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
     return verify
+
+
+class RowQueue:
+    """The caller's side of a decoding session, either runner's: :meth:`add` queues a checked row, a later step
+    admits it into ``rows`` (the live rows, in the session's own order), :meth:`cancel` drops one; ``max_rows`` bounds
+    the SLM's batch. A session sets the attributes below and supplies ``_check_row`` (the row against its models) and
+    ``_drop`` (free a live row's place)."""
+
+    rows: list[Row]
+    queue: deque[Row]
+    meter: CostMeter
+    max_rows: int | None
+    sampling: Sampling  # the session's defaults: temperature, top_p, seed
+
+    def _check_row(self, prompt: Sequence[int], draft: list[int], max_new_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _drop(self, row: Row) -> None:
+        raise NotImplementedError
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        row_id: int | None = None,
+        *,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        draft: Sequence[int] = (),
+    ) -> int:
+        """Queue a row (checked now, admitted at a later step); returns its key. Sampling settings default to the
+        session's; rows of one batch may differ (each server request brings its own). ``logprobs=k`` (>= 0): each
+        of the row's :class:`Emitted` carries its token's log-probability and the ``k`` likeliest alternatives.
+        ``draft``: the row's first new tokens, given as if the SLM had written them (counted in ``max_new_tokens``,
+        returned as its first tokens, without log-probs); with verification on they are provisional like any SLM
+        token, so a check may take them back -- what label rollouts ask: would the catch-up repair this token?"""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        d = checked_draft(draft, max_new_tokens)
+        self._check_row(prompt, d, max_new_tokens)
+        row = new_row(
+            self.meter, prompt, d, max_new_tokens, row_id, self.sampling, temperature, top_p, seed, logprobs
+        )
+        self.queue.append(row)
+        return row.key
+
+    def cancel(self, key: int) -> bool:
+        """Drop a queued or live row (a client went away); True if it was there."""
+        for r in self.queue:
+            if r.key == key:
+                self.queue.remove(r)
+                return True
+        for r in self.rows:
+            if r.key == key:
+                self._drop(r)
+                return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.queue)
+
+    @property
+    def stepping(self) -> int:
+        """Rows in the SLM's batch: the live rows not waiting for the LLM."""
+        return sum(1 for r in self.rows if r.waited < 0)
+
+    def room(self) -> int | None:
+        """How many more rows may be admitted now (None: any number). ``max_rows`` bounds the SLM's batch, not the
+        live rows: a row waiting for the LLM leaves the batch and an admitted row takes its place, so the SLM keeps
+        stepping ``max_rows`` rows while others wait (rows the LLM served rejoin it, and admissions pause until it is
+        below ``max_rows`` again); the live rows, what the caches hold, stay at most twice ``max_rows``."""
+        if self.max_rows is None:
+            return None
+        return max(0, min(self.max_rows - self.stepping, 2 * self.max_rows - len(self.rows)))
+
+    def stats(self, key: int) -> RowStats:
+        return self.meter.row_stats([key])[0]

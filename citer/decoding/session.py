@@ -42,21 +42,13 @@ from citer.decoding.choice import (
     read_to_host,
     token_logprobs,
 )
-from citer.decoding.cost import CostMeter, RowStats
-from citer.decoding.rows import (
-    Emitted,
-    Engine,
-    EngineInputError,
-    Row,
-    check_sampling,
-    checked_draft,
-    new_row,
-)
+from citer.decoding.cost import CostMeter
+from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, RowQueue, check_sampling
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "check_sampling"]
 
 
-class DecodeSession(CatchUpCalls):
+class DecodeSession(CatchUpCalls, RowQueue):
     """Rows of one engine decoded together; see the module docstring. Not thread-safe: one caller steps it."""
 
     def __init__(
@@ -71,7 +63,7 @@ class DecodeSession(CatchUpCalls):
     ) -> None:
         self.e = engine
         self.max_rows = max_rows
-        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.sampling = (float(temperature), float(top_p), int(seed))
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
         # The engine's pools (kept across sessions, so captured steps keep their addresses), or this session's own
         # while another session holds them.
@@ -94,73 +86,19 @@ class DecodeSession(CatchUpCalls):
         # Fixed-shape SLM steps: the next step's proposals and hard flags (b,), and the keys of the rows fed.
         self._decided: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
 
-    # -- the caller's side ------------------------------------------------------------------------------------------
-    def add(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        row_id: int | None = None,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        logprobs: int | None = None,
-        draft: Sequence[int] = (),
-    ) -> int:
-        """Queue a row (checked now, admitted at the next step); returns its key. Sampling settings default to the
-        session's; rows of one batch may differ (each server request brings its own). ``logprobs=k`` (>= 0): each
-        of the row's :class:`Emitted` carries its token's log-probability and the ``k`` likeliest alternatives.
-        ``draft``: the row's first new tokens, given as if the SLM had written them (counted in ``max_new_tokens``,
-        returned as its first tokens, without log-probs); with verification on they are provisional like any SLM
-        token, so a check may take them back -- what label rollouts ask: would the catch-up repair this token?"""
-        d = checked_draft(draft, max_new_tokens)
-        self.e.check_prompts([[*prompt, *d]], max_new_tokens - len(d), None)
-        defaults = (self.temperature, self.top_p, self.seed)
-        row = new_row(
-            self.meter, prompt, d, max_new_tokens, row_id, defaults, temperature, top_p, seed, logprobs
-        )
-        self.queue.append(row)
-        return row.key
+    # -- the caller's side (add, cancel, room: RowQueue) ------------------------------------------------------------
+    def _check_row(self, prompt: Sequence[int], draft: list[int], max_new_tokens: int) -> None:
+        self.e.check_prompts([[*prompt, *draft]], max_new_tokens - len(draft), None)
 
     @torch.inference_mode()
-    def cancel(self, key: int) -> bool:
-        """Drop a queued or active row (a client went away); True if it was there."""
-        for r in self.queue:
-            if r.key == key:
-                self.queue.remove(r)
-                return True
-        for s, r in enumerate(self.rows):
-            if r.key == key:
-                self._retire([s])
-                return True
-        return False
+    def _drop(self, row: Row) -> None:
+        self._retire([self.rows.index(row)])
 
     def reserve(self, columns: int) -> None:
         """Size both caches for rows of up to ``columns`` tokens now, so admissions never copy them to grow."""
         for c in (self.slm_pool, self.llm_pool):
             if c is not None:
                 c.ensure_capacity(columns)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.queue)
-
-    @property
-    def stepping(self) -> int:
-        """Rows in the SLM's batch: the active rows not waiting for the LLM."""
-        return sum(1 for r in self.rows if r.waited < 0)
-
-    def room(self) -> int | None:
-        """How many more rows may be admitted now (None: any number). ``max_rows`` bounds the SLM's batch, not the
-        live rows: a row waiting for the LLM leaves the batch and an admitted row takes its place, so the SLM keeps
-        stepping ``max_rows`` rows while others wait (rows the LLM served rejoin it, and admissions pause until it is
-        below ``max_rows`` again); the live rows, what the pools hold, stay at most twice ``max_rows``."""
-        if self.max_rows is None:
-            return None
-        return max(0, min(self.max_rows - self.stepping, 2 * self.max_rows - len(self.rows)))
-
-    def stats(self, key: int) -> RowStats:
-        return self.meter.row_stats([key])[0]
 
     # -- one step ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -338,9 +338,10 @@ def _streamed(x: dict[str, Any]) -> str:
     return f"{x['stream_measured']:.2f}× ({x['stream_rows']} prompts)"
 
 
-def roofline_block(reports: Path) -> Block:
-    """bench/roofline.py: per batch, the ceiling the LLM's unskippable compute puts on routing, beside the measured."""
-    r = _load(reports, "bench_roofline.json")
+def roofline_block(reports: Path, name: str = "bench_roofline.json") -> Block:
+    """bench/roofline.py (the Xeon's, and one report per other CPU kind): per batch, the ceiling the LLM's
+    unskippable compute puts on routing, beside the measured."""
+    r = _load(reports, name)
     rows = [[str(x["batch"]), f"{x['llm_s']:.2f} s", f"{x['llm_prefill_share']:.0%}", f"{x['slm_s']:.2f} s",
              f"{x['routed_s']:.2f} s", f"{x['routed_llm_prompt_tokens'] + x['routed_llm_catchup_tokens']}",
              f"{x['llm_tokens_per_s_prefill']:.0f}", f"{x['measured']:.2f}×", f"{x['ceiling']:.2f}×",
@@ -361,7 +362,7 @@ def roofline_block(reports: Path) -> Block:
     if alt:
         out += "\n\n" + table(["batch", "routed engine", "routed", "measured", "rows as the params' engine's",
                                 "LLM calls a step"], alt)  # fmt: skip
-    return out + f"\n\nFrom `reports/bench_roofline.json` ({note}).", ["bench_roofline.json"]
+    return out + f"\n\nFrom `reports/{name}` ({note}).", [name]
 
 
 def _shared_cell(row: dict[str, Any], best: float) -> str:
@@ -412,6 +413,10 @@ def llama_cpp_routed_block(reports: Path, name: str = "bench_cpu_llama_cpp_route
     return table(head, rows) + f"\n\nFrom `reports/{name}` ({note}).", [name]
 
 
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
 def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Block:
     """bench/cpu_linear.py (one report per CPU kind): torch's float32 linear against oneDNN's on a packed weight, per
     weight shape and row count, cold weights, and which of the two ``citer.decoding.cpu_linear`` takes here."""
@@ -426,9 +431,8 @@ def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Bloc
         rows.append([f"{shape} ({one['out']} × {one['in']})", "/".join(sorted({x["chosen"] for x in xs})),
                      f"{one['torch_ms']:.3f} / {one['packed_ms']:.3f} ms", f"{one['packed_gb_s']:.1f}",
                      *(f"{x['torch_over_packed']:.2f}×" for x in xs)])  # fmt: skip
-    head = ["weight (out × in)", "chosen here", f"{counts[0]} row{'s' * (counts[0] != 1)}: torch / packed",
-            f"packed GB/s, {counts[0]} row{'s' * (counts[0] != 1)}",
-            *(f"torch ÷ packed, {n} row{'s' * (n != 1)}" for n in counts)]  # fmt: skip
+    head = ["weight (out × in)", "chosen here", f"{_rows(counts[0])}: torch / packed",
+            f"packed GB/s, {_rows(counts[0])}", *(f"torch ÷ packed, {_rows(n)}" for n in counts)]  # fmt: skip
     inv = {k: sum(x["row_invariant"][k] for x in r["rows"]) for k in ("torch", "packed")}
     note = (f"{r['cpu']}, {r['threads']} threads, torch {r['torch']}, bandwidth limit {r['bandwidth_gb_s']:.1f} GB/s "
             f"measured in the run, median of {r['reps']}, cold weights; float32 packed from "
@@ -441,7 +445,7 @@ def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Bloc
         cells = {(x["shape"], x["rows"]): x for x in r["rows"]}
         md += "\n\n" + table(
             ["weight (out × in)", "int8 weights, float32 activations, 1 row: time ÷ packed float32's",
-             *(f"int8 weights, bf16 activations, {n} row{'s' * (n != 1)}: time ÷ packed float32's" for n in q8)],
+             *(f"int8 weights, bf16 activations, {_rows(n)}: time ÷ packed float32's" for n in q8)],
             [[f"{shape} ({xs[0]['out']} × {xs[0]['in']})",
               f"{cells[(shape, 1)]['int8_fp32_ms'] / cells[(shape, 1)]['packed_ms']:.2f}×" if (shape, 1) in cells
               else "–",
@@ -554,6 +558,7 @@ def blocks_in(text: str) -> dict[str, str]:
 _PER_CPU = {
     "llama_cpp_routed_": (llama_cpp_routed_block, "bench_cpu_llama_cpp_routed_"),
     "cpu_linear_": (cpu_linear_block, "bench_cpu_linear_"),
+    "roofline_": (roofline_block, "bench_roofline_"),
 }
 
 

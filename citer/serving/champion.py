@@ -66,7 +66,7 @@ def route_engine(
         return LlamaCppEngine(
             gguf_for(slm, t), gguf_for(llm, t), router, tau, eos_token_id, vocab_size,
             llm_min_rows=engine.llm_min_rows, llm_max_wait_steps=engine.llm_max_wait_steps,
-            llm_schedule=engine.llm_schedule, **verify,
+            llm_schedule=engine.llm_schedule, llm_prefill=engine.llm_prefill, **verify,
         )  # fmt: skip
     return RoutedEngine(
         slm,

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from citer.ops.cpu import host_cpu
 from citer.ops.io import file_digest, write_json
 
 FILE = "provenance.json"
@@ -52,18 +53,8 @@ VECTOR_FLAGS = (
 def cpu_kind() -> str:
     """The CPU's model name and its kernel-deciding vector extensions (``/proc/cpuinfo``), e.g. ``AMD EPYC (avx2 fma
     avx512f avx512_vnni avx512_bf16)``: a result file reproduces bit for bit on the same kind."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not flags:
-                model = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    return f"{model} ({' '.join(f for f in VECTOR_FLAGS if f in flags) or 'no vector extensions listed'})"
+    cpu = host_cpu()
+    return f"{cpu.model} ({' '.join(cpu.listed(VECTOR_FLAGS)) or 'no vector extensions listed'})"
 
 
 def machine() -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
 one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; more rows
 take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
-float32 on an AMD CPU, over a weight of at least FP32_PACKED_MIN elements, takes oneDNN's packed weight (torch's linear
-up to float32 rounding, a row's products independent of the rows beside it); everything else is torch's linear, bit
-for bit."""
+float32 on an AMD CPU (the gate, then the path switched on wherever the test runs), over a weight of at least
+FP32_PACKED_MIN elements, takes oneDNN's packed weight (torch's linear up to float32 rounding, a row's products
+independent of the rows beside it); everything else is torch's linear, bit for bit."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from citer.decoding import cpu_linear
+from citer.ops.cpu import HostCpu
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 or no compiler here")
-needs_fp32_packed = pytest.mark.skipif(
-    not cpu_linear._fp32_packed(), reason="not an AMD CPU: float32 takes torch's linear"
+needs_mkldnn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
 )
 needs_bf16 = pytest.mark.skipif(
     not cpu_linear._enabled(), reason="no AVX512-BF16 here: bf16 takes torch's linear"
@@ -98,7 +99,33 @@ def test_training_and_big_products_keep_torchs_linear():
     assert torch.equal(cpu_linear.linear(big, w2), F.linear(big, w2)) and w2 not in cpu_linear._packed
 
 
-@needs_fp32_packed
+@pytest.fixture
+def fp32_packed(monkeypatch):
+    """The float32 path switched on whatever this CPU's vendor (its gate is tested on its own below), so its
+    arithmetic is checked on Intel machines too."""
+    monkeypatch.setattr(cpu_linear, "_state", {**cpu_linear._state, "fp32": True})
+
+
+@pytest.mark.parametrize(
+    ("vendor", "switch", "packed"),
+    [
+        ("AuthenticAMD", "1", True),
+        ("GenuineIntel", "1", False),
+        ("", "1", False),
+        ("AuthenticAMD", "0", False),
+    ],
+)
+def test_float32_path_is_gated_on_an_amd_cpu_and_the_switch(monkeypatch, vendor, switch, packed):
+    monkeypatch.setattr(cpu_linear, "host_cpu", lambda: HostCpu(vendor=vendor, model="m", flags=frozenset()))
+    monkeypatch.setenv("CITER_CPU_LINEAR", switch)
+    monkeypatch.setattr(cpu_linear, "_state", {})  # the process's own answers stay as they were
+    assert cpu_linear._fp32_packed() is (packed and torch.backends.mkldnn.is_available())
+    cpu_linear.use_float32_packed(False)
+    assert cpu_linear._fp32_packed() is False
+
+
+@needs_mkldnn
+@pytest.mark.usefixtures("fp32_packed")
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_over_a_big_weight_takes_the_packed_weight(bias):
     torch.manual_seed(6)
@@ -115,6 +142,8 @@ def test_float32_over_a_big_weight_takes_the_packed_weight(bias):
     assert torch.equal(alone[0], got[3]) and torch.equal(three[0, 1], got[3])
 
 
+@needs_mkldnn
+@pytest.mark.usefixtures("fp32_packed")
 def test_float32_small_weights_and_training_keep_torchs_linear():
     torch.manual_seed(7)
     w = torch.randn(cpu_linear.FP32_PACKED_MIN // 256 - 1, 256)  # one row below the threshold

@@ -50,8 +50,12 @@ def test_engine_writes_the_torch_engines_tokens_and_meters_its_calls(answering_p
     eng = _engine(p, router, gguf_cache)
     got = eng.generate_batch(prompts, 10, row_ids=list(range(10, 16)))
     assert got.tokens == want.tokens and got.from_llm == want.from_llm
-    for toks, flags, st, prompt in zip(got.tokens, got.from_llm, got.rows, prompts, strict=True):
+    for toks, flags, st, prompt, ref in zip(
+        got.tokens, got.from_llm, got.rows, prompts, want.rows, strict=True
+    ):
         assert st.new_tokens == len(toks) and st.llm_tokens == sum(flags)
+        # the KV each call reads and writes, counted as the torch engine counts it (columns after the call + new)
+        assert (st.slm_kv_tokens, st.llm_kv_tokens) == (ref.slm_kv_tokens, ref.llm_kv_tokens)
         assert st.slm_calls == len(toks)  # one SLM step per token written
         assert st.llm_calls == sum(flags)  # one catch-up per routed token (no shared calls)
         assert st.llm_prompt_tokens == (len(prompt) if any(flags) else 0)
@@ -83,6 +87,33 @@ def test_shared_llm_calls_move_when_tokens_arrive_never_which(answering_pair, gg
     # the measured rule too (it only moves calls)
     measured = _engine(p, router, gguf_cache, llm_schedule="measured")
     assert measured.generate_batch(prompts, 10, row_ids=ids, max_rows=4).tokens == shared.tokens
+
+
+def test_the_llm_reads_prompts_at_admission_and_writes_the_same_tokens(answering_pair, gguf_cache):
+    """``llm_prefill="admit"`` on llama.cpp (F32): the same tokens as reading each prompt at the row's first
+    catch-up, every prompt token read by the LLM once, and the same counts as the torch engine under that option."""
+    p = answering_pair
+    router = RandomRouter(0.3, seed=4)
+    prompts, ids = _prompts(p.tok, 8), list(range(20, 28))
+    lazy = _engine(p, router, gguf_cache).generate_batch(prompts, 10, row_ids=ids, max_rows=4)
+    admit = _engine(p, router, gguf_cache, llm_prefill="admit").generate_batch(
+        prompts, 10, row_ids=ids, max_rows=4
+    )
+    assert admit.tokens == lazy.tokens and admit.from_llm == lazy.from_llm
+    assert admit.batch.llm_prompt_tokens == sum(len(q) - 1 for q in prompts) + sum(
+        1 for flags in lazy.from_llm if any(flags)
+    )  # at admission all but the last token, which a routed row's first catch-up reads
+    assert admit.batch.llm_catchup_tokens == lazy.batch.llm_catchup_tokens
+    want = RoutedEngine(
+        p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok), llm_prefill="admit"
+    )
+    ref = want.generate_batch(prompts, 10, row_ids=ids, max_rows=4)
+    assert ref.tokens == admit.tokens
+    assert [(r.llm_calls, r.llm_kv_tokens, r.llm_prompt_tokens) for r in admit.rows] == [
+        (r.llm_calls, r.llm_kv_tokens, r.llm_prompt_tokens) for r in ref.rows
+    ]
+    with pytest.raises(EngineInputError, match="llm_prefill"):
+        _engine(p, router, gguf_cache, llm_prefill="eager")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
