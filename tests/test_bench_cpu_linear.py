@@ -9,7 +9,7 @@ import pytest
 from conftest import bench_module
 
 from citer.decoding import cpu_linear
-from citer.evaluation.headline import render_blocks
+from citer.evaluation.docs_blocks import render_blocks
 
 
 def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):

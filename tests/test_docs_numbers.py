@@ -8,7 +8,7 @@ import shutil
 import pytest
 from conftest import REPO
 
-from citer.evaluation.headline import BLOCKS, blocks_in, render_blocks, rewrite
+from citer.evaluation.docs_blocks import BLOCKS, blocks_in, render_blocks, rewrite
 from citer.ops.io import file_digest
 from citer.tracking import provenance
 

@@ -411,7 +411,7 @@ def report_docs(
     ] = False,
 ) -> None:
     """Re-render the measured tables in README.md, docs/results.md and docs/gpu.md from the report files."""
-    from citer.evaluation.headline import blocks_in, render_blocks, rewrite
+    from citer.evaluation.docs_blocks import blocks_in, render_blocks, rewrite
 
     stale = []
     for doc in docs or [Path("README.md"), Path("docs/results.md"), Path("docs/gpu.md")]:
