@@ -5,13 +5,13 @@
 (F32, then the block-32 types Q8_0 and Q4_0: the embedded models' widths are not multiples of 256, which K-quants
 need) the sweep decodes every pass on llama.cpp with ``engine.runner: llama_cpp`` at that type
 (:func:`citer.evaluation.sweep.run_sweep`: each method's point chosen on dev by the params' rule, reported on test
-with 95% intervals), F32 being full precision on the same runner, so a row's difference from it is the
-quantization's. The grid is the sweep's protocol on fewer points, so three precisions fit in minutes on two cores
-(llama.cpp decodes the tiny embedded models slower than the torch engine: its calls cost more than their
-arithmetic): the last iteration's CITER router, the SLM's confidence and random routing at ``--fractions``, no
+with 95% intervals), F32 being full precision on the same runner, so a row's difference from it is the quantization's.
+The grid is the sweep's protocol on fewer points, so three precisions fit in minutes on two cores (llama.cpp decodes
+the tiny embedded models slower than the torch engine: its calls cost more than their arithmetic): the last
+iteration's CITER router, the SLM's confidence, random routing and the params' verified methods at ``--fractions``, no
 champion (it promotes nothing), no router ablations, widths or query router. Not a DVC stage: a bench of the method
-across precisions. Writes ``reports/bench_precision_sweep.json`` (``--out``), stamped in
-``reports/provenance.json``; docs/results.md renders it (``citer report docs``).
+across precisions. Writes ``reports/bench_precision_sweep.json`` (``--out``), stamped in ``reports/provenance.json``;
+docs/results.md renders it (``citer report docs``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ def chosen_rows(result: Any, sweep_params: Any) -> list[dict[str, Any]]:
         rows = json.loads((Path(d) / "sweep.json").read_text())
     keep = ("method", "tau", "accuracy", "accuracy_ci", "llm_token_fraction", "bytes_moved_rel_llm", "bytes_ci",
             "n_examples")  # fmt: skip
-    # the oracle's flags are the torch SLM's teacher-forced mistakes (citer.evaluation.oracle), not the runner's:
-    # on llama.cpp's quantized SLM they mark the wrong tokens, so its row is left out
+    # the oracle is a bound on routing (it knows the SLM's mistakes), not a method a user could choose: left out
     return [{k: r.get(k) for k in keep} for r in rows
             if r["method"] != "oracle" and (r.get("tau") is None or r.get("selected_on_dev"))]  # fmt: skip
 
