@@ -44,7 +44,7 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.rows import check_prompts, engine_verification
+from citer.decoding.rows import check_prompts, checked_llm_prefill, engine_verification
 from citer.decoding.runner import FORWARDS, ModelRunner
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
@@ -166,9 +166,7 @@ class RoutedEngine:
             llm_schedule,
         )
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
-        if llm_prefill not in ("lazy", "admit"):
-            raise EngineInputError(f"llm_prefill must be 'lazy' or 'admit', got {llm_prefill!r}")
-        self.llm_prefill = llm_prefill
+        self.llm_prefill = checked_llm_prefill(llm_prefill)
         if static_steps not in STATIC_STEPS:
             raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
         self.static_steps = static_steps

@@ -29,7 +29,13 @@ from citer.decoding.decide import route
 from citer.decoding.engine import GenerationResult, decode_all
 from citer.decoding.llama_cpp_routed import MAX_SEQUENCES, LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
-from citer.decoding.rows import EngineInputError, check_prompts, check_sampling, engine_verification
+from citer.decoding.rows import (
+    EngineInputError,
+    check_prompts,
+    check_sampling,
+    checked_llm_prefill,
+    engine_verification,
+)
 
 
 class LlamaCppEngine:
@@ -69,9 +75,7 @@ class LlamaCppEngine:
             self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         except ValueError as err:  # the engine's own input error, as every bad argument
             raise EngineInputError(str(err)) from None
-        if llm_prefill not in ("lazy", "admit"):
-            raise EngineInputError(f"llm_prefill must be 'lazy' or 'admit', got {llm_prefill!r}")
-        self.llm_prefill = llm_prefill
+        self.llm_prefill = checked_llm_prefill(llm_prefill)
         self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [

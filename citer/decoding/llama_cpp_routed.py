@@ -169,16 +169,14 @@ class LlamaCppSession(RowQueue):
         """The SLM reads the stepping rows' unread tokens and proposes; rows the router sends start waiting, the
         others' proposals go in ``tok``. Returns the call's seconds."""
         fed = {self.seq_of[r.key]: r.seq[self.slm.lengths[self.seq_of[r.key]] :] for r in stepping}
-        before = [self.slm.lengths[s] for s in fed]
         t0 = time.perf_counter()
         logits, hidden = self.slm.feed(fed)  # (b, V), (b, H)
         seconds = time.perf_counter() - t0
         self.slm_s += seconds
         self.slm_calls += 1
         keys = [r.key for r in stepping]
-        new = [len(t) for t in fed.values()]
-        # the columns each row attends after the call, its new tokens included (the meter's KV read)
-        self.meter.forward("slm", keys, new, [b + n for b, n in zip(before, new, strict=True)])
+        # each row's new tokens and the columns it attends after the call, them included (the meter's KV read)
+        self.meter.forward("slm", keys, [len(t) for t in fed.values()], [self.slm.lengths[s] for s in fed])
         rid = torch.tensor([r.row_id for r in stepping])
         steps = torch.tensor([r.n_out for r in stepping])
         picked = choose_token_tensor(
@@ -208,7 +206,6 @@ class LlamaCppSession(RowQueue):
         assert self.llm is not None
         seen = [self.llm.lengths[self.seq_of[r.key]] for r in waiting]
         catch_up = {self.seq_of[r.key]: r.seq[n:] for r, n in zip(waiting, seen, strict=True)}
-        n_read = sum(len(t) for t in catch_up.values())
         t0 = time.perf_counter()
         if (
             self.verify.on
@@ -218,15 +215,7 @@ class LlamaCppSession(RowQueue):
             logits, _ = self.llm.feed_at(catch_up, read)  # (N, V): every candidate of every row, in row order
         else:
             logits, _ = self.llm.feed(catch_up)  # (R, V)
-        seconds = time.perf_counter() - t0
-        self.llm_s += seconds
-        self.llm_calls += 1
-        self.llm_tokens_read += n_read
-        self.times.llm_call(n_read, seconds)
-        keys, fed = [r.key for r in waiting], [len(t) for t in catch_up.values()]
-        self.meter.forward("llm", keys, fed, [n + f for n, f in zip(seen, fed, strict=True)])
-        prompt = [max(0, r.prompt_len - n) for r, n in zip(waiting, seen, strict=True)]
-        self.meter.llm_fed(keys, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
+        self._charge_llm(waiting, seen, [len(t) for t in catch_up.values()], time.perf_counter() - t0)
         if self.verify.on:
             self._verified(waiting, logits, tok)
             return
@@ -343,15 +332,21 @@ class LlamaCppSession(RowQueue):
         chunks = {self.seq_of[r.key]: r.seq[: r.prompt_len - 1] for r in rows}
         t0 = time.perf_counter()
         self.llm.feed(chunks)
-        seconds = time.perf_counter() - t0
-        n = [len(c) for c in chunks.values()]
+        self._charge_llm(rows, [0] * len(rows), [len(c) for c in chunks.values()], time.perf_counter() - t0)
+
+    def _charge_llm(self, rows: list[Row], seen: list[int], fed: list[int], seconds: float) -> None:
+        """Count one LLM decode over ``rows``, which held ``seen`` tokens each and read ``fed`` more, in ``seconds``:
+        the session's totals, the engine's measured call times (a measured call rule reads them) and the meter (each
+        row's KV read after the call, and how many of the tokens it read were its prompt's)."""
+        n = sum(fed)
         self.llm_s += seconds
         self.llm_calls += 1
-        self.llm_tokens_read += sum(n)
-        self.times.llm_call(sum(n), seconds)
+        self.llm_tokens_read += n
+        self.times.llm_call(n, seconds)
         keys = [r.key for r in rows]
-        self.meter.forward("llm", keys, n, n)
-        self.meter.llm_fed(keys, n, [0] * len(n))
+        self.meter.forward("llm", keys, fed, [s + f for s, f in zip(seen, fed, strict=True)])
+        prompt = [min(f, max(0, r.prompt_len - s)) for r, s, f in zip(rows, seen, fed, strict=True)]
+        self.meter.llm_fed(keys, prompt, [f - p for f, p in zip(fed, prompt, strict=True)])
 
     def _retire(self, rows: list[Row]) -> None:
         for r in rows:

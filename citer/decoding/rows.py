@@ -188,6 +188,16 @@ def new_row(
     )
 
 
+LLM_PREFILL = ("lazy", "admit")  # when the LLM reads a row's prompt: at its first catch-up, or at admission
+
+
+def checked_llm_prefill(value: str) -> str:
+    """An engine's ``llm_prefill`` argument, refused as the engine's input error unless one of :data:`LLM_PREFILL`."""
+    if value not in LLM_PREFILL:
+        raise EngineInputError(f"llm_prefill must be 'lazy' or 'admit', got {value!r}")
+    return value
+
+
 def engine_verification(rho: float, window: int, final: bool, has_llm: bool) -> Verification:
     """An engine's ``verify_*`` arguments as a :class:`Verification`, refused as the engine's input error."""
     try:
