@@ -3,10 +3,10 @@
 Random weights at real shapes, random prompt ids, no EOS (every row generates exactly ``--new-tokens``):
 
 - ``--device cuda``: Qwen2 pairs in bf16 (``0.5b-7b``: Qwen2-0.5B / 7B; ``1.5b-14b``: Qwen2-1.5B / Qwen2.5-14B), our
-  engine in ``--static-steps graphs`` (a compiled layer per model, a CUDA graph per bucket); on a lent GPU ``bash
+  engine in ``--forward graphs`` (a compiled layer per model, a CUDA graph per bucket); on a lent GPU ``bash
   bench/gpu_oneshot.sh OUT_DIR`` (docs/gpu.md) runs this once per pair;
-- ``--device cpu``: the SmolLM2 pair (135M / 1.7B, Llama) in bf16 and float32, our engine in ``--static-steps
-  default`` (an Inductor graph per call kind) and eager, against the measured read bandwidth (docs/results.md);
+- ``--device cpu``: the SmolLM2 pair (135M / 1.7B, Llama) in bf16 and float32, our engine as the params'
+  ``engine:`` block runs it (``--forward params``) and eager, against the measured read bandwidth (docs/results.md);
 - ``--pairs embedded --hf-forward``: the pipeline's own architectures, the lean forward against the HF modules'.
 
 Variants and their timing: ``bench/speed_measure.py``; models, bytes, the report, ratios and targets:
@@ -375,12 +375,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             wb = {m: spec_params(m) * size for m in (slm, llm)}
             layers = {m: SPECS[m]["layers"] for m in (slm, llm)}
             phases["build"] = phases.get("build", 0) + (wb[slm] + wb[llm]) / 1e9 / k["build_gb_per_s"]
-            # Our compiles: regional pieces (layer, head) per model; whole steps (a step kind, and a catch-up kind for
-            # a model that is caught up) where the mode compiles whole.
-            mode = args.static_steps
+            # Our compiles: regional pieces (layer, head) per model; with --forward compiled whole graphs (a step kind,
+            # and a catch-up kind for a model that is caught up).
+            mode = args.forward
             regional = mode in ("graphs", "aot_eager")
             for m, kinds in ((slm, 1), (llm, 2)):
-                n = 0 if mode in (None, "eager") else 2 if regional else kinds
+                n = 0 if mode in ("params", "eager", "hf", "fixed") else 2 if regional else kinds
                 compiles[f"{m} ({dtype})"] = n
                 if regional:
                     secs = k["layer_compile_s"] + k["head_compile_s"]
@@ -429,18 +429,19 @@ def _committed_rows(dev: str) -> tuple[Path, list[dict[str, Any]]]:
 def _measured_constants(dev: str) -> dict[str, Any]:
     """Per-piece compile seconds from the last committed report of this device kind, when it recorded them."""
     path, rows = _committed_rows(dev)
-    per = {"graphs": [], "aot_eager": [], "default": []}  # seconds per compile, by --static-steps
+    layer: list[float] = []  # seconds per regional compile (--forward graphs or aot_eager)
+    out: dict[str, Any] = {}
     for r in rows:
+        # "static_steps": reports made before the engine's one forward setting
+        if r.get("engine_forward", r.get("static_steps")) not in ("graphs", "aot_eager"):
+            continue
         for m in ("slm", "llm"):
-            if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s") and r.get("static_steps") in per:
-                per[r["static_steps"]].append(r[f"{m}_compile_s"] / r[f"{m}_compiles"])
-    layer, whole, out = per["graphs"] + per["aot_eager"], per["default"], {}
+            if r.get(f"{m}_compiles") and r.get(f"{m}_compile_s"):
+                layer.append(r[f"{m}_compile_s"] / r[f"{m}_compiles"])
     # a model's two pieces, layer and head, averaged in the report: the split kept from the defaults
     if layer:
         out["layer_compile_s"] = 0.7 * 2 * max(layer)
         out["head_compile_s"] = 0.3 * 2 * max(layer)
-    if whole:
-        out["whole_compile_s"] = max(whole)
     if out:
         out["source"] = f"{path.relative_to(ROOT)} (measured compiles)"
     return out
@@ -532,14 +533,14 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         "--llama-cpp-batches", type=_ints, default=None, help="llama.cpp rows' batches (default: all)"
     )
     ap.add_argument("--vllm-python", default="", help="a Python with vllm (CPU backend): vLLM LLM-only rows")
-    ap.add_argument("--static-steps", default="auto",
-                    help="the engine's fixed-shape steps (citer.decoding.engine.STATIC_STEPS); auto: graphs on cuda, "
-                    "aot_eager with --tiny, none on cpu; none: the engines citer route builds (the --params engine "
-                    "block through route_engine)")  # fmt: skip
+    ap.add_argument("--forward", default="auto",
+                    help="how the engines' calls run (citer.decoding.runner.FORWARDS), replacing the --params engine "
+                    "block's; auto: graphs on cuda, aot_eager with --tiny, else params: the block's own, as citer "
+                    "route runs it")  # fmt: skip
     ap.add_argument(
         "--params",
         default=str(ROOT / "params.yaml"),
-        help="the params whose engine: block the engines are built from (without --static-steps)",
+        help="the params whose engine: block the engines are built from (engine_from_block, as citer route)",
     )
     ap.add_argument("--gpu", default="auto", help=f"bandwidth limit: one of {sorted(GPU_BANDWIDTH)}")
     ap.add_argument("--time-budget", type=float, default=None,
@@ -586,12 +587,10 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         a.reps = min(a.reps, 2)
     if a.time_budget is None:
         a.time_budget = 480 if cuda else 360 if a.quick else 3600
-    if a.static_steps == "auto":
-        a.static_steps = "aot_eager" if a.tiny else "graphs" if cuda else None
-    if a.static_steps in ("none", ""):
-        a.static_steps = None
-    if a.static_steps is None:
-        a.engine_eager = False  # engine_llm is then the eager engine itself
+    if a.forward == "auto":
+        a.forward = "aot_eager" if a.tiny else "graphs" if cuda else "params"
+    if a.forward in ("params", "eager"):
+        a.engine_eager = False  # engine_llm is then the eager engine itself (with the params' eager forward)
     if a.tiny:
         a.compile = False  # transformers' compile takes minutes; the tiny run checks our paths
     bad = [p for p in a.pairs if p not in PAIRS] + [d for d in a.dtypes if d not in DTYPES]

@@ -2,7 +2,7 @@
 budget, each variant's row saved after every rep.
 
 - LLM alone first (the baselines): ``hf_llm_static_compiled`` (``generate`` with a static cache, compiled: CUDA
-  graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine, ``--static-steps``), ``engine_llm_eager``, ``hf_llm``
+  graphs on a GPU, Inductor on a CPU), ``engine_llm`` (our engine, ``--forward``), ``engine_llm_eager``, ``hf_llm``
   (eager ``generate``), the peers (``llama_cpp_llm``, ``vllm_llm``; llama.cpp also quantized by its own quantizer,
   ``llama_cpp_llm_q8_0``..., each row's ``precision`` its type);
 - then ``engine_slm``, a random router at LLM probability p (``routed_f{p}``; at batch > 1 ``shared_f{p}``,
@@ -26,7 +26,7 @@ import torch
 from bench.speed_report import PAIRS, SPECS, BenchRun, BuiltPair, plain_bytes
 from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.cost import ModelCost, call_tally
-from citer.decoding.engine import RoutedEngine
+from citer.decoding.engine import ENGINE_SETTINGS, RoutedEngine, engine_from_block
 from citer.decoding.lean import lean_decoder
 from citer.decoding.speculative import assistant_setup
 from citer.decoding.step_compile import step_stats
@@ -74,13 +74,24 @@ class Variant:
     external: bool = False
 
 
-ENGINE_SETTINGS = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "overlap", "static_steps",
-                   "tau", "vocab_size")  # fmt: skip
-
-
 def engine_settings(e: RoutedEngine) -> dict[str, Any]:
     """What decides how an engine runs its calls: recorded per row, so a report says which engine it timed."""
-    return {k: getattr(e, k) for k in ENGINE_SETTINGS} | {"forward": e.forward_paths}
+    return {k: getattr(e, k) for k in (*ENGINE_SETTINGS, "tau", "vocab_size")} | {
+        "forward_paths": e.forward_paths
+    }
+
+
+def engine_block(path: Path) -> dict[str, Any]:
+    """The ``engine:`` block of the params at ``path``: as ``citer route`` reads it (checked, defaults filled) where
+    the project's config imports, else (the GPU image has no pydantic) the block as written, which the engine checks
+    setting by setting."""
+    try:
+        from citer.config import load_params
+    except ImportError:
+        import yaml
+
+        return dict(yaml.safe_load(path.read_text(encoding="utf-8")).get("engine") or {})
+    return load_params(path).engine.model_dump()
 
 
 def variants(
@@ -113,36 +124,25 @@ def variants(
 
         return go
 
-    params: dict[str, Any] | None = None
-    if a.static_steps is None:
-        # Imported here: pydantic and the registry's side are not on the GPU machine, whose runs take fixed-shape
-        # steps.
-        from citer.config import load_params
-        from citer.config.serving import EngineParams
-        from citer.serving.champion import route_engine
-
-        params = load_params(Path(a.params)).engine.model_dump()
-        if params["runner"] != "torch":
-            raise ValueError(
-                f"{a.params}: engine.runner {params['runner']!r}: bench/speed.py times the torch engine "
-                "(bench/llama_cpp_routed.py times llama.cpp's)"
-            )
-        run.report["engine"] = (
-            params  # the block the engines are built from, beside each variant's own settings
+    block = engine_block(Path(a.params))
+    if block.get("runner", "torch") != "torch":
+        raise ValueError(
+            f"{a.params}: engine.runner {block['runner']!r}: bench/speed.py times the torch engine "
+            "(bench/llama_cpp_routed.py times llama.cpp's)"
         )
+    if a.forward != "params":
+        block["forward"] = a.forward
+    run.report["engine"] = block  # the block the engines are built from, beside each variant's own settings
 
     def build(s: Any, m: Any, router: Any, **over: Any) -> RoutedEngine:
-        """An engine as ``citer route`` builds it (``route_engine`` on the params' engine block, ``over`` the
-        variant's own settings) where the run times that path; with ``--static-steps`` its fixed-shape steps."""
-        if params is not None:
-            block = EngineParams.model_validate(params | over)
-            return route_engine(s, m, router, 0.5, block, vocab_size=vocab)
-        return RoutedEngine(s, m, router, tau=0.5, vocab_size=vocab, static_steps=a.static_steps, **over)
+        """An engine as ``citer route`` builds it (:func:`~citer.decoding.engine.engine_from_block` on the params'
+        engine block, ``--forward`` and ``over``, the variant's own settings, replacing theirs)."""
+        return engine_from_block(s, m, router, 0.5, block | over, vocab_size=vocab)
 
     def engine(name: str, e: RoutedEngine, f: float, **meta: Any) -> Variant:
-        info = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": f, "static_steps": e.static_steps,
+        info = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": f, "engine_forward": e.forward,
                 "overlap": e.overlap, "engine": engine_settings(e), **meta}  # fmt: skip
-        return Variant(name, eng(e), info, e, compiles=e.static_steps not in (None, "eager"))
+        return Variant(name, eng(e), info, e, compiles=e.forward not in ("eager", "hf", "fixed"))
 
     base: list[Variant] = []
     if a.compile and batch in a.compile_batches:
@@ -150,8 +150,9 @@ def variants(
                             {"method": "hf_generate_static_compiled", "model": "llm", "f": 1.0}, compiles=True))  # fmt: skip
     base.append(engine("engine_llm", build(llm, None, AlwaysSLM()), 1.0, model="llm"))
     if a.engine_eager:
-        e = RoutedEngine(llm, None, AlwaysSLM(), vocab_size=vocab)
-        base.append(engine("engine_llm_eager", e, 1.0, model="llm"))
+        base.append(
+            engine("engine_llm_eager", build(llm, None, AlwaysSLM(), forward="eager"), 1.0, model="llm")
+        )
     base.append(Variant("hf_llm", hf(llm), {"method": "hf_generate", "model": "llm", "f": 1.0}))
     llama = SPECS[PAIRS[models.name][1]]["family"] == "llama"
     llama_cpp = bool(a.llama_cpp_python) and batch in a.llama_cpp_batches

@@ -59,7 +59,7 @@ def cases() -> dict[str, dict]:
     out["overlap"] = {**base, "router": "random", "engine": {"overlap": True}}
     out["max_rows"] = {**base, "router": "random", "prompts": prompts, "max_rows": 3}
     out["sampled"] = {**base, "router": "mlp", "sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 3}}
-    out["static_eager"] = {**base, "router": "random", "engine": {"static_steps": "eager"}}
+    out["static_eager"] = {**base, "router": "random", "engine": {"forward": "fixed"}}
     out["drafts"] = {**base, "router": "random", "drafts": [[5, 6], [], [7], [8, 9, 10]],
                      "engine": {"verify_rho": 0.3, "verify_window": 2}}  # fmt: skip
     return out

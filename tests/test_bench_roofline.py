@@ -39,7 +39,7 @@ def test_the_bench_builds_its_engines_as_citer_route_does(roofline, tmp_path):
     pair = build_pair("tiny", "cpu", "fp32")
     built = roofline.engines(pair, 0.2, block)
     route = route_engine(pair.slm, pair.llm, RandomRouter(0.2, seed=0), 0.5, block, vocab_size=pair.vocab)
-    keys = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "overlap", "static_steps", "tau",
+    keys = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "overlap", "forward", "tau",
             "vocab_size")  # fmt: skip
     for eng in built.values():
         assert (eng.llm_min_rows, eng.llm_max_wait_steps) == (3, 2)

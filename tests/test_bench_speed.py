@@ -61,8 +61,8 @@ def test_tiny_run_measures_every_variant_baselines_first(tiny_report):
         (2, "overlap_shared_f0.1"),
     } <= set(order)
     rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
-    assert rows[1, "routed_f0.1"]["static_steps"] == "aot_eager"
-    assert rows[1, "engine_llm_eager"]["static_steps"] is None
+    assert rows[1, "routed_f0.1"]["engine_forward"] == "aot_eager"
+    assert rows[1, "engine_llm_eager"]["engine_forward"] == "eager"
     assert rows[1, "routed_f0.1"]["forward"] == {"slm": "lean", "llm": "lean"}
     assert all(len(r["reps_s"]) == 2 for r in rep["rows"])
     assert rows[2, "overlap_f0.1"]["overlap"] is True and rows[2, "routed_f0.1"]["overlap"] is False
@@ -98,7 +98,7 @@ def test_tiny_run_ratios_are_finite_and_targets_named(tiny_report):
 
 def test_hf_forward_times_the_same_engines_through_the_hf_modules(speed, tmp_path):
     out = tmp_path / "bench.json"
-    argv = ["--tiny", "--static-steps", "none", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
+    argv = ["--tiny", "--forward", "params", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
             "1", "--hf-forward", "--out", str(out)]  # fmt: skip
     assert speed.main(argv) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
@@ -223,26 +223,6 @@ def test_plain_bytes_matches_the_engine_meter(speed):
     res = RoutedEngine(slm, None, AlwaysSLM()).generate_batch([[5, 6, 7, 8]] * 3, 5)
     assert report.plain_bytes(ModelCost.from_model(slm), 3, 4, 5) == pytest.approx(res.batch.bytes_moved)
     assert report.spec_params("tiny-slm") == report.n_params(slm)
-
-
-@pytest.mark.slow
-def test_the_cpu_run_compiles_each_kind_once_with_inductor(speed, tmp_path):
-    """The CPU bench's engine (``--static-steps default``: one whole-step Inductor graph per call kind, rows padded to
-    at least two) at tiny shapes, batch 1 and 2: the SLM compiles its decode step once, the LLM its step (alone) and
-    its catch-up (routed) once each; prompts longer than a fixed-shape call prefill eagerly."""
-    out = tmp_path / "cpu.json"
-    argv = ["--tiny", "--static-steps", "default", "--batches", "1,2", "--new-tokens", "12", "--prompt-len", "20",
-            "--reps", "1", "--alphas", "", "--fractions", "0.5", "--overlap-fractions", "", "--out", str(out)]  # fmt: skip
-    assert speed.main(argv) == 0
-    rep = json.loads(out.read_text())
-    assert rep["errors"] == []
-    rows = {(r["batch"], r["variant"]): r for r in rep["rows"]}
-    assert rows[1, "engine_llm"]["static_steps"] == "default"
-    per_model = {m: sum(r.get(f"{m}_compiles", 0) for r in rep["rows"]) for m in ("slm", "llm")}
-    assert per_model == {"slm": 1, "llm": 2}, per_model
-    assert (
-        rows[1, "routed_f0.5"]["llm_calls"] > 1
-    )  # the first catch-up prefills the prompt eagerly, later ones are steps
 
 
 def test_the_gguf_files_for_llama_cpp_are_the_model_transformers_reads_back(speed, tmp_path):
@@ -373,7 +353,7 @@ def test_llama_cpp_settings_default_to_three_quantized_types_at_every_batch(spee
 def test_a_python_without_llama_cpp_skips_its_rows_with_one_line(speed, tmp_path):
     out = tmp_path / "r.json"
     argv = ["--tiny", "--pairs", "tiny-llama", "--batches", "1", "--new-tokens", "2", "--prompt-len", "3", "--reps",
-            "1", "--alphas", "", "--static-steps", "none", "--llama-cpp-python", str(tmp_path / "no-python"),
+            "1", "--alphas", "", "--forward", "params", "--llama-cpp-python", str(tmp_path / "no-python"),
             "--out", str(out)]  # fmt: skip
     assert speed.main(argv) == 0
     rep = json.loads(out.read_text())
@@ -516,7 +496,7 @@ def test_a_type_llama_cpp_does_not_know_stops_the_run_before_it_starts(speed, ll
 
 
 def test_the_cpu_default_times_the_engines_citer_route_builds(speed, tmp_path):
-    """Without ``--static-steps`` a CPU run builds every engine row through ``route_engine`` (what ``citer route`` and
+    """With ``--forward params`` (a CPU run's default) every engine row is built as ``route_engine`` (what ``citer route`` and
     ``citer serve`` call) from ``--params``' engine block: a changed block reaches every row, each row records the
     settings it ran with, and they equal ``route_engine``'s from the same block plus the variant's own (shared calls,
     overlap)."""
@@ -533,7 +513,7 @@ def test_the_cpu_default_times_the_engines_citer_route_builds(speed, tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw), encoding="utf-8")
     out = tmp_path / "bench.json"
-    argv = ["--tiny", "--static-steps", "none", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
+    argv = ["--tiny", "--forward", "params", "--batches", "2", "--new-tokens", "4", "--prompt-len", "5", "--reps",
             "1", "--params", str(params), "--out", str(out)]  # fmt: skip
     assert speed.main(argv) == 0
     rep = json.loads(out.read_text())
@@ -547,6 +527,38 @@ def test_the_cpu_default_times_the_engines_citer_route_builds(speed, tmp_path):
         over |= {"overlap": True} if name.startswith("overlap") else {}
         want = route_engine(pair.slm, pair.llm, RandomRouter(0.1, seed=0), 0.5,
                             EngineParams.model_validate(block.model_dump() | over), vocab_size=pair.vocab)  # fmt: skip
-        got = {k: v for k, v in row["engine"].items() if k != "forward"}
+        got = {k: v for k, v in row["engine"].items() if k != "forward_paths"}
         assert got == {k: getattr(want, k) for k in got}, name
-        assert got["llm_schedule"] == "measured" and got["static_steps"] is None
+        assert got["llm_schedule"] == "measured" and got["forward"] == "eager"
+
+
+def test_the_gpu_run_builds_its_engines_from_the_params_block_without_pydantic(monkeypatch, tmp_path):
+    """The GPU image has no pydantic: the bench then reads the params' engine block as written, and the engine it
+    builds with ``--forward graphs`` is the one ``route_engine`` builds from the validated block with
+    ``engine.forward: graphs`` -- what ``citer route`` runs on a GPU is what the GPU run times."""
+    import yaml
+
+    from bench.speed_measure import engine_block
+    from bench.speed_report import build_pair
+    from citer.config import load_params
+    from citer.decoding.baselines import RandomRouter
+    from citer.decoding.engine import ENGINE_SETTINGS, engine_from_block
+    from citer.serving.champion import route_engine
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    raw["engine"] = {"llm_min_rows": 3, "llm_max_wait_steps": 2, "forward": "graphs"}  # the rest: defaults
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    validated = engine_block(path)
+    monkeypatch.setitem(sys.modules, "citer.config", None)  # import citer.config now raises ImportError
+    written = engine_block(path)
+    assert written == raw["engine"] and validated == load_params(path).engine.model_dump()
+    monkeypatch.undo()
+    pair = build_pair("tiny", "cpu", "fp32")
+    router = RandomRouter(0.2, seed=0)
+    bench = engine_from_block(pair.slm, pair.llm, router, 0.5, written, vocab_size=pair.vocab)
+    route = route_engine(pair.slm, pair.llm, router, 0.5, load_params(path).engine, vocab_size=pair.vocab)
+    assert {k: getattr(bench, k) for k in ENGINE_SETTINGS} == {k: getattr(route, k) for k in ENGINE_SETTINGS}
+    assert bench.forward == "graphs" and bench.static_for("slm") is not None
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    assert bench.generate_batch(prompts, 6).tokens == route.generate_batch(prompts, 6).tokens

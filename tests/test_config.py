@@ -400,8 +400,11 @@ def test_params_choose_the_runner_and_refuse_torch_only_options():
     assert EngineParams(llama_cpp_type="Q4_0").runner_name() == "torch"  # the type matters only to llama_cpp
     with pytest.raises(ValueError, match="llama_cpp runs no overlap"):
         EngineParams(runner="llama_cpp", overlap=True)
-    with pytest.raises(ValueError, match="llama_cpp runs no compile_forward"):
-        EngineParams(runner="llama_cpp", compile_forward=True)
+    with pytest.raises(ValueError, match="llama_cpp runs no forward"):
+        EngineParams(runner="llama_cpp", forward="compiled")
+    with pytest.raises(ValueError, match="forward"):
+        EngineParams(forward="aot_eager")  # the test-only modes are not the params'
+    assert EngineParams().forward == "eager"
     assert (
         EngineParams(runner="llama_cpp", llm_prefill="admit").llm_prefill == "admit"
     )  # both runners read prompts so
@@ -409,3 +412,17 @@ def test_params_choose_the_runner_and_refuse_torch_only_options():
     assert shared.llm_min_rows == 4  # shared LLM calls run on either runner
     with pytest.raises(ValueError, match="llama_cpp_type"):
         EngineParams(runner="llama_cpp", llama_cpp_type="q4_0")
+
+
+def test_the_engine_block_defaults_are_the_engines_own():
+    """A block read without pydantic (the GPU bench) leaves unset settings to the engine: its defaults must be the
+    params' defaults, or the GPU would time another engine than ``citer route`` builds."""
+    import inspect
+
+    from citer.decoding.engine import ENGINE_SETTINGS, RoutedEngine
+
+    sig = inspect.signature(RoutedEngine)
+    defaults = EngineParams().model_dump()
+    assert {k: sig.parameters[k].default for k in ENGINE_SETTINGS} == {
+        k: defaults[k] for k in ENGINE_SETTINGS
+    }

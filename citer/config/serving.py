@@ -29,9 +29,11 @@ class EngineParams(_Block):
     # "admit": the LLM reads admitted prompts in one call beside the SLM's prefill; "lazy": in each row's first
     # catch-up, mixed with other rows' catch-ups.
     llm_prefill: Literal["lazy", "admit"] = "lazy"
-    # The models' lean forward under torch.compile (Inductor): faster steps once compiled (seconds per graph kind,
-    # paid at the first requests), rounding of fused float arithmetic; for a long-running server or a big route.
-    compile_forward: bool = False
+    # How both models' calls run (citer.decoding.runner): "eager" the lean forward as calls come (the pipeline's
+    # records); "compiled" it under torch.compile (faster steps once compiled, seconds per graph kind paid at the
+    # first requests, fused rounding): a long-running CPU server or a big route; "graphs" decode steps and short
+    # catch-ups as fixed-shape calls captured per bucket: CUDA graphs, the path bench/gpu_oneshot.sh measures.
+    forward: Literal["eager", "compiled", "graphs"] = "eager"
     # Queue the SLM's step while the LLM's catch-up is in flight (on CUDA, a stream of its own); the LLM's tokens
     # reach the SLM a step later. Same tokens; pays where the device overlaps the calls (a GPU), not on a CPU.
     overlap: bool = False
@@ -39,7 +41,7 @@ class EngineParams(_Block):
     # llama.cpp's CPU kernels, citer.decoding.llama_cpp_engine; needs llama-cpp-python: CITER_LLAMA_CPP=1 bash
     # scripts/setup.sh). Honoured by citer route, the sweep's passes and citer serve, so tau is chosen on the runner
     # that serves. It shares LLM calls (llm_min_rows, llm_max_wait_steps, llm_schedule) and reads prompts
-    # (llm_prefill) as the torch engine does, and runs no compile_forward or overlap.
+    # (llm_prefill) as the torch engine does, and runs no other forward or overlap.
     runner: Literal["torch", "llama_cpp"] = "torch"
     # The llama.cpp type the pipeline's models are converted to (llama.cpp's quantizer for the quantized ones):
     # F32, BF16, F16, Q8_0, Q6_K, Q5_K_M, Q5_0, Q4_K_M, Q4_0, ... ; K-quants need widths that are multiples of 256.
@@ -51,7 +53,7 @@ class EngineParams(_Block):
 
     @model_validator(mode="after")
     def _one_runner(self) -> EngineParams:
-        torch_only = {"compile_forward": False, "overlap": False}
+        torch_only = {"forward": "eager", "overlap": False}
         if self.runner == "llama_cpp":
             for name, default in torch_only.items():
                 if getattr(self, name) != default:

@@ -42,14 +42,15 @@ class SideStream:
     @classmethod
     def for_engine(cls, engine: Any) -> SideStream:
         """A stream of its own where the engine overlaps and its LLM is on CUDA with eager steps. Captured steps
-        (``static_steps="graphs"``) stay in program order: on the first GPU run (H200, docs/gpu.md) an overlapped
+        (``forward="graphs"``) stay in program order: on the first GPU run (H200, docs/gpu.md) an overlapped
         session replaying both models' graphs on two streams parted from the sequential tokens at step 38, and a
         batch-32 warm-up did not finish in 215 s; eager steps on two streams kept every token."""
         llm = engine.llm
         if not getattr(engine, "overlap", False) or llm is None:
             return cls()
         dev = next(llm.parameters()).device
-        if dev.type != "cuda" or getattr(engine, "static_steps", None) == "graphs":
+        steps = engine.llm_runner.steps
+        if dev.type != "cuda" or (steps is not None and steps.graphs):
             return cls()
         return cls(torch.cuda.Stream(dev))
 

@@ -24,7 +24,7 @@ so the session reads one result instead of running a dozen eager ops after the f
 hold is tried once, warned about, and decided eagerly from then on.
 
 What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
-the other token. That is why it is opt-in (``RoutedEngine(forward="compiled")``, ``engine.compile_forward``), for
+the other token. That is why it is opt-in (``RoutedEngine(forward="compiled")``, ``engine.forward: compiled``), for
 long runs (a server, a big ``citer route``) where the compile time is paid once. The graphs are the model's (one
 :class:`CompiledHidden` per lean decoder), shared by every runner that compiles it; a forward that fails to compile
 warns once and runs eagerly from then on.

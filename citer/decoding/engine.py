@@ -14,7 +14,7 @@ it has waited that many steps: one weight read then serves several rows. Tokens 
 
 Both models keep a :class:`~citer.decoding.kv_pool.KVPool`, so rows of different lengths share every call;
 each model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, the one place that picks the forward
-(lean or HF, eager or compiled, ragged or fixed-shape) from the engine's ``forward`` and ``static_steps``.
+(lean or HF, eager or compiled, ragged or fixed-shape and captured) from the engine's one ``forward``.
 Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
 chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded to different sizes.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,19 +48,6 @@ from citer.decoding.rows import check_prompts, checked_llm_prefill, engine_verif
 from citer.decoding.runner import FORWARDS, ModelRunner
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
 from citer.decoding.static_step import StaticSteps
-from citer.decoding.step_compile import StepMode
-
-# static_steps (citer.decoding.static_step): None = the ragged eager call; "eager" = fixed-shape calls, bucketed, run
-# eagerly; "default" = compiled (Inductor), exact shapes, no captures (the CPU's fastest); "graphs" = compiled per
-# layer, bucketed, one capture per bucket (CUDA graphs on a GPU; on a CPU the same buffers replayed by calls);
-# "aot_eager" = "graphs" traced without code generation, the CPU check of the captured path.
-STATIC_STEPS: dict[str | None, StepMode | None] = {
-    None: None,
-    "eager": StepMode(buckets=True),
-    "default": StepMode("inductor", min_size=2),
-    "graphs": StepMode("inductor", buckets=True, graphs=True, regional=True),
-    "aot_eager": StepMode("aot_eager", buckets=True, graphs=True, regional=True),
-}
 
 
 @dataclass
@@ -90,10 +77,12 @@ class RoutedEngine:
     derives from its own measured step times (:mod:`citer.decoding.call_rule`). ``llm_prefill``: ``"lazy"`` lets the
     LLM read a row's prompt in its first catch-up; ``"admit"`` reads every admitted prompt but its last token in one
     LLM call beside the SLM's prefill (one large call instead of prompts mixed into small catch-ups; wasted on a row
-    the router never routes). ``forward``: ``"auto"`` runs each model's lean forward where it covers the family
-    (:mod:`citer.decoding.lean`), HF's elsewhere; ``"hf"`` HF's for both (the oracle); ``"compiled"`` the lean
-    forwards under ``torch.compile`` (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per
-    graph kind; fused rounding, so a near tie may pick the other token). The choice is this engine's: another engine
+    the router never routes). ``forward``: how both models' calls run (:data:`~citer.decoding.runner.FORWARDS`):
+    ``"eager"`` each model's lean forward where it covers the family (:mod:`citer.decoding.lean`), HF's elsewhere;
+    ``"hf"`` HF's for both (the oracle); ``"compiled"`` the lean forwards under ``torch.compile``
+    (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a near
+    tie may pick the other token); ``"graphs"`` decode steps and short catch-ups as fixed-shape calls captured per
+    bucket (:mod:`citer.decoding.static_step`: CUDA graphs on a GPU). The choice is this engine's: another engine
     over the same models runs them as it was asked to. ``verify_rho``/``verify_window``/``verify_final``: verified routing
     (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
     SLM's call while its LLM catch-up is in flight (on CUDA, on a stream of its own) and feeds the LLM's tokens to the
@@ -117,8 +106,7 @@ class RoutedEngine:
         llm_max_wait_steps: int = 0,
         llm_schedule: str = "fixed",
         llm_prefill: str = "lazy",
-        static_steps: str | None = None,
-        forward: str = "auto",
+        forward: str = "eager",
         verify_rho: float = math.inf,
         verify_window: int = 0,
         verify_final: bool = False,
@@ -167,14 +155,11 @@ class RoutedEngine:
         )
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
         self.llm_prefill = checked_llm_prefill(llm_prefill)
-        if static_steps not in STATIC_STEPS:
-            raise EngineInputError(f"static_steps must be one of {list(STATIC_STEPS)}, got {static_steps!r}")
-        self.static_steps = static_steps
         if forward not in FORWARDS:
             raise EngineInputError(f"forward must be one of {list(FORWARDS)}, got {forward!r}")
-        mode = STATIC_STEPS[static_steps]
-        self.slm_runner = ModelRunner(slm, forward, mode)
-        self.llm_runner = ModelRunner(llm, forward, mode) if llm is not None else None
+        self.forward = forward
+        self.slm_runner = ModelRunner(slm, forward)
+        self.llm_runner = ModelRunner(llm, forward) if llm is not None else None
         if not isinstance(overlap, bool):
             raise EngineInputError(f"overlap must be true or false, got {overlap!r}")
         self.overlap = overlap
@@ -184,8 +169,8 @@ class RoutedEngine:
         self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
 
     def static_for(self, which: str) -> StaticSteps | None:
-        """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``static_steps`` asks for them and the model
-        runs the lean forward; None keeps the ragged call."""
+        """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``forward`` asks for them and the model runs
+        the lean forward; None keeps the ragged call."""
         runner = self.slm_runner if which == "slm" else self.llm_runner
         return runner.static if runner is not None else None
 
@@ -213,8 +198,6 @@ class RoutedEngine:
         served: a pool that grows later moves (captured steps re-capture) and, if its columns grow, recompiles."""
         if self._pools is None:
             self._pools = self._new_pools()
-        mode = STATIC_STEPS[self.static_steps]
-        rows = max(rows, mode.min_size if mode is not None else 1)  # pad rows write into slots of their own
         for c, m in zip(self._pools, (self.slm, self.llm), strict=True):
             if c is not None and m is not None:
                 c.reserve(rows, columns, next(m.parameters()))
@@ -301,6 +284,26 @@ class RoutedEngine:
         sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
         sess.reserve(max(len(p) for p in prompts) + max_new_tokens)
         return decode_all(sess, prompts, max_new_tokens, row_ids, drafts, t0)
+
+
+# The ``engine:`` block's settings the torch engine takes (``citer.config.serving.EngineParams`` checks them for the
+# CLI; the engine checks each again, so a block read without pydantic -- the GPU bench -- is checked alike).
+ENGINE_SETTINGS = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "forward", "overlap")
+
+
+def engine_from_block(
+    slm: nn.Module, llm: nn.Module | None, router: Router, tau: float, block: Mapping[str, Any], **kwargs: Any
+) -> RoutedEngine:
+    """The torch engine an ``engine:`` block (a mapping, e.g. ``EngineParams.model_dump()``) describes: the one call
+    by which ``citer route``, ``citer serve`` and the speed benches build it, so a bench times what they run. Settings
+    the block leaves out take the engine's defaults (the params' own); ``kwargs`` are the rest of
+    :class:`RoutedEngine`'s arguments (eos, vocabulary, verification)."""
+    runner = block.get("runner", "torch")
+    if runner != "torch":
+        raise EngineInputError(f"engine.runner {runner!r}: the torch engine runs runner 'torch' only")
+    return RoutedEngine(
+        slm, llm, router, tau, **{k: block[k] for k in ENGINE_SETTINGS if k in block}, **kwargs
+    )
 
 
 def decode_all(

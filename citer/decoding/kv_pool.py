@@ -94,7 +94,6 @@ class KVPool:
         self.capacity = capacity
         self.lengths = [0] * n_rows  # valid columns per active slot; the active slots are 0..len-1
         self._alloc = n_rows  # slots the buffers hold (>= active)
-        self.min_rows = 1  # slots allocated at least (fixed-shape steps padded to more rows write into slots of their own)
         # Rows rounded up to a power of two and columns to a multiple of 128, so that a compiled forward sees a few
         # pool shapes and compiles its graphs for them (citer.decoding.compiled); from the next allocation on.
         self.round_shapes = round_shapes
@@ -118,7 +117,7 @@ class KVPool:
         """Open ``k`` empty slots after the active ones; the pool doubles when it runs out (amortised copies)."""
         n = len(self.lengths)
         if n + k > self._alloc:
-            alloc = max(n + k, 2 * self._alloc, self.min_rows)
+            alloc = max(n + k, 2 * self._alloc)
             if self.round_shapes:
                 alloc = 1 << (alloc - 1).bit_length()
             self.keys = [self._grown(t, rows=alloc) for t in self.keys]

@@ -1,11 +1,20 @@
 """One model's forward calls: :class:`ModelRunner`, the one place that chooses how a call runs.
 
-A runner belongs to one model in one engine and holds that engine's choice for it: ``forward="auto"`` runs the lean
-forward (:mod:`citer.decoding.lean`) where it covers the model's family and HF's modules elsewhere, ``"hf"`` always
-HF's (the oracle the lean forward is tested against), ``"compiled"`` the lean forward under ``torch.compile``
-(:mod:`citer.decoding.compiled`); ``steps`` (a :class:`~citer.decoding.step_compile.StepMode`) runs decode steps and
-short catch-ups as fixed-shape calls (:mod:`citer.decoding.static_step`). The choice is the runner's, not the model's:
-two engines over one model may run it differently, and nothing outside the engine switches it.
+A runner belongs to one model in one engine and holds that engine's one choice for it, ``forward`` (:data:`FORWARDS`):
+
+- ``"eager"``: the lean forward (:mod:`citer.decoding.lean`) where it covers the model's family, HF's modules
+  elsewhere; ragged calls, run as they come. The default, and what the pipeline's records are made with.
+- ``"hf"``: HF's modules always (the oracle the lean forward is tested against).
+- ``"compiled"``: the lean forward under ``torch.compile`` with dynamic sizes (:mod:`citer.decoding.compiled`), ragged
+  calls; for long CPU runs, where the compile is paid once.
+- ``"graphs"``: decode steps and catch-ups of up to :data:`STATIC_Q` tokens as fixed-shape calls, bucketed, one
+  compiled layer and head per model and one capture per bucket (:mod:`citer.decoding.static_step`; CUDA graphs on a
+  GPU, the same buffers replayed by calls elsewhere); prompts take the eager ragged call.
+- ``"fixed"``, ``"aot_eager"``: the fixed-shape calls run eagerly, or captured and traced without code generation
+  (the CPU's check of ``"graphs"``): for tests and benches.
+
+The choice is the runner's, not the model's: two engines over one model may run it differently, and nothing outside
+the engine switches it.
 
 :meth:`ModelRunner.feed` is the engine's one call over a KV pool (:class:`~citer.decoding.kv_pool.KVPool`): rows
 whose caches lag by different gaps append in one forward call, padded or packed (laid out by
@@ -30,7 +39,15 @@ from citer.decoding.lean import LeanDecoder, lean_decoder, unsupported_reason
 from citer.decoding.static_step import StaticSteps
 from citer.decoding.step_compile import StepMode
 
-FORWARDS = ("auto", "hf", "compiled")
+# forward -> (the ragged calls' forward: "lean", "hf" or "compiled"; the fixed-shape steps' mode, None for none)
+FORWARDS: dict[str, tuple[str, StepMode | None]] = {
+    "eager": ("lean", None),
+    "hf": ("hf", None),
+    "compiled": ("compiled", None),
+    "graphs": ("lean", StepMode("inductor", buckets=True, graphs=True)),
+    "fixed": ("lean", StepMode(buckets=True)),
+    "aot_eager": ("lean", StepMode("aot_eager", buckets=True, graphs=True)),
+}
 
 # What packing a call's queries costs per layer (a scatter and a gather, ~20 us on a CPU core), in the multiply-adds
 # a core does meanwhile (~250 G/s, the rate of the LLM's products on the Zen 4 host in docs/results.md): an estimate
@@ -44,10 +61,11 @@ STATIC_Q = 16
 class ModelRunner:
     """How one model's calls run in one engine (module docstring)."""
 
-    def __init__(self, model: nn.Module, forward: str = "auto", steps: StepMode | None = None) -> None:
+    def __init__(self, model: nn.Module, forward: str = "eager") -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {list(FORWARDS)}, got {forward!r}")
-        self.model, self.forward_kind, self.steps = model, forward, steps
+        self.model, self.forward_name = model, forward
+        self.forward_kind, self.steps = FORWARDS[forward]
         self._static: StaticSteps | None = None
         self._static_for: LeanDecoder | None = None
 
@@ -94,9 +112,7 @@ class ModelRunner:
 
     def new_pool(self) -> KVPool:
         """An empty KV pool for this model, shaped for how its calls run."""
-        pool = KVPool(self.model, 0, 0, round_shapes=self.round_shapes)
-        pool.min_rows = self.steps.min_size if self.steps is not None else 1
-        return pool
+        return KVPool(self.model, 0, 0, round_shapes=self.round_shapes)
 
     # -- one forward call -------------------------------------------------------------------------------------------
     def hidden(

@@ -1,7 +1,8 @@
 """Fixed-shape steps over a slot pool, captured per bucket: the session's decode steps and LLM catch-ups.
 
 Decode steps (the SLM's, or one model decoding alone) and LLM catch-ups of up to ``static_q`` tokens run here when the
-engine asks for fixed-shape steps (``RoutedEngine(static_steps=...)``); their forward is compiled once per model and
+engine asks for fixed-shape steps (``RoutedEngine(forward="graphs")`` and the modes of
+:data:`~citer.decoding.runner.FORWARDS` beside it); their forward is compiled once per model and
 call kind (:mod:`citer.decoding.step_compile`). With ``StepMode.graphs`` rows and tokens are bucketed to powers of two
 and each bucket's call (forward and decision) is captured as a CUDA graph (``torch.cuda.CUDAGraph``, one memory pool
 per model's steps, so two models' graphs can replay at once on two streams) over fixed input buffers; a replay stages
@@ -96,10 +97,10 @@ class StaticSteps:
     def _kind(self, step: bool, every: bool) -> StepKind:
         """A decode step over the slot prefix, or a catch-up over named slots. Regional pieces serve both with one
         layer graph (the step's rows gathered like a catch-up's, Q a symbol), so a model compiles one layer and one
-        head for every bucket; a whole-step graph specializes the step (a slice of the prefix, Q = 1). Compiled, the
-        attention is fused products and sums (``lean.decoder_layer``'s "fused"); eager, two batched matrix products."""
+        head for every bucket; eager steps read the prefix as a slice. Compiled, the attention is fused products and
+        sums (``lean.decoder_layer``'s "fused"); eager, two batched matrix products."""
         fused = self.compiled is not None
-        if step and not self.mode.regional:
+        if step and not fused:
             return StepKind(prefix=True, q1=True, every=False, fused=fused)
         return StepKind(prefix=False, q1=False, every=every, fused=fused)
 
@@ -150,9 +151,7 @@ class StaticSteps:
         return x.clone() if self.mode.graphs and self.cuda else x
 
     # -- inputs ------------------------------------------------------------------------------------------------------
-    def _shape(self, b: int, q: int, q1: bool) -> tuple[int, int]:
-        b = max(b, self.mode.min_size)
-        q = q if q1 else max(q, self.mode.min_size)
+    def _shape(self, b: int, q: int) -> tuple[int, int]:
         return (bucket(b), bucket(q)) if self.mode.buckets else (b, q)
 
     def _host_inputs(
@@ -221,7 +220,7 @@ class StaticSteps:
         steps: Sequence[int],
     ) -> tuple[torch.Tensor, ...]:
         b, q = len(chunks), max(len(c) for c in chunks)
-        big_b, big_q = self._shape(b, 1 if kind.q1 else q, kind.q1)
+        big_b, big_q = self._shape(b, 1 if kind.q1 else q)
         self.stats.buckets.add((big_b, big_q))
         keys, values = self._pool(pool)
         flat = self._host_inputs(pool, chunks, slots, big_b, big_q, kind, rid, steps)
@@ -264,7 +263,7 @@ class StaticSteps:
         fn = self._decide_fns.get(d)
         if fn is not None:
             return fn
-        if self.mode.backend is None or (self.mode.backend == "inductor" and not self.mode.graphs):
+        if self.mode.backend is None:
             fn = decide
         else:
             backend = "eager" if self.mode.backend == "inductor" else self.mode.backend

@@ -8,9 +8,8 @@ call kind, whatever the batch, as nano-vllm and vLLM compile once and capture pe
 code objects of its own (:func:`own_code`), so the SLM and the LLM share neither graphs nor the recompile limit, and
 a router or τ is never a constant of a forward graph: the step's decision (:func:`~citer.decoding.decide.decide`) is traced apart.
 
-``StepMode.regional`` compiles one decoder layer and the head, called layer by layer (a compile costs one layer's
-trace whatever the depth; a captured step replays without the Python loop); otherwise the whole step is one graph
-(a CPU, where nothing is captured and each compiled call costs its guards). Everything a step reads from outside is
+A model compiles one decoder layer and the head, called layer by layer (regional compilation: a compile costs one
+layer's trace whatever the depth; a captured step replays without the Python loop). Everything a step reads from outside is
 marked a static address once (:func:`mark_static`): weights, norms, RoPE tables, the pools, the input buffers, so a
 CUDA graph never copies one at replay. A compile that fails, or a model that compiles more than
 :data:`RECOMPILE_LIMIT` graphs of one piece, falls back to eager steps with one warning.
@@ -46,18 +45,12 @@ class StepMode:
     """How fixed-shape steps run. ``backend``: None runs them eagerly, else a ``torch.compile`` backend (``"inductor"``
     with ``options``, ``"aot_eager"``, or a callable). ``buckets``: rows and tokens padded to powers of two (else the
     exact shapes, which a dynamic graph runs as well). ``graphs``: fixed input buffers and one capture per bucket (CUDA
-    graphs on CUDA). ``regional``: compile one layer and the head, not the whole step (compile time independent of
-    depth; for captures, whose replay skips the Python loop). ``min_size``: calls of fewer rows (and catch-ups of fewer tokens) are padded up
-    to it (Inductor specializes a whole step first compiled for one row or token, so a CPU run at batch 1 and 8 would
-    compile each kind twice; padded to two it compiles once, and a bf16 matrix-vector product reads its weight once
-    for two rows as for one)."""
+    graphs on CUDA)."""
 
     backend: str | Callable[..., Any] | None = None
     options: tuple[tuple[str, Any], ...] = ()
     buckets: bool = False
     graphs: bool = False
-    regional: bool = False
-    min_size: int = 1
 
 
 @dataclass
@@ -144,8 +137,8 @@ def step_body(
     """One fixed-shape call: ids, pos, cols, tok_slot (B, Q) long; slots (B,) the rows' pool slots; last (B,) the index
     of each row's last real token. keys/values: per layer the pool (R, kv, K, D). The model's one body
     (``LeanDecoder.hidden``): each layer writes its K/V at (tok_slot, cols) and attends the rows' whole pool rows
-    (the prefix's as a slice, named slots gathered) under the causal mask of the positions. Traced whole, or
-    (regional) run eagerly with ``layer`` (:func:`~citer.decoding.lean.decoder_layer`) and ``head`` compiled."""
+    (the prefix's as a slice, named slots gathered) under the causal mask of the positions. Run eagerly, ``layer``
+    (:func:`~citer.decoding.lean.decoder_layer`) and ``head`` compiled or not."""
     k_cols = keys[0].shape[2]
     mask = torch.arange(k_cols, device=pos.device) <= pos[:, None, :, None]  # (B, 1, Q, K)
     call = PoolCall(k_cols, rows=tok_slot, cols=cols, slots=None if kind.prefix else slots)
@@ -162,18 +155,6 @@ def mark_static(t: torch.Tensor) -> None:
 
 # The symbolic dims of decoder_layer's tensors: x, cos, sin, mask, kb, vb, then the call's rows, cols and slots.
 _LAYER_DIMS = ((0, 1), (0, 1), (0, 1), (0, 2), (0,), (0,), (0, 1), (0, 1), (0,))
-
-
-def mark_step_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Mark a whole step's arguments' symbolic dims: rows (and tokens, unless the kind has one) of the indices, rows of
-    the per-row tensors and of the pools."""
-    _, keys, values, ids, pos, cols, tok_slot, slots, last, kind = args
-    dims = (0,) if kind.q1 else (0, 1)
-    for t in (ids, pos, cols, tok_slot):
-        mark_dims(t, *dims)
-    for t in (slots, last, *keys, *values):
-        mark_dims(t, 0)
-    return args
 
 
 def mark_dims(t: torch.Tensor, *dims: int) -> torch.Tensor:
@@ -215,11 +196,11 @@ class CompiledPieces:
         return compile_graph
 
     def fn(self, piece: str, kind: StepKind) -> Callable[..., Any]:
-        """The compiled ``piece`` ("step", "layer" or "head") for ``kind``."""
+        """The compiled ``piece`` ("layer" or "head") for ``kind``."""
         key = (piece, kind)
         got = self._fns.get(key)
         if got is None:
-            body = {"step": step_body, "layer": decoder_layer, "head": head_step}[piece]
+            body = {"layer": decoder_layer, "head": head_step}[piece]
             flags = "".join("1" if getattr(kind, f) else "0" for f in ("prefix", "q1", "every", "fused"))
             own = own_code(body, f"{id(self.lean):x}_{flags}")
             got = self._fns[key] = torch.compile(own, fullgraph=True, dynamic=None, backend=self._backend())
@@ -231,16 +212,10 @@ class CompiledPieces:
         c = self
         if c.eager_only:
             return step_body(*args)
-        mark_step_args(args)
         t0, n0 = time.perf_counter(), self.stats.compiles
         try:
             with compile_context():
-                if self.mode.regional:
-                    out = step_body(
-                        *args, layer=self._regional("layer", kind), head=self._regional("head", kind)
-                    )
-                else:
-                    out = c.fn("step", kind)(*args)
+                out = step_body(*args, layer=self._regional("layer", kind), head=self._regional("head", kind))
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as err:
             # Raised tracing or compiling, before the graph ran; a rerun writes the same K/V to the same columns.
             c.eager_only = True

@@ -8,7 +8,7 @@ import os
 from typing import Any, NamedTuple
 
 from citer.config.serving import EngineParams
-from citer.decoding.engine import RoutedEngine
+from citer.decoding.engine import RoutedEngine, engine_from_block
 from citer.models.loading import load_pair
 from citer.project import Project, as_project
 from citer.tracking.deployed import ChampionError, Deployment, open_champion
@@ -68,22 +68,10 @@ def route_engine(
             llm_min_rows=engine.llm_min_rows, llm_max_wait_steps=engine.llm_max_wait_steps,
             llm_schedule=engine.llm_schedule, llm_prefill=engine.llm_prefill, **verify,
         )  # fmt: skip
-    return RoutedEngine(
-        slm,
-        llm,
-        router,
-        tau=tau,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        vocab_size=vocab_size,
-        llm_min_rows=engine.llm_min_rows,
-        llm_max_wait_steps=engine.llm_max_wait_steps,
-        llm_schedule=engine.llm_schedule,
-        llm_prefill=engine.llm_prefill,
-        forward="compiled" if engine.compile_forward else "auto",
-        overlap=engine.overlap,
-        **verify,
-    )
+    return engine_from_block(
+        slm, llm, router, tau, engine.model_dump(), eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        vocab_size=vocab_size, **verify,
+    )  # fmt: skip
 
 
 def build_champion(proj: Project, deployment: Deployment) -> Champion:

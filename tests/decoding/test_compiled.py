@@ -21,7 +21,7 @@ from citer.decoding.runner import ModelRunner
 pytestmark = pytest.mark.slow
 
 
-def _generate(slm, llm, prompts, n, forward="auto"):
+def _generate(slm, llm, prompts, n, forward="eager"):
     eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), tau=0.5, forward=forward)
     res = eng.generate_batch(prompts, n)
     return res.tokens, res.from_llm, eng.forward_paths
@@ -56,7 +56,7 @@ def _eager_and_compiled(model, chunks):
     compile that falls back to eager fails the test."""
     outs = {}
     with torch.inference_mode():
-        for path in ("auto", "compiled"):
+        for path in ("eager", "compiled"):
             runner = ModelRunner(model, forward=path)
             pool = KVPool(model, len(chunks[0]), 64)
             with warnings.catch_warnings():
@@ -80,7 +80,7 @@ def test_compiled_logits_match_the_eager_forward_over_a_ragged_cache(family):
     assert (
         len(compiled_hidden(lean_decoder(model))._fns) == 2
     )  # the step graph and the packed (varlen) one ran
-    for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
+    for eager, compiled in zip(outs["eager"], outs["compiled"], strict=True):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
         assert torch.equal(compiled.argmax(-1), eager.argmax(-1))
 
@@ -93,7 +93,7 @@ def test_a_bf16_forward_compiles_without_falling_back():
     chunks = [[[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], [[20], [21]]]
     outs = _eager_and_compiled(model, chunks)
     assert compiled_hidden(lean_decoder(model))._fns
-    for eager, compiled in zip(outs["auto"], outs["compiled"], strict=True):
+    for eager, compiled in zip(outs["eager"], outs["compiled"], strict=True):
         torch.testing.assert_close(compiled.float(), eager.float(), atol=0.1, rtol=0.05)
 
 

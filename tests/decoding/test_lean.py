@@ -190,7 +190,7 @@ def test_routed_tokens_equal_through_either_forward(pair, temperature):
     the same tokens (the sampler is the engine's own, so HF ``generate`` draws differ by construction)."""
     _, slm, llm = pair
     out = {}
-    for path in ("hf", "auto"):
+    for path in ("hf", "eager"):
         eng = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), vocab_size=V, forward=path)
         want = (
             {"slm": "hf: forward='hf'", "llm": "hf: forward='hf'"}
@@ -199,9 +199,9 @@ def test_routed_tokens_equal_through_either_forward(pair, temperature):
         )
         assert eng.forward_paths == want
         out[path] = eng.generate_batch(PROMPTS, 20, temperature=temperature, seed=7)
-    assert out["hf"].tokens == out["auto"].tokens
-    assert out["hf"].from_llm == out["auto"].from_llm
-    assert any(any(r) for r in out["auto"].from_llm) and not all(all(r) for r in out["auto"].from_llm)
+    assert out["hf"].tokens == out["eager"].tokens
+    assert out["hf"].from_llm == out["eager"].from_llm
+    assert any(any(r) for r in out["eager"].from_llm) and not all(all(r) for r in out["eager"].from_llm)
 
 
 def test_weights_are_views_not_copies_and_moves_rebuild():

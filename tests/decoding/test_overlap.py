@@ -51,10 +51,10 @@ CASES = {
     "sampled": dict(router=lambda: RandomRouter(0.3, seed=5), temperature=0.8),
     "joining": dict(router=lambda: RandomRouter(0.4, seed=2), max_rows=3),
     "shared_calls": dict(router=lambda: RandomRouter(0.3, seed=5), llm_min_rows=2, llm_max_wait_steps=2),
-    "fixed_shape": dict(router=lambda: spread_router(32), static_steps="eager"),
+    "fixed_shape": dict(router=lambda: spread_router(32), forward="fixed"),
     "verified": dict(router=lambda: spread_router(32), verify_rho=1.0, verify_window=3, verify_final=True),
     "verified_fixed": dict(
-        router=lambda: spread_router(32), verify_rho=1.0, verify_window=2, static_steps="eager"
+        router=lambda: spread_router(32), verify_rho=1.0, verify_window=2, forward="fixed"
     ),
     "logprobs": dict(router=lambda: RandomRouter(0.3, seed=5), logprobs=2),
 }

@@ -36,9 +36,7 @@ def test_fixed_shape_steps_give_the_ragged_calls_tokens(pair, max_rows, temperat
     slm, llm = pair
     kw = dict(max_rows=max_rows, temperature=temperature, seed=5)
     ref = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0)).generate_batch(PROMPTS, 20, **kw)
-    got = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), static_steps="eager").generate_batch(
-        PROMPTS, 20, **kw
-    )
+    got = RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), forward="fixed").generate_batch(PROMPTS, 20, **kw)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
     assert any(any(r) for r in got.from_llm)
 
@@ -76,7 +74,7 @@ def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, 
         return choose(*a, **kw)
 
     monkeypatch.setattr(session_mod, "choose_token_tensor", spy)
-    eng = RoutedEngine(slm, llm, make(), tau=0.5, static_steps="eager")
+    eng = RoutedEngine(slm, llm, make(), tau=0.5, forward="fixed")
     got = eng.generate_batch(PROMPTS, 16, temperature=temperature, seed=5)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
     assert len(eager_calls) == 1  # the first step only: its rows came from the prefill, not a decode step
@@ -94,7 +92,7 @@ def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, 
 
 def test_rows_that_sample_differently_decide_eagerly_with_the_same_tokens(pair):
     slm, llm = pair
-    engines = [RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), static_steps=s) for s in (None, "eager")]
+    engines = [RoutedEngine(slm, llm, RandomRouter(0.3, seed=0), forward=s) for s in ("eager", "fixed")]
     out = []
     for eng in engines:
         sess = eng.session()
@@ -120,16 +118,16 @@ def test_a_router_the_graph_cannot_hold_decides_eagerly_with_the_same_tokens(pai
     slm, llm = pair
     ref = RoutedEngine(slm, llm, HostRouter(), tau=0.5).generate_batch(PROMPTS, 12)
     assert any(any(r) for r in ref.from_llm)
-    eng = RoutedEngine(slm, llm, HostRouter(), tau=0.5, static_steps="aot_eager")
+    eng = RoutedEngine(slm, llm, HostRouter(), tau=0.5, forward="aot_eager")
     with pytest.warns(UserWarning, match="cannot run inside the step's graph"):
         got = eng.generate_batch(PROMPTS, 12)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
     assert eng.static_for("slm")._untraceable  # remembered: later steps do not trace it again
 
 
-def test_unknown_static_steps_mode_is_refused(pair):
-    with pytest.raises(EngineInputError, match="static_steps"):
-        RoutedEngine(*pair, RandomRouter(0.3), static_steps="reduce-overhead")
+def test_unknown_forward_is_refused(pair):
+    with pytest.raises(EngineInputError, match="forward"):
+        RoutedEngine(*pair, RandomRouter(0.3), forward="reduce-overhead")
 
 
 @pytest.mark.slow
@@ -142,7 +140,7 @@ def test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket(pair, 
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from citer.decoding import engine as engine_mod
+    from citer.decoding import runner as runner_mod
     from citer.decoding.lean import lean_decoder
     from citer.decoding.step_compile import step_stats
 
@@ -159,9 +157,9 @@ def test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket(pair, 
         traced.append(names)
         return gm.forward
 
-    mode = engine_mod.STATIC_STEPS["graphs"]
+    mode = runner_mod.FORWARDS["graphs"][1]
     monkeypatch.setitem(
-        engine_mod.STATIC_STEPS, "checked", dataclasses.replace(mode, backend=checking_backend)
+        runner_mod.FORWARDS, "checked", ("lean", dataclasses.replace(mode, backend=checking_backend))
     )
     mlp = _mlp_router(32)
 
@@ -169,7 +167,7 @@ def test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket(pair, 
         return RandomRouter(0.3, seed=seed) if router == "random" else mlp
 
     def run(prompts, seed, max_rows):
-        eng = RoutedEngine(slm, llm, make(seed), static_steps="checked")
+        eng = RoutedEngine(slm, llm, make(seed), forward="checked")
         return eng.generate_batch(prompts, 12, max_rows=max_rows).tokens
 
     stats = [step_stats(lean_decoder(m)) for m in pair]
@@ -201,7 +199,7 @@ def test_a_session_steps_both_models_through_the_engines_fixed_shape_steps(pair,
         return call(self, *args, **kwargs)
 
     monkeypatch.setattr(static_step.StaticSteps, "__call__", spy)
-    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), static_steps="eager")
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), forward="fixed")
     res = eng.generate_batch(PROMPTS, 8)
     assert any(any(r) for r in res.from_llm)
     steps = {"slm": eng.static_for("slm"), "llm": eng.static_for("llm")}
@@ -214,7 +212,7 @@ def test_every_tensor_a_captured_step_reads_from_outside_is_a_static_address(pai
     (half a model's weights per step, for fused matrices that are plain tensors). Trace the "graphs" steps with a
     backend that records their inputs: every input whose memory existed before the step (weights, norms, RoPE
     tables, pools, the fixed input buffer) is marked static, and the list the steps expose covers every parameter."""
-    from citer.decoding import engine as engine_mod
+    from citer.decoding import runner as runner_mod
     from citer.decoding.lean import lean_decoder
 
     seen: list[torch.Tensor] = []
@@ -223,9 +221,9 @@ def test_every_tensor_a_captured_step_reads_from_outside_is_a_static_address(pai
         seen.extend(t for t in example_inputs if isinstance(t, torch.Tensor))
         return gm.forward
 
-    mode = dataclasses.replace(engine_mod.STATIC_STEPS["graphs"], backend=recording_backend)
-    monkeypatch.setitem(engine_mod.STATIC_STEPS, "recorded", mode)
-    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), static_steps="recorded")
+    mode = dataclasses.replace(runner_mod.FORWARDS["graphs"][1], backend=recording_backend)
+    monkeypatch.setitem(runner_mod.FORWARDS, "recorded", ("lean", mode))
+    eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), forward="recorded")
     eng.generate_batch(PROMPTS, 8, max_rows=3)
     assert seen
 

@@ -167,7 +167,7 @@ def test_fixed_shape_steps_verify_like_the_ragged_calls(pair):
     router = spread_router(32)
     kw = dict(verify_rho=1.0, verify_window=3, verify_final=True)
     ragged = engine(pair, router, **kw).generate_batch(PROMPTS, N)
-    fixed = engine(pair, router, static_steps="eager", **kw).generate_batch(PROMPTS, N)
+    fixed = engine(pair, router, forward="fixed", **kw).generate_batch(PROMPTS, N)
     assert fixed.tokens == ragged.tokens and fixed.replaced == ragged.replaced
 
 

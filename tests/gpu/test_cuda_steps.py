@@ -1,4 +1,4 @@
-"""The engine on CUDA: captured fixed-shape steps (``static_steps="graphs"``) against the eager engine, run wherever CUDA
+"""The engine on CUDA: captured fixed-shape steps (``forward="graphs"``) against the eager engine, run wherever CUDA
 is present and skipped elsewhere (CI has none). Needs only torch and transformers, so it runs on a lent GPU machine:
 ``python -m pytest -c tests/gpu/pytest.ini --confcutdir tests/gpu tests/gpu`` (``bash bench/gpu_oneshot.sh`` does).
 The CPU proxies of the same properties (one compile per model whatever the bucket, every input a static address, no
@@ -74,7 +74,7 @@ def test_graph_steps_match_eager_in_float32(f32_pair, batch):
     slm, llm = f32_pair
     prompts = _prompts(batch, batch)
     ref = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0)).generate_batch(prompts, 48)
-    eng = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), static_steps="graphs")
+    eng = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), forward="graphs")
     got = eng.generate_batch(prompts, 48)
     again = eng.generate_batch(
         prompts, 48
@@ -93,9 +93,7 @@ def test_bf16_agreement_is_reported():
     slm, llm = _model(64, 2, 1, torch.bfloat16), _model(128, 3, 2, torch.bfloat16)
     prompts = _prompts(32, 3)
     ref = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0)).generate_batch(prompts, 128)
-    got = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), static_steps="graphs").generate_batch(
-        prompts, 128
-    )
+    got = RoutedEngine(slm, llm, RandomRouter(0.1, seed=0), forward="graphs").generate_batch(prompts, 128)
     same = sum(a == b for a, b in zip(got.tokens, ref.tokens, strict=True))
     pairs = zip(got.tokens, ref.tokens, strict=True)
     first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) for a, b in pairs]
@@ -107,7 +105,7 @@ def test_bf16_agreement_is_reported():
 def test_pool_growth_recaptures_and_keeps_tokens(f32_pair):
     """A session whose pool grows (more rows join, longer rows) re-captures and still gives eager's tokens."""
     slm = f32_pair[0]
-    eng = RoutedEngine(slm, None, AlwaysSLM(), static_steps="graphs")
+    eng = RoutedEngine(slm, None, AlwaysSLM(), forward="graphs")
     ref = RoutedEngine(slm, None, AlwaysSLM())
     before = step_stats(lean_decoder(slm)).recaptures
     sess = eng.session()
@@ -137,7 +135,7 @@ def test_captures_hold_no_second_copy_of_the_weights(f32_pair):
     weights = sum(p.numel() * p.element_size() for p in llm.parameters())
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
-    eng = RoutedEngine(slm, llm, RandomRouter(0.5, seed=1), static_steps="graphs")
+    eng = RoutedEngine(slm, llm, RandomRouter(0.5, seed=1), forward="graphs")
     eng.generate_batch(_prompts(4, 9), 32)
     torch.cuda.synchronize()
     grown = torch.cuda.memory_reserved() - before
@@ -157,8 +155,8 @@ def test_the_steps_one_read_goes_through_a_pinned_buffer():
     assert _PINNED[(t.device, (2, 3), torch.long)] is buf and buf.tolist() == (t + 1).tolist()
 
 
-@pytest.mark.parametrize("static_steps", [None, "graphs"])
-def test_overlapped_steps_on_cuda_keep_every_token(f32_pair, static_steps):
+@pytest.mark.parametrize("forward", ["eager", "graphs"])
+def test_overlapped_steps_on_cuda_keep_every_token(f32_pair, forward):
     """``overlap=True`` on CUDA: eager steps put the catch-up on a stream of its own; captured steps stay in program
     order (the first GPU run saw two streams of graph replays part from the sequential tokens); the tokens of
     sequential steps either way. The report counts equal rows and the first differing step before asserting."""
@@ -166,10 +164,10 @@ def test_overlapped_steps_on_cuda_keep_every_token(f32_pair, static_steps):
 
     slm, llm = f32_pair
     prompts = _prompts(8, 11)
-    kw = dict(static_steps=static_steps, llm_min_rows=2, llm_max_wait_steps=2)
+    kw = dict(forward=forward, llm_min_rows=2, llm_max_wait_steps=2)
     ref = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), **kw)
     eng = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), overlap=True, **kw)
-    assert (SideStream.for_engine(eng).stream is None) == (static_steps == "graphs")
+    assert (SideStream.for_engine(eng).stream is None) == (forward == "graphs")
     sess = eng.session()
     keys = [sess.add(p, 64, row_id=i) for i, p in enumerate(prompts)]
     out = {k: [] for k in keys}
@@ -183,7 +181,7 @@ def test_overlapped_steps_on_cuda_keep_every_token(f32_pair, static_steps):
         for g, w in zip(got, want, strict=True)
     ]
     _report(
-        f"overlap_{static_steps}_equal_rows",
+        f"overlap_{forward}_equal_rows",
         f"{sum(f is None for f in firsts)}/{len(keys)}; first differences {firsts}",
     )
     assert got == want
@@ -195,7 +193,7 @@ def test_verified_routing_replays_its_every_position_graph(f32_pair):
     prompts = _prompts(4, 13)
     kw = dict(verify_rho=1.0, verify_final=True)
     ref = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), **kw).generate_batch(prompts, 32)
-    got = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), static_steps="graphs", **kw).generate_batch(
+    got = RoutedEngine(slm, llm, RandomRouter(0.2, seed=0), forward="graphs", **kw).generate_batch(
         prompts, 32
     )
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm

@@ -60,11 +60,15 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     assert (engine.verify.rho, engine.verify.window, engine.verify.final) == (1.5, 4, True)
     assert info["verify_rho"] == 1.5
 
-    # engine.compile_forward reaches the engine: both models' lean forwards run compiled (nothing compiles until used)
+    # engine.forward reaches the engine: both models' lean forwards run compiled (nothing compiles until used), or
+    # their steps run fixed-shape and captured
     assert set(engine.forward_paths.values()) == {"lean"}
-    params.engine.compile_forward = True
+    params.engine.forward = "compiled"
     assert set(load_champion(proj).engine.forward_paths.values()) == {"lean+compiled"}
-    params.engine.compile_forward = False
+    params.engine.forward = "graphs"
+    got = load_champion(proj).engine
+    assert got.forward == "graphs" and got.static_for("slm") is not None and got.static_for("llm") is not None
+    params.engine.forward = "eager"
     # engine.overlap too
     assert not engine.overlap
     params.engine.overlap = True
