@@ -44,9 +44,9 @@ FORWARDS: dict[str, tuple[str, StepMode | None]] = {
     "eager": ("lean", None),
     "hf": ("hf", None),
     "compiled": ("compiled", None),
-    "graphs": ("lean", StepMode("inductor", buckets=True, graphs=True)),
-    "fixed": ("lean", StepMode(buckets=True)),
-    "aot_eager": ("lean", StepMode("aot_eager", buckets=True, graphs=True)),
+    "graphs": ("lean", StepMode("inductor", graphs=True)),
+    "fixed": ("lean", StepMode()),
+    "aot_eager": ("lean", StepMode("aot_eager", graphs=True)),
 }
 
 # What packing a call's queries costs per layer (a scatter and a gather, ~20 us on a CPU core), in the multiply-adds
@@ -64,7 +64,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, forward: str = "eager") -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {list(FORWARDS)}, got {forward!r}")
-        self.model, self.forward_name = model, forward
+        self.model = model
         self.forward_kind, self.steps = FORWARDS[forward]
         self._static: StaticSteps | None = None
         self._static_for: LeanDecoder | None = None

@@ -69,7 +69,7 @@ class _Capture:
 
 
 class StaticSteps:
-    """Bucketed (or exact) fixed-shape calls of one model over a :class:`~citer.decoding.kv_pool.KVPool`'s
+    """Bucketed fixed-shape calls of one model over a :class:`~citer.decoding.kv_pool.KVPool`'s
     pool, in one :class:`StepMode`; one object per engine and model, its compiled pieces the model's."""
 
     def __init__(self, lean: LeanDecoder, mode: StepMode) -> None:
@@ -152,7 +152,7 @@ class StaticSteps:
 
     # -- inputs ------------------------------------------------------------------------------------------------------
     def _shape(self, b: int, q: int) -> tuple[int, int]:
-        return (bucket(b), bucket(q)) if self.mode.buckets else (b, q)
+        return bucket(b), bucket(q)
 
     def _host_inputs(
         self,

@@ -42,14 +42,11 @@ RECOMPILE_LIMIT = 8
 
 @dataclass(frozen=True)
 class StepMode:
-    """How fixed-shape steps run. ``backend``: None runs them eagerly, else a ``torch.compile`` backend (``"inductor"``
-    with ``options``, ``"aot_eager"``, or a callable). ``buckets``: rows and tokens padded to powers of two (else the
-    exact shapes, which a dynamic graph runs as well). ``graphs``: fixed input buffers and one capture per bucket (CUDA
-    graphs on CUDA)."""
+    """How fixed-shape steps run, rows and tokens padded to powers of two (buckets). ``backend``: None runs them
+    eagerly, else a ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, or a callable) compiling one layer and
+    the head. ``graphs``: fixed input buffers and one capture per bucket (CUDA graphs on CUDA)."""
 
     backend: str | Callable[..., Any] | None = None
-    options: tuple[tuple[str, Any], ...] = ()
-    buckets: bool = False
     graphs: bool = False
 
 
@@ -184,7 +181,7 @@ class CompiledPieces:
 
                 # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
                 cpu = {} if self.lean.embed.is_cuda else {"cpp_wrapper": True}
-                out = compile_fx(gm, example_inputs, config_patches={**cpu, **dict(mode.options)})
+                out = compile_fx(gm, example_inputs, config_patches=cpu)
             elif callable(mode.backend):
                 out = mode.backend(gm, example_inputs)
             else:
