@@ -345,14 +345,15 @@ def others_cpu_share(start: tuple[float, float, float], now: tuple[float, float,
     return round(max(0.0, other) / (wall * (os.cpu_count() or 1)), 3)
 
 
-# /proc/cpuinfo flags that decide which kernels a CPU decoder can use (torch's oneDNN, llama.cpp's ggml).
-VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+# /proc/cpuinfo flags that decide which kernels a CPU decoder can use (torch's oneDNN, llama.cpp's ggml): what a bench
+# report lists to describe its CPU (records are compared by the shorter citer.tracking.provenance.ROUNDING_FLAGS).
+DECODER_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "sve2")  # fmt: skip
 
 
 def cpu_vector() -> list[str]:
-    """This CPU's vector extensions among ``VECTOR_FLAGS`` (``Features`` on ARM), in that order."""
-    return host_cpu().listed(VECTOR_FLAGS)
+    """This CPU's vector extensions among ``DECODER_FLAGS`` (``Features`` on ARM), in that order."""
+    return host_cpu().listed(DECODER_FLAGS)
 
 
 def _cpu_name() -> str:

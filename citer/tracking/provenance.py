@@ -34,9 +34,10 @@ from citer.ops.io import file_digest, write_json
 FILE = "provenance.json"
 
 
-# The vector extensions that decide which float kernels run (and so the rounding of results): AVX2-only EPYCs, AVX-512
-# EPYCs with bf16 and AMX Xeons compute different bits from the same code.
-VECTOR_FLAGS = (
+# The vector extensions that decide which of torch's float kernels run, and so the rounding of results: AVX2-only
+# EPYCs, AVX-512 EPYCs with bf16 and AMX Xeons compute different bits from the same code. The identity records are
+# compared by (a bench report lists more: bench/speed_report.DECODER_FLAGS).
+ROUNDING_FLAGS = (
     "avx2",
     "fma",
     "avx512f",
@@ -54,7 +55,7 @@ def cpu_kind() -> str:
     """The CPU's model name and its kernel-deciding vector extensions (``/proc/cpuinfo``), e.g. ``AMD EPYC (avx2 fma
     avx512f avx512_vnni avx512_bf16)``: a result file reproduces bit for bit on the same kind."""
     cpu = host_cpu()
-    return f"{cpu.model} ({' '.join(cpu.listed(VECTOR_FLAGS)) or 'no vector extensions listed'})"
+    return f"{cpu.model} ({' '.join(cpu.listed(ROUNDING_FLAGS)) or 'no vector extensions listed'})"
 
 
 def machine() -> dict[str, Any]:
