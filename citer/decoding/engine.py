@@ -10,7 +10,7 @@ is a loop over it.
 At batch > 1 some row needs the LLM at almost every step, so the LLM's weights would be read almost every step.
 ``llm_min_rows``/``llm_max_wait_steps`` let a routed row wait (without advancing) until that many rows want the LLM or
 it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
-``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.catch_up`).
+``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.session`).
 
 Both models keep a :class:`~citer.decoding.kv_pool.KVPool`, so rows of different lengths share every call;
 each model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, the one place that picks the forward
@@ -86,7 +86,7 @@ class RoutedEngine:
     over the same models runs them as it was asked to. ``verify_rho``/``verify_window``/``verify_final``: verified routing
     (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
     SLM's call while its LLM catch-up is in flight (on CUDA, on a stream of its own) and feeds the LLM's tokens to the
-    SLM a step later (:mod:`citer.decoding.catch_up`): the same tokens, a step that costs the longer call rather than
+    SLM a step later (:mod:`citer.decoding.session`): the same tokens, a step that costs the longer call rather than
     both where the device overlaps them, one more step per LLM token for its row.
     """
 

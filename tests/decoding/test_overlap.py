@@ -1,4 +1,4 @@
-"""Overlapped steps (``RoutedEngine(overlap=True)``, citer.decoding.catch_up): the SLM's call is queued while the LLM's
+"""Overlapped steps (``RoutedEngine(overlap=True)``, citer.decoding.session): the SLM's call is queued while the LLM's
 catch-up is in flight and the LLM's tokens reach the SLM a step later -- and no row's tokens change."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import torch
 from conftest import decoding_pair, spread_router
 
 from citer.decoding.baselines import RandomRouter
-from citer.decoding.catch_up import CatchUpCalls, SideStream
 from citer.decoding.engine import EngineInputError, RoutedEngine
-from citer.decoding.session import DecodeSession
+from citer.decoding.session import DecodeSession, SideStream
 
 V = 97
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [40], [3, 4, 5], [60, 61]]
@@ -83,15 +82,14 @@ def test_overlapped_steps_emit_every_rows_tokens_of_sequential_steps(pair, case)
 
 def test_an_overlapped_step_queues_the_slm_call_before_it_reads_the_llms_tokens(pair, monkeypatch):
     order: list[str] = []
-    for name, cls in (("launch", CatchUpCalls), ("finish", CatchUpCalls), ("feed", DecodeSession)):
-        attr = {"launch": "_llm_launch", "finish": "_llm_finish", "feed": "_feed_slm"}[name]
-        real = getattr(cls, attr)
+    for name, attr in (("launch", "_llm_launch"), ("finish", "_llm_finish"), ("feed", "_feed_slm")):
+        real = getattr(DecodeSession, attr)
 
         def spy(self, *a, _real=real, _name=name, **k):
             order.append(_name)
             return _real(self, *a, **k)
 
-        monkeypatch.setattr(cls, attr, spy)
+        monkeypatch.setattr(DecodeSession, attr, spy)
     slm, llm = pair
     eng = RoutedEngine(slm, llm, RandomRouter(0.5, seed=1), tau=0.5, overlap=True)
     sess = eng.session()

@@ -160,7 +160,7 @@ def test_overlapped_steps_on_cuda_keep_every_token(f32_pair, forward):
     """``overlap=True`` on CUDA: eager steps put the catch-up on a stream of its own; captured steps stay in program
     order (the first GPU run saw two streams of graph replays part from the sequential tokens); the tokens of
     sequential steps either way. The report counts equal rows and the first differing step before asserting."""
-    from citer.decoding.catch_up import SideStream
+    from citer.decoding.session import SideStream
 
     slm, llm = f32_pair
     prompts = _prompts(8, 11)
