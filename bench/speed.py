@@ -263,7 +263,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.speed_measure import measure, peer_missing  # noqa: E402
+from bench.speed_measure import engine_block, measure, peer_missing  # noqa: E402
 from bench.speed_report import (  # noqa: E402
     DTYPES,
     PAIRS,
@@ -375,12 +375,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             wb = {m: spec_params(m) * size for m in (slm, llm)}
             layers = {m: SPECS[m]["layers"] for m in (slm, llm)}
             phases["build"] = phases.get("build", 0) + (wb[slm] + wb[llm]) / 1e9 / k["build_gb_per_s"]
-            # Our compiles: regional pieces (layer, head) per model; with --forward compiled whole graphs (a step kind,
-            # and a catch-up kind for a model that is caught up).
+            # Our compiles: regional pieces (layer, head) per model; with --forward compiled the ragged forward's graphs,
+            # priced as whole-model graphs (a step kind, and a catch-up kind for a model that is caught up): a rough
+            # guess, as it compiles a few per call kind and pool shape.
             mode = args.forward
             regional = mode in ("graphs", "aot_eager")
             for m, kinds in ((slm, 1), (llm, 2)):
-                n = 0 if mode in ("params", "eager", "hf", "fixed") else 2 if regional else kinds
+                n = 0 if mode in ("eager", "hf", "fixed") else 2 if regional else kinds
                 compiles[f"{m} ({dtype})"] = n
                 if regional:
                     secs = k["layer_compile_s"] + k["head_compile_s"]
@@ -589,8 +590,10 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
         a.time_budget = 480 if cuda else 360 if a.quick else 3600
     if a.forward == "auto":
         a.forward = "aot_eager" if a.tiny else "graphs" if cuda else "params"
-    if a.forward in ("params", "eager"):
-        a.engine_eager = False  # engine_llm is then the eager engine itself (with the params' eager forward)
+    if a.forward == "params":  # the block's own, so the plan and the baselines see the mode that runs
+        a.forward = engine_block(Path(a.params)).get("forward", "eager")
+    if a.forward == "eager":
+        a.engine_eager = False  # engine_llm is then the eager engine itself
     if a.tiny:
         a.compile = False  # transformers' compile takes minutes; the tiny run checks our paths
     bad = [p for p in a.pairs if p not in PAIRS] + [d for d in a.dtypes if d not in DTYPES]

@@ -130,8 +130,7 @@ def variants(
             f"{a.params}: engine.runner {block['runner']!r}: bench/speed.py times the torch engine "
             "(bench/llama_cpp_routed.py times llama.cpp's)"
         )
-    if a.forward != "params":
-        block["forward"] = a.forward
+    block["forward"] = a.forward  # the block's own unless --forward replaced it (bench/speed.py resolves it)
     run.report["engine"] = block  # the block the engines are built from, beside each variant's own settings
 
     def build(s: Any, m: Any, router: Any, **over: Any) -> RoutedEngine:

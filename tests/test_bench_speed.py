@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, bench_module
+from conftest import REPO, bench_module, make_qwen2
 
 from citer.decoding.engine import RoutedEngine
 
@@ -562,3 +562,39 @@ def test_the_gpu_run_builds_its_engines_from_the_params_block_without_pydantic(m
     assert bench.forward == "graphs" and bench.static_for("slm") is not None
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
     assert bench.generate_batch(prompts, 6).tokens == route.generate_batch(prompts, 6).tokens
+
+
+def test_forward_params_is_the_blocks_own_mode_for_the_plan_and_the_baselines(speed, tmp_path):
+    """``--forward params`` resolves to the block's ``forward``: a block that compiles is planned with compiles and
+    keeps the eager LLM-only baseline beside it; an eager block needs no second eager row."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    for mode, eager_row in (("compiled", True), ("eager", False)):
+        raw["engine"] = {**raw["engine"], "forward": mode}
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+        a = speed.parse_args(
+            ["--device", "cpu", "--forward", "params", "--params", str(path), "--out", "x.json"]
+        )
+        assert (a.forward, a.engine_eager) == (mode, eager_row)
+        compiles = speed.plan(a)["compiles_per_model"]
+        ours = [n for k, n in compiles.items() if not k.startswith("hf ")]
+        assert (sum(ours) > 0) == (mode == "compiled"), compiles
+
+
+def test_an_engine_block_with_an_unknown_setting_is_refused():
+    """Read without pydantic (the GPU image), a typo or a setting of older params must not be dropped unseen."""
+    from citer.decoding.baselines import AlwaysSLM
+    from citer.decoding.engine import EngineInputError, engine_from_block
+
+    model = make_qwen2(97, hidden_size=32, num_hidden_layers=1, seed=1)
+    for bad in ({"compile_forward": True}, {"llm_min_row": 4}):
+        with pytest.raises(EngineInputError, match="unknown settings"):
+            engine_from_block(model, None, AlwaysSLM(), 0.5, bad)
+    assert (
+        engine_from_block(
+            model, None, AlwaysSLM(), 0.5, {"runner": "torch", "llama_cpp_type": "Q8_0"}
+        ).forward
+        == "eager"
+    )

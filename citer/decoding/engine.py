@@ -301,6 +301,9 @@ def engine_from_block(
     runner = block.get("runner", "torch")
     if runner != "torch":
         raise EngineInputError(f"engine.runner {runner!r}: the torch engine runs runner 'torch' only")
+    unknown = sorted(set(block) - {*ENGINE_SETTINGS, "runner", "llama_cpp_type"})
+    if unknown:  # a typo, or a setting from older params (compile_forward), would otherwise be dropped unseen
+        raise EngineInputError(f"engine: unknown settings {unknown}; known: {[*ENGINE_SETTINGS, 'runner']}")
     return RoutedEngine(
         slm, llm, router, tau, **{k: block[k] for k in ENGINE_SETTINGS if k in block}, **kwargs
     )

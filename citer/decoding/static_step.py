@@ -3,8 +3,8 @@
 Decode steps (the SLM's, or one model decoding alone) and LLM catch-ups of up to ``static_q`` tokens run here when the
 engine asks for fixed-shape steps (``RoutedEngine(forward="graphs")`` and the modes of
 :data:`~citer.decoding.runner.FORWARDS` beside it); their forward is compiled once per model and
-call kind (:mod:`citer.decoding.step_compile`). With ``StepMode.graphs`` rows and tokens are bucketed to powers of two
-and each bucket's call (forward and decision) is captured as a CUDA graph (``torch.cuda.CUDAGraph``, one memory pool
+call kind (:mod:`citer.decoding.step_compile`). Rows and tokens are bucketed to powers of two; with
+``StepMode.graphs`` each bucket's call (forward and decision) is captured as a CUDA graph (``torch.cuda.CUDAGraph``, one memory pool
 per model's steps, so two models' graphs can replay at once on two streams) over fixed input buffers; a replay stages
 the step's indices (one host-to-device copy from page-locked memory), replays, and copies out what the session keeps.
 Off CUDA the same buffers and buckets are replayed by calling the step, so a CPU test runs this path whole. The pools

@@ -1,9 +1,10 @@
-"""Compiling the fixed-shape step once per model and call kind (:mod:`citer.decoding.static_step` runs it).
+"""Compiling the fixed-shape step's pieces, one layer and the head, once per model and call kind
+(:mod:`citer.decoding.static_step` runs it).
 
 A call is ``B`` rows of ``Q`` tokens over the whole slot pool (``R`` slots, ``K = capacity + 1`` columns, the last a
 trash column that pad tokens write to and no query attends). ``B``, ``Q`` and ``R`` are symbols of the compiled graph
 (``mark_dynamic``, sizes treated obliviously so that 1 is not special; nothing in the traced bodies merges a symbolic
-size with another dimension, which would guard on it being 1); only ``K`` is static. So a model compiles once per
+size with another dimension, which would guard on it being 1); only ``K`` is static. So a model compiles its pieces once per
 call kind, whatever the batch, as nano-vllm and vLLM compile once and capture per batch size. Each model compiles
 code objects of its own (:func:`own_code`), so the SLM and the LLM share neither graphs nor the recompile limit, and
 a router or τ is never a constant of a forward graph: the step's decision (:func:`~citer.decoding.decide.decide`) is traced apart.
