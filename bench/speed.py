@@ -263,7 +263,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench.speed_measure import engine_block, measure, peer_missing  # noqa: E402
+from bench.speed_measure import engine_block, forward_compiles, measure, peer_missing  # noqa: E402
 from bench.speed_report import (  # noqa: E402
     DTYPES,
     PAIRS,
@@ -381,7 +381,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             mode = args.forward
             regional = mode in ("graphs", "aot_eager")
             for m, kinds in ((slm, 1), (llm, 2)):
-                n = 0 if mode in ("eager", "hf", "fixed") else 2 if regional else kinds
+                n = 0 if not forward_compiles(mode) else 2 if regional else kinds
                 compiles[f"{m} ({dtype})"] = n
                 if regional:
                     secs = k["layer_compile_s"] + k["head_compile_s"]

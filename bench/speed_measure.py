@@ -28,6 +28,7 @@ from citer.decoding.baselines import AlwaysSLM, RandomRouter
 from citer.decoding.cost import ModelCost, call_tally
 from citer.decoding.engine import ENGINE_SETTINGS, RoutedEngine, engine_from_block
 from citer.decoding.lean import lean_decoder
+from citer.decoding.runner import FORWARDS
 from citer.decoding.speculative import assistant_setup
 from citer.decoding.step_compile import step_stats
 
@@ -79,6 +80,13 @@ def engine_settings(e: RoutedEngine) -> dict[str, Any]:
     return {k: getattr(e, k) for k in (*ENGINE_SETTINGS, "tau", "vocab_size")} | {
         "forward_paths": e.forward_paths
     }
+
+
+def forward_compiles(forward: str) -> bool:
+    """Whether an engine's ``forward`` compiles anything (the compiled ragged forward, or fixed-shape steps with a
+    backend), read from the runner's own table."""
+    kind, mode = FORWARDS[forward]
+    return kind == "compiled" or (mode is not None and mode.backend is not None)
 
 
 def engine_block(path: Path) -> dict[str, Any]:
@@ -141,7 +149,7 @@ def variants(
     def engine(name: str, e: RoutedEngine, f: float, **meta: Any) -> Variant:
         info = {"method": name.rsplit("_f", 1)[0] if "_f" in name else name, "f": f, "engine_forward": e.forward,
                 "overlap": e.overlap, "engine": engine_settings(e), **meta}  # fmt: skip
-        return Variant(name, eng(e), info, e, compiles=e.forward not in ("eager", "hf", "fixed"))
+        return Variant(name, eng(e), info, e, compiles=forward_compiles(e.forward))
 
     base: list[Variant] = []
     if a.compile and batch in a.compile_batches:
