@@ -22,6 +22,7 @@ from fault_state import (
     registry,
     route_works,
     routers_load,
+    walk,
 )
 
 MID_S = 4.0  # the mid-sweep kill, this long after the sweep took the project lock (the locked part: ~15 s)
@@ -133,7 +134,7 @@ def fault_kill_iterate(ctx: Ctx) -> list[dict[str, Any]]:
     proc = proj.start("router", "iterate")
 
     def point(_w: TreeWatch) -> bool:  # an atomic writer is mid-write, or a router was already replaced
-        if any(p.name.endswith(".tmp") for p in routers.rglob(".*")):
+        if any(p.name.startswith(".") and p.name.endswith(".tmp") for p in walk(routers)):
             return True
         return any(
             files_state(proj.root, ("artifacts",)).get(k) != v

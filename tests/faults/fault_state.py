@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -78,6 +79,15 @@ def registry(root: Path) -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
+def walk(base: Path) -> list[Path]:
+    """Every file and directory under ``base``, read while a command may be renaming or removing them: what vanishes
+    mid-walk is left out (``Path.rglob`` raises when a directory it is about to list was just renamed away)."""
+    out = []
+    for top, dirs, files in os.walk(base):  # os.walk ignores a directory that vanished before it was listed
+        out += [Path(top) / n for n in dirs + files]
+    return sorted(out)
+
+
 def leftovers(root: Path) -> list[str]:
     """What killed atomic writers leave: ``.{name}.*.tmp`` and ``.{name}.old-{pid}`` under the owned directories."""
     out = []
@@ -86,8 +96,8 @@ def leftovers(root: Path) -> list[str]:
         if base.is_dir():
             out += [
                 str(p.relative_to(root))
-                for p in base.rglob(".*")
-                if p.name.endswith(".tmp") or ".old-" in p.name
+                for p in walk(base)
+                if p.name.startswith(".") and (p.name.endswith(".tmp") or ".old-" in p.name)
             ]
     return sorted(out)
 
@@ -122,17 +132,21 @@ def problems(root: Path) -> list[str]:
 
 
 def files_state(root: Path, dirs: tuple[str, ...] = OWNED) -> dict[str, tuple[int, int, str]]:
-    """Every file under ``dirs``: (size, mtime_ns, sha256), to tell whether a command changed anything."""
+    """Every file under ``dirs``: (size, mtime_ns, sha256), to tell whether a command changed anything. A file renamed
+    or removed between listing and reading (a running command's atomic writer) is left out."""
     out = {}
     for d in dirs:
-        for p in sorted((root / d).rglob("*")):
-            if p.is_file():
-                st = p.stat()
-                out[str(p.relative_to(root))] = (
-                    st.st_size,
-                    st.st_mtime_ns,
-                    hashlib.sha256(p.read_bytes()).hexdigest(),
-                )
+        for p in walk(root / d):
+            try:
+                if p.is_file():
+                    st = p.stat()
+                    out[str(p.relative_to(root))] = (
+                        st.st_size,
+                        st.st_mtime_ns,
+                        hashlib.sha256(p.read_bytes()).hexdigest(),
+                    )
+            except FileNotFoundError:
+                continue
     return out
 
 

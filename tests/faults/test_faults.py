@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -108,7 +109,13 @@ def run_matrix(
             return fn(ctx)
         except Exception as exc:  # noqa: BLE001 - a broken fault is an entry, not the end of the report
             name = fn.__name__.removeprefix("fault_")
-            return [entry(name, "error", f"the fault itself failed: {exc!r}", False, False, t, None)]
+            # which lines of the fault broke, for whoever reads the report
+            where = traceback.format_exc(limit=-4)[-3000:]
+            return [
+                entry(
+                    name, "error", f"the fault itself failed: {exc!r}", False, False, t, None, traceback=where
+                )
+            ]
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         groups = list(pool.map(one, faults))
