@@ -30,7 +30,7 @@ from citer.decoding.engine import ENGINE_SETTINGS, RoutedEngine, engine_from_blo
 from citer.decoding.lean import lean_decoder
 from citer.decoding.runner import FORWARDS
 from citer.decoding.speculative import assistant_setup
-from citer.decoding.step_compile import step_stats
+from citer.decoding.static_step import step_stats
 
 
 class AgreeProcessor:

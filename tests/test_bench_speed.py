@@ -590,8 +590,10 @@ def test_an_engine_block_with_an_unknown_setting_is_refused():
 
     model = make_qwen2(97, hidden_size=32, num_hidden_layers=1, seed=1)
     for bad in ({"compile_forward": True}, {"llm_min_row": 4}):
-        with pytest.raises(EngineInputError, match="unknown settings"):
+        with pytest.raises(EngineInputError, match="unknown settings") as err:
             engine_from_block(model, None, AlwaysSLM(), 0.5, bad)
+        # The message names every setting the block may hold, the runner's own included.
+        assert all(repr(k) in str(err.value) for k in ("llm_min_rows", "forward", "runner", "llama_cpp_type"))
     assert (
         engine_from_block(
             model, None, AlwaysSLM(), 0.5, {"runner": "torch", "llama_cpp_type": "Q8_0"}

@@ -286,6 +286,8 @@ class RoutedEngine:
         return decode_all(sess, prompts, max_new_tokens, row_ids, drafts, t0)
 
 
+# The block's settings that choose the runner itself, read by the caller (``route_engine``) before this engine exists.
+RUNNER_SETTINGS = ("runner", "llama_cpp_type")
 # The ``engine:`` block's settings the torch engine takes (``citer.config.serving.EngineParams`` checks them for the
 # CLI; the engine checks each again, so a block read without pydantic -- the GPU bench -- is checked alike).
 ENGINE_SETTINGS = ("llm_min_rows", "llm_max_wait_steps", "llm_schedule", "llm_prefill", "forward", "overlap")
@@ -301,9 +303,10 @@ def engine_from_block(
     runner = block.get("runner", "torch")
     if runner != "torch":
         raise EngineInputError(f"engine.runner {runner!r}: the torch engine runs runner 'torch' only")
-    unknown = sorted(set(block) - {*ENGINE_SETTINGS, "runner", "llama_cpp_type"})
+    known = [*ENGINE_SETTINGS, *RUNNER_SETTINGS]
+    unknown = sorted(set(block) - set(known))
     if unknown:  # a typo, or a setting from older params (compile_forward), would otherwise be dropped unseen
-        raise EngineInputError(f"engine: unknown settings {unknown}; known: {[*ENGINE_SETTINGS, 'runner']}")
+        raise EngineInputError(f"engine: unknown settings {unknown}; known: {known}")
     return RoutedEngine(
         slm, llm, router, tau, **{k: block[k] for k in ENGINE_SETTINGS if k in block}, **kwargs
     )

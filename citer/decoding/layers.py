@@ -1,7 +1,7 @@
 """One decoder layer's arithmetic as plain tensor ops, for the families the lean forward covers (Qwen2/Qwen2.5,
 Llama 3.x, Qwen3, Mistral without a window): the weights a layer reads, the norm, RoPE's rotation, the attention's
 input and output halves, and two forms of the attention itself. :mod:`citer.decoding.lean` runs them over an HF
-model's own weights; :mod:`citer.decoding.step_compile` traces them into fixed-shape steps.
+model's own weights; :mod:`citer.decoding.static_step` traces them into fixed-shape steps.
 Shapes: B = rows, T/Q = tokens per row, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 

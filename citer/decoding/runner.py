@@ -36,8 +36,7 @@ from citer.decoding.compiled import CompiledHidden, compiled_hidden
 from citer.decoding.context import CallInput, prepare
 from citer.decoding.kv_pool import HFPoolView, KVPool, PoolCall
 from citer.decoding.lean import LeanDecoder, lean_decoder, unsupported_reason
-from citer.decoding.static_step import StaticSteps
-from citer.decoding.step_compile import StepMode
+from citer.decoding.static_step import StaticSteps, StepMode
 
 # forward -> (the ragged calls' forward: "lean", "hf" or "compiled"; the fixed-shape steps' mode, None for none)
 FORWARDS: dict[str, tuple[str, StepMode | None]] = {

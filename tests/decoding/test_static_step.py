@@ -142,7 +142,7 @@ def test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket(pair, 
 
     from citer.decoding import runner as runner_mod
     from citer.decoding.lean import lean_decoder
-    from citer.decoding.step_compile import step_stats
+    from citer.decoding.static_step import step_stats
 
     slm, llm = pair
     torch._dynamo.reset()

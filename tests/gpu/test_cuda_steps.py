@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:  # no project install on the GPU machine: the chec
 from citer.decoding.baselines import AlwaysSLM, RandomRouter  # noqa: E402
 from citer.decoding.engine import RoutedEngine  # noqa: E402
 from citer.decoding.lean import lean_decoder  # noqa: E402
-from citer.decoding.step_compile import step_stats  # noqa: E402
+from citer.decoding.static_step import step_stats  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
