@@ -21,12 +21,17 @@ The kernel is built with ``torch.utils.cpp_extension`` at the first bf16 CPU cal
 warning for a failed build. Sums in fp32 in another order than torch's: bf16 outputs may differ in the last bit.
 
 float32 on an AMD CPU: torch's ``F.linear`` is MKL's SGEMM, which on AMD runs a path far from the memory's rate for a
-few rows (several times one row's time for 2 to 32 rows: docs/results.md). oneDNN's linear on the packed weight reads it
-at the memory's rate for 1 to 32 rows and is no slower up to 2,048, and a row's products do not depend on the rows
-beside it (MKL's do). Its sums run in another order: outputs differ from ``F.linear``'s in the last bits. Only weights
-of at least :data:`FP32_PACKED_MIN` elements take it: below, oneDNN's fixed cost a call exceeds the product (so tiny
-models, the pipeline's own among them, keep ``F.linear`` bit for bit). Intel CPUs keep ``F.linear`` in float32 (MKL is
-tuned there; not measured against oneDNN yet). The packed copy doubles the float32 weights a process holds, as for bf16.
+few rows (several times one row's time for 2 to 32 rows: docs/results.md). oneDNN's linear on the packed weight is no
+slower up to 2,048 rows, and a row's products do not depend on the rows beside it (MKL's do). For up to
+:data:`F32_MAX_ROWS` rows (decode steps, short catch-ups) the AVX2 kernel in ``cpu_linear_f32.cpp`` is faster still: it
+streams eight weight rows at once and reads the weight from memory once per call (oneDNN's packed layout reads it at
+about 20 GB/s on a Zen 3 EPYC, the kernel at about 25, the machine's best read ~30: docs/results.md); it is a
+``citer::linear_f32`` operator built like the bf16 one, and a row's sums run in one order whatever the call holds. Both
+sum in another order than ``F.linear``: outputs differ from it in the last bits, and a row's outputs in a call of up to
+:data:`F32_MAX_ROWS` rows from the same row's in a bigger call. Only weights of at least :data:`FP32_PACKED_MIN` elements
+take either: below, a call's fixed cost exceeds the product (so tiny models, the pipeline's own among them, keep
+``F.linear`` bit for bit). Intel CPUs keep ``F.linear`` in float32 (MKL is tuned there; not measured against oneDNN or
+the kernel yet). The packed copy doubles the float32 weights a process holds, as for bf16.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,8 +54,23 @@ PACKED_MAX_ROWS = 512
 # float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py
 # measured (docs/results.md).
 FP32_PACKED_MIN = 1 << 17
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+# Rows (B x Q) up to which a float32 call on such a weight takes the AVX2 kernel: on a Zen 3 EPYC it beat the packed
+# weight up to 8 rows and matched it at 12 and 16 (docs/results.md); 16 keeps a decode step of up to 16 rows on one
+# kernel, so such a step's row computes the same sums whatever the batch.
+F32_MAX_ROWS = 16
+# name -> (extension, source, compiler flags) of the kernels built at first use
+_KERNELS = {
+    "bf16": (
+        "citer_cpu_linear",
+        Path(__file__).with_name("cpu_linear.cpp"),
+        ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+    ),
+    "f32": (
+        "citer_cpu_linear_f32",
+        Path(__file__).with_name("cpu_linear_f32.cpp"),
+        ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+    ),
+}
 _state: dict[str, bool] = {}
 _lock = threading.Lock()
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version when packed, the packed copy)
@@ -84,32 +105,46 @@ def use_float32_packed(on: bool) -> None:
 
 
 def available() -> bool:
-    """True when the kernel is built and loaded (building it on the first call that asks)."""
-    got = _state.get("ok")
+    """True when the bf16 kernel is built and loaded (building it on the first call that asks)."""
+    return _built("bf16", _enabled)
+
+
+def f32_available() -> bool:
+    """True when the float32 AVX2 kernel may serve this process's float32 calls (an AMD CPU with AVX2 and FMA, the
+    float32 path on) and is built and loaded (building it on the first call that asks)."""
+    return _fp32_packed() and _built("f32", lambda: host_cpu().has("avx2") and host_cpu().has("fma"))
+
+
+def _built(kind: str, cpu_ok: Callable[[], bool]) -> bool:
+    """Whether kernel ``kind`` is loaded: built on the first call where ``cpu_ok()``; a failed build warns once and
+    is not tried again in this process."""
+    key = f"built_{kind}"
+    got = _state.get(key)
     if got is not None:
         return got
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
-        ok = _enabled()
+        if key in _state:
+            return _state[key]
+        ok = cpu_ok()
         if ok:
+            name, source, flags = _KERNELS[kind]
             try:
                 from torch.utils.cpp_extension import load
 
-                load("citer_cpu_linear", [str(_SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                     is_python_module=False, verbose=False)  # fmt: skip
-                _register_fake()
-            except Exception as err:  # no compiler, no ninja, an old assembler: torch's linear serves
+                load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                     verbose=False)  # fmt: skip
+                _register_fake(f"citer::linear_{kind}")
+            except Exception as err:  # no compiler, no ninja, an old assembler: the other linears serve
                 warnings.warn(
-                    f"the bf16 CPU linear kernel could not be built ({err}); using torch's", stacklevel=2
+                    f"the {kind} CPU linear kernel could not be built ({err}); using torch's", stacklevel=3
                 )
                 ok = False
-        _state["ok"] = ok
+        _state[key] = ok
         return ok
 
 
-def _register_fake() -> None:
-    @torch.library.register_fake("citer::linear_bf16")
+def _register_fake(op: str) -> None:
+    @torch.library.register_fake(op)
     def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
@@ -137,8 +172,8 @@ def _eager_inference(w: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)``; a bf16 call on a CPU with AVX512-BF16 runs the kernel (at most :data:`MAX_ROWS` rows)
     or oneDNN's linear on the packed weight (at most :data:`PACKED_MAX_ROWS`, eager and without autograd); a float32
-    call on an AMD CPU over a weight of at least :data:`FP32_PACKED_MIN` elements the packed weight (any rows, eager
-    and without autograd)."""
+    call on an AMD CPU over a weight of at least :data:`FP32_PACKED_MIN` elements (eager and without autograd) the
+    AVX2 kernel (at most :data:`F32_MAX_ROWS` rows) or the packed weight (any rows)."""
     if x.device.type != "cpu" or w.dtype is not x.dtype or w.dim() != 2 or w.stride(-1) != 1:
         return F.linear(x, w, b)
     if x.dtype is torch.bfloat16 and _enabled():
@@ -148,5 +183,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         if rows <= PACKED_MAX_ROWS and _eager_inference(w) and torch.backends.mkldnn.is_available():
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     elif x.dtype is torch.float32 and w.numel() >= FP32_PACKED_MIN and _eager_inference(w) and _fp32_packed():
+        if x.numel() // max(x.shape[-1], 1) <= F32_MAX_ROWS and f32_available():
+            return torch.ops.citer.linear_f32(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     return F.linear(x, w, b)

@@ -131,15 +131,62 @@ def test_float32_over_a_big_weight_takes_the_packed_weight(bias):
     torch.manual_seed(6)
     w = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256)  # exactly the threshold
     b = torch.randn(w.shape[0]) if bias else None
-    x = torch.randn(8, 256)
+    n = cpu_linear.F32_MAX_ROWS + 8  # more rows than the kernel takes
+    x = torch.randn(n, 256)
     with torch.inference_mode():
         got = cpu_linear.linear(x, w, b)
-        alone = cpu_linear.linear(x[3:4], w, b)
-        # (1, 3, in): a row's products whatever the shape around it
-        three = cpu_linear.linear(x[None, 2:5], w, b)
+        # (1, n - 1, in): a row's products whatever the shape around it
+        others = cpu_linear.linear(x[None, 1:], w, b)
     assert w in cpu_linear._packed
     assert _close(got, x, w, b) < 1e-5  # float32 sums in another order
-    assert torch.equal(alone[0], got[3]) and torch.equal(three[0, 1], got[3])
+    assert torch.equal(others[0, 2], got[3])
+
+
+needs_f32_kernel = pytest.mark.skipif(
+    not (cpu_linear.host_cpu().has("avx2") and cpu_linear.host_cpu().has("fma")),
+    reason="no AVX2 and FMA here",
+)
+
+
+@needs_mkldnn
+@needs_f32_kernel
+@pytest.mark.usefixtures("fp32_packed")
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "bias"),
+    [
+        (1, 576, 1536, False),
+        (3, 1029, 128, True),
+        (cpu_linear.F32_MAX_ROWS, 515, 301, True),
+        (2, 13, 10091, False),
+    ],
+)
+def test_float32_few_rows_take_the_kernel(rows, n, k, bias):
+    """Widths that are not a multiple of the kernel's 8 columns (a masked tail) nor its 8 weight rows, a bias; every
+    row's outputs the same alone as beside the others."""
+    assert cpu_linear.f32_available(), "the AVX2 kernel did not build here"
+    torch.manual_seed(8)
+    w = torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(1, rows, k)
+    with torch.inference_mode():
+        got = cpu_linear.linear(x, w, b) if w.numel() >= cpu_linear.FP32_PACKED_MIN else None
+        direct = torch.ops.citer.linear_f32(x, w, b)
+        alone = [torch.ops.citer.linear_f32(x[:, i : i + 1], w, b) for i in range(rows)]
+    assert got is None or (torch.equal(got, direct) and w not in cpu_linear._packed)  # what the forwards call
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert ((direct.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert all(torch.equal(a[:, 0], direct[:, i]) for i, a in enumerate(alone))
+
+
+@needs_mkldnn
+@needs_f32_kernel
+def test_the_float32_kernel_is_only_asked_for_where_its_gate_holds(monkeypatch):
+    """Off the AMD gate (or with the switch off) a float32 call never builds or calls the kernel."""
+    monkeypatch.setattr(cpu_linear, "_state", {"fp32": False})
+    w, x = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256), torch.randn(2, 256)
+    with torch.inference_mode():
+        assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))
+    assert not cpu_linear.f32_available() and "built_f32" not in cpu_linear._state
 
 
 @needs_mkldnn

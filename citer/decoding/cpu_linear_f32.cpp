@@ -1,0 +1,81 @@
+// float32 linear for a few rows (decode steps) on x86-64 CPUs with AVX2 and FMA: each row of the weight is read from
+// memory once per call whatever the number of input rows, and every output is one input row's dot product with one
+// weight row, summed in one order whatever else the call holds (a row's outputs do not depend on the rows beside it).
+// Built at first use by citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to oneDNN's linear
+// where the build or the instruction set is missing.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+// Weight rows a block reads together: eight streams from memory at once, one accumulator each (8 + the input and a
+// load fit AVX2's 16 registers). Measured on a Zen 3 EPYC against 4 rows with two accumulators each: docs/results.md.
+constexpr int NR = 8;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One input row x (K,) against NR weight rows from w (nrows of them real): out[r] their dot products, summed over
+// 8-column chunks in order, the last K % 8 columns masked.
+inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int64_t ldw, float out[NR]) {
+  __m256 acc[NR];
+  const float* rows[NR];
+  for (int r = 0; r < NR; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    rows[r] = w + (r < nrows ? r : 0) * ldw;
+  }
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows[r] + k), acc[r]);
+  }
+  if (K8 < K) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K - K8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 xv = _mm256_maskload_ps(x + K8, mask);
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(xv, _mm256_maskload_ps(rows[r] + K8, mask), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+}  // namespace
+
+// y (..., N) = x (..., K) @ w (N, K)^T (+ bias (N,)); w rows contiguous, all float32.
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_f32: float32 only");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1), "linear_f32: shapes");
+  x = x.contiguous();
+  const int64_t K = x.size(-1), N = w.size(0), M = x.numel() / K, ldw = w.stride(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "linear_f32: bias");
+    b = bias->contiguous();
+    bp = b.data_ptr<float>();
+  }
+  float* yp = y.data_ptr<float>();
+  const int64_t nblocks = (N + NR - 1) / NR;
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    float out[NR];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = blk * NR, nrows = std::min<int64_t>(NR, N - n);
+      for (int64_t m = 0; m < M; ++m) {  // the block's weight rows are read from memory once, then from cache
+        block(xp + m * K, K, wp + n * ldw, nrows, ldw, out);
+        for (int64_t r = 0; r < nrows; ++r) yp[m * N + n + r] = bp ? out[r] + bp[n + r] : out[r];
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(citer, m) { m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY_IMPL(citer, CPU, m) { m.impl("linear_f32", &linear_f32); }
