@@ -6,9 +6,10 @@ and per row count, in one process, with cold weights (copies cycled past the cac
 
 - ``torch_ms``: torch's ``F.linear`` (MKL's SGEMM in torch's CPU wheels);
 - ``packed_ms``: oneDNN's linear on the weight packed once (``torch.ops.mkldnn._linear_pointwise``);
-- ``chosen``: which of the two ``citer.decoding.cpu_linear.linear`` takes for that call on this CPU;
-- ``torch_gb_s`` / ``packed_gb_s``: the weight's bytes over the call's time (memory-bound calls near the bandwidth
-  limit, which the run measures at its start as the fastest large read);
+- ``kernel_ms``: citer's AVX2 kernel (``torch.ops.citer.linear_f32``; up to ``F32_MAX_ROWS`` rows, where it builds);
+- ``chosen``: which of them ``citer.decoding.cpu_linear.linear`` takes for that call on this CPU;
+- ``torch_gb_s`` / ``packed_gb_s`` / ``kernel_gb_s``: the weight's bytes over the call's time (memory-bound calls near
+  the bandwidth limit, which the run measures at its start as the fastest large read);
 - ``row_invariant``: per kernel, whether row 0's outputs are bit for bit the same computed alone and beside the
   others (what lets regrouped calls keep a row's tokens);
 - ``int8_bf16_ms`` (up to :data:`INT8_MAX_ROWS` rows) / ``int8_fp32_ms`` (one row): torch's own int8 weight-only
@@ -18,9 +19,10 @@ and per row count, in one process, with cold weights (copies cycled past the cac
 
 ``--engine 1,8`` also times, per batch, the engines ``citer route`` builds (``route_engine`` on the params'
 ``engine:`` block, as ``bench/roofline.py``: LLM alone, SLM alone, routed with a random router at f = 0.1) at the
-SmolLM2 shapes in float32, with the packed path on and off in turn in one process (``engine_rows``: the median of
-``--reps`` after a warm-up each; ``same_tokens``: whether both wrote the same tokens, which random weights' near ties
-need not).
+SmolLM2 shapes in float32, with the float32 path on (kernel and packed weight), on without the kernel, and off, in
+turn in one process (``engine_rows``: ``kernel_s``, ``packed_s``, ``torch_s``, the median of ``--reps`` after a warm-up
+each; ``same_tokens``: whether the packed and torch runs wrote the kernel run's tokens, which random weights' near
+ties need not).
 
 Writes ``reports/bench_cpu_linear_<cpu>.json`` (``--out``; ``<cpu>`` a short name you give, e.g. ``zen3``), stamped
 in ``reports/provenance.json``; docs/results.md renders it (block ``cpu_linear_<cpu>``). Say whether the machine was
@@ -58,6 +60,8 @@ SHAPES = [
 ]  # fmt: skip
 INT8_MAX_ROWS = 64  # above, the int8 kernel's dequantizing products are compute-bound and slow to time
 QUICK_SHAPES = [("small", 96, 32), ("mid", 1024, 256)]
+# The engine rows' float32 modes: name -> use_float32_packed's (on, kernel)
+MODES = {"kernel": (True, True), "packed": (True, False), "torch": (False, False)}
 
 
 def bandwidth_gb_s(mib: int = 256, reps: int = 5) -> float:
@@ -99,17 +103,30 @@ def measure(
         def packed_call(w: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(x, packed[id(w)], None, "none", [], "")
 
+        kernel = rows <= cpu_linear.F32_MAX_ROWS and cpu_linear.f32_available()
+
+        def kernel_call(w: torch.Tensor, x: torch.Tensor = x) -> torch.Tensor:
+            return torch.ops.citer.linear_f32(x, w, None)
+
         with torch.inference_mode():
             t_torch = time_calls(torch_call, weights, reps)
             t_packed = time_calls(packed_call, weights, reps)
+            t_kernel = time_calls(kernel_call, weights, reps) if kernel else None
             w = weights[0]
-            cpu_linear.linear(x, w)
-            # the library keeps a packed copy of a weight it called packed
-            chosen = "packed" if w in cpu_linear._packed else "torch"
+            got = cpu_linear.linear(x, w)
+            # the library keeps a packed copy of a weight it called packed; the kernel's outputs are its own sums
+            if w in cpu_linear._packed:
+                chosen = "packed"
+            elif kernel and torch.equal(got, kernel_call(w)):
+                chosen = "kernel"
+            else:
+                chosen = "torch"
             invariant = {
                 "torch": torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1]),
                 "packed": torch.equal(packed_call(w, x[:1]), packed_call(w, x)[:1]),
             }
+            if kernel:
+                invariant["kernel"] = torch.equal(kernel_call(w, x[:1]), kernel_call(w, x)[:1])
         int8 = int8_times(weights, x, reps) if rows <= INT8_MAX_ROWS else {}
         gb = out * inp * 4 / 1e9
         rows_out.append({
@@ -117,9 +134,12 @@ def measure(
             "packed_ms": t_packed * 1e3, "torch_over_packed": t_torch / t_packed, "torch_gb_s": gb / t_torch,
             "packed_gb_s": gb / t_packed, "chosen": chosen, "row_invariant": invariant, **int8,
         })  # fmt: skip
+        if t_kernel is not None:
+            rows_out[-1] |= {"kernel_ms": t_kernel * 1e3, "kernel_gb_s": gb / t_kernel}
         r = rows_out[-1]
         print(f"{name} ({out}x{inp}) rows {rows}: torch {r['torch_ms']:.3f} ms, packed {r['packed_ms']:.3f} ms "
-              f"({r['torch_over_packed']:.2f}x), chosen {chosen}, int8 {int8}", flush=True)  # fmt: skip
+              f"({r['torch_over_packed']:.2f}x), kernel {r.get('kernel_ms')}, chosen {chosen}, int8 {int8}",
+              flush=True)  # fmt: skip
     return rows_out
 
 
@@ -147,7 +167,8 @@ def int8_times(weights: list[torch.Tensor], x: torch.Tensor, reps: int) -> dict[
 def engine_rows(
     batches: list[int], pair_name: str, params: Path, prompt_len: int, new_tokens: int, reps: int
 ) -> list[dict[str, Any]]:
-    """Each engine at each batch with the float32 packed path on, then off, timed in turn (module docstring)."""
+    """Each engine at each batch with the float32 path on (kernel and packed), on without the kernel, and off, timed
+    in turn (module docstring)."""
     from roofline import engine_block, engines, timed_in_turn
     from speed_report import build_pair
 
@@ -158,18 +179,21 @@ def engine_rows(
         gen = torch.Generator().manual_seed(b)
         prompts = torch.randint(0, pair.vocab, (b, prompt_len), generator=gen).tolist()
 
-        def run(e: Any, on: bool, prompts: list[list[int]] = prompts) -> Any:
-            cpu_linear.use_float32_packed(on)
+        def run(e: Any, mode: str, prompts: list[list[int]] = prompts) -> Any:
+            cpu_linear.use_float32_packed(*MODES[mode])
             return e.generate_batch(prompts, new_tokens).tokens
 
-        fns = {(k, on): (lambda e=e, on=on: run(e, on)) for k, e in built.items() for on in (True, False)}
+        fns = {(k, m): (lambda e=e, m=m: run(e, m)) for k, e in built.items() for m in MODES}
         got = timed_in_turn(fns, reps)
         for k in built:
-            (packed_s, packed_tok), (torch_s, torch_tok) = got[(k, True)], got[(k, False)]
-            out.append({"batch": b, "engine": k, "packed_s": packed_s, "torch_s": torch_s,
-                        "torch_over_packed": torch_s / packed_s, "same_tokens": packed_tok == torch_tok})  # fmt: skip
+            (kernel_s, kernel_tok), (packed_s, packed_tok), (torch_s, torch_tok) = (
+                got[(k, m)] for m in MODES
+            )
+            out.append({"batch": b, "engine": k, "kernel_s": kernel_s, "packed_s": packed_s, "torch_s": torch_s,
+                        "torch_over_packed": torch_s / packed_s, "packed_over_kernel": packed_s / kernel_s,
+                        "same_tokens": packed_tok == torch_tok == kernel_tok})  # fmt: skip
             print(
-                f"b{b} {k}: packed {packed_s:.2f} s, torch {torch_s:.2f} s ({torch_s / packed_s:.2f}x)",
+                f"b{b} {k}: kernel {kernel_s:.2f} s, packed {packed_s:.2f} s, torch {torch_s:.2f} s",
                 flush=True,
             )
     cpu_linear.use_float32_packed(True)

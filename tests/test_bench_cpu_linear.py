@@ -30,13 +30,17 @@ def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
         assert x["torch_over_packed"] == pytest.approx(x["torch_ms"] / x["packed_ms"])
         assert x["packed_gb_s"] == pytest.approx(x["out"] * x["in"] * 4 / 1e9 / (x["packed_ms"] / 1e3))
         big = x["out"] * x["in"] >= cpu_linear.FP32_PACKED_MIN
-        assert x["chosen"] == ("packed" if big and rep["fp32_packed_here"] else "torch")
+        kernel = x["rows"] <= cpu_linear.F32_MAX_ROWS and cpu_linear.f32_available()
+        assert ("kernel_ms" in x) == kernel and (not kernel or x["row_invariant"]["kernel"])
+        path = ("kernel" if kernel else "packed") if big and rep["fp32_packed_here"] else "torch"
+        assert x["chosen"] == path
         assert x["int8_bf16_ms"] > 0 and ("int8_fp32_ms" in x) == (x["rows"] == 1)
     assert [(x["batch"], x["engine"]) for x in rep["engine_rows"]] == [
         (b, e) for b in (1, 2) for e in ("llm", "slm", "routed")
     ]
     for x in rep["engine_rows"]:
         assert x["torch_over_packed"] == pytest.approx(x["torch_s"] / x["packed_s"])
+        assert x["packed_over_kernel"] == pytest.approx(x["packed_s"] / x["kernel_s"])
         assert x[
             "same_tokens"
         ]  # the tiny pair's weights are all below the threshold: torch's linear both times

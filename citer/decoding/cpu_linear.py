@@ -97,11 +97,13 @@ def _fp32_packed() -> bool:
     return got
 
 
-def use_float32_packed(on: bool) -> None:
-    """Turn the float32 packed path on (where :func:`_fp32_packed`'s CPU check holds) or off for this process: what
-    ``bench/cpu_linear.py --engine`` times in turn. Packed copies already made are kept."""
+def use_float32_packed(on: bool, kernel: bool = True) -> None:
+    """Turn the float32 path on (where :func:`_fp32_packed`'s CPU check holds) or off for this process, and with it on
+    the AVX2 kernel (``kernel=False``: the packed weight for every row count): what ``bench/cpu_linear.py --engine``
+    times in turn. Packed copies already made and a kernel already built are kept."""
     _state.pop("fp32", None)
     _state["fp32"] = on and _fp32_packed()
+    _state["f32_kernel"] = kernel
 
 
 def available() -> bool:
@@ -112,7 +114,11 @@ def available() -> bool:
 def f32_available() -> bool:
     """True when the float32 AVX2 kernel may serve this process's float32 calls (an AMD CPU with AVX2 and FMA, the
     float32 path on) and is built and loaded (building it on the first call that asks)."""
-    return _fp32_packed() and _built("f32", lambda: host_cpu().has("avx2") and host_cpu().has("fma"))
+    return (
+        _fp32_packed()
+        and _state.get("f32_kernel", True)
+        and _built("f32", lambda: host_cpu().has("avx2") and host_cpu().has("fma"))
+    )
 
 
 def _built(kind: str, cpu_ok: Callable[[], bool]) -> bool:

@@ -1,0 +1,147 @@
+"""How near its bytes the SLM's float32 decode step runs on this CPU, against llama.cpp's: ``python bench/slm_step.py``.
+
+Issue #46 asks the SLM's step to take at most 1.5x its bytes time at batch 1 (2x at batch 8). Per batch, one process,
+the pair's SLM alone at its real shape with random weights (seed 1), timed in turn after a warm-up each:
+
+- ``torch kernel`` / ``torch packed`` / ``torch F.linear``: the engine ``citer route`` builds (``route_engine`` on the params' ``engine:`` block, the SLM
+  alone) with ``citer.decoding.cpu_linear``'s float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel
+  for calls of up to ``F32_MAX_ROWS`` rows and oneDNN's packed weight above (the default on an AMD CPU), the packed
+  weight for every call, and torch's ``F.linear``;
+- ``llama.cpp <type>``: the same weights written to GGUF (F32, then llama.cpp's quantizer for the others), one
+  sequence a row, the final norm's hidden state returned as the router needs it (``LlamaCppModel(hidden=True)``);
+  skipped where llama-cpp-python is not importable.
+
+``step_ms``: (``generate`` of ``--new-tokens`` tokens - ``generate`` of 1) / (tokens - 1), the medians of ``--reps``;
+``bytes_ms``: the weights' bytes (torch: every parameter but an untied input embedding, as the cost meter counts
+them; llama.cpp: the GGUF file) over the fastest large read this run measured (``read_bytes_per_s``; the rows' KV, a
+few hundred kB, left out); ``x_bytes``: their ratio.
+
+Writes ``reports/bench_slm_step_<cpu>.json`` (``--out``), stamped in ``reports/provenance.json``. Say whether the
+machine was quiet: ``others_cpu_share`` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cpu_linear import MODES  # noqa: E402
+from roofline import engine_block  # noqa: E402
+from speed_report import PAIRS, SPECS, build_model, cpu_times, others_cpu_share, read_bandwidth, write_report  # noqa: E402
+
+from citer.decoding import cpu_linear  # noqa: E402
+from citer.decoding.baselines import AlwaysSLM  # noqa: E402
+from citer.decoding.cost import ModelCost  # noqa: E402
+from citer.decoding.llama_cpp_runner import LlamaCppModel, missing  # noqa: E402
+from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
+from citer.serving.champion import route_engine  # noqa: E402
+from citer.tracking.provenance import cpu_kind  # noqa: E402
+
+# bench/cpu_linear.py's float32 modes, as a decoder's name in the report
+TORCH_LABELS = {"kernel": "torch kernel", "packed": "torch packed", "torch": "torch F.linear"}
+
+
+def llama_cpp_decode(model: LlamaCppModel, prompts: list[list[int]], n: int) -> None:
+    """``n`` greedy tokens for every row: the prompts in one decode, then a decode a step."""
+    model.reset()
+    logits, _ = model.feed(dict(enumerate(prompts)))
+    for _ in range(n - 1):
+        logits, _ = model.feed({r: [int(t)] for r, t in enumerate(logits.argmax(-1))})
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    spec = PAIRS[args.pair][0]
+    vocab = SPECS[spec]["vocab"]
+    slm = build_model(spec, "cpu", torch.float32, seed=1)
+    engine = route_engine(slm, None, AlwaysSLM(), 0.5, engine_block(Path(args.params)), vocab_size=vocab)
+    files: dict[str, Path] = {}
+    why_not = missing() if args.llama_cpp_types else "no --llama-cpp-types"
+    if why_not is None:
+        f32 = scratch / "slm-f32.gguf"
+        write_gguf(slm, f32, "F32")
+        for t in args.llama_cpp_types.split(","):
+            files[t] = f32 if t == "F32" else scratch / f"slm-{t.lower()}.gguf"
+            if t != "F32":
+                quantize_gguf(f32, files[t], t)
+    weight_bytes = {TORCH_LABELS[m]: ModelCost.from_model(slm).weight_bytes for m in MODES}
+    weight_bytes |= {f"llama.cpp {t}": p.stat().st_size for t, p in files.items()}
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        gen = torch.Generator().manual_seed(b)
+        prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
+        runs: dict[str, Any] = {}
+        for mode, (on, kernel) in MODES.items():
+
+            def torch_run(
+                n: int, on: bool = on, kernel: bool = kernel, prompts: list[list[int]] = prompts
+            ) -> None:
+                cpu_linear.use_float32_packed(on, kernel)
+                engine.generate_batch(prompts, n)
+
+            runs[TORCH_LABELS[mode]] = torch_run
+        models = {t: LlamaCppModel(p, rows=b, row_tokens=args.prompt_len + args.new_tokens + 8, hidden=True)
+                  for t, p in files.items()}  # fmt: skip
+        for t, m in models.items():
+            runs[f"llama.cpp {t}"] = lambda n, m=m, p=prompts: llama_cpp_decode(m, p, n)
+        for run in runs.values():  # warm-up: kernels built, weights packed, contexts allocated
+            run(2)
+        walls: dict[str, dict[int, list[float]]] = {k: {1: [], args.new_tokens: []} for k in runs}
+        for _ in range(args.reps):
+            for k, run in runs.items():
+                for n in (1, args.new_tokens):
+                    t = time.perf_counter()
+                    run(n)
+                    walls[k][n].append(time.perf_counter() - t)
+        for m in models.values():
+            m.close()
+        cpu_linear.use_float32_packed(True)
+        for k, w in walls.items():
+            step = (statistics.median(w[args.new_tokens]) - statistics.median(w[1])) / (args.new_tokens - 1)
+            rows.append({"batch": b, "decoder": k, "step_ms": step * 1e3, "weight_mb": weight_bytes[k] / 1e6,
+                         "walls_s": w})  # fmt: skip
+            print(f"b{b} {k}: {step * 1e3:.2f} ms a step", flush=True)
+    return {"rows": rows, "llama_cpp_missing": why_not}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="smollm2", choices=sorted(PAIRS))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=33)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--llama-cpp-types", default="F32,Q8_0,Q4_0", help="comma-separated; empty: torch only")
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_slm_step.json"))
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    t0 = cpu_times()
+    with tempfile.TemporaryDirectory(prefix="slm_step_") as scratch:
+        got = measure(args, Path(scratch))
+    read = read_bandwidth("cpu")
+    for row in got["rows"]:
+        row["bytes_ms"] = row["weight_mb"] * 1e6 / read["best"] * 1e3
+        row["x_bytes"] = row["step_ms"] / row["bytes_ms"]
+    report = {
+        "bench": "slm_step", "cpu": cpu_kind(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": "fp32", "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "reps": args.reps, "f32_max_rows": cpu_linear.F32_MAX_ROWS,
+        "read_bytes_per_s": read, "others_cpu_share": others_cpu_share(t0, cpu_times()), **got,
+    }  # fmt: skip
+    write_report(args.out, report, "slm_step", vars(args), time.time() - t0[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

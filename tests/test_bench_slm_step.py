@@ -1,0 +1,38 @@
+"""bench/slm_step.py at tiny shapes: a row per batch and decoder, each ratio by its definition, the float32 path left
+as the bench found it; with llama.cpp importable, its files' rows beside torch's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import bench_module
+
+from citer.decoding import cpu_linear
+from citer.decoding.llama_cpp_runner import missing
+
+
+@pytest.mark.parametrize("types", ["", "F32,Q8_0"])
+def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, types):
+    if types and missing():
+        pytest.skip(missing())
+    bench = bench_module("slm_step")
+    out = tmp_path / "bench_slm_step.json"
+    args = ["--pair", "tiny", "--batches", "1,2", "--prompt-len", "4", "--new-tokens", "3", "--reps", "1",
+            "--llama-cpp-types", types, "--out", str(out)]  # fmt: skip
+    before = cpu_linear._fp32_packed()
+    assert bench.main(args) == 0
+    rep = json.loads(out.read_text())
+    decoders = ["torch kernel", "torch packed", "torch F.linear"] + [
+        f"llama.cpp {t}" for t in types.split(",") if t
+    ]
+    assert [(r["batch"], r["decoder"]) for r in rep["rows"]] == [(b, d) for b in (1, 2) for d in decoders]
+    best = rep["read_bytes_per_s"]["best"]
+    for r in rep["rows"]:
+        assert r["bytes_ms"] == pytest.approx(r["weight_mb"] * 1e6 / best * 1e3)
+        assert r["x_bytes"] == pytest.approx(r["step_ms"] / r["bytes_ms"])
+        assert len(r["walls_s"]["3"]) == len(r["walls_s"]["1"]) == 1
+    torch_mb = {r["weight_mb"] for r in rep["rows"] if r["decoder"].startswith("torch")}
+    assert len(torch_mb) == 1  # one model's bytes whatever the linear
+    assert (rep["llama_cpp_missing"] is None) == bool(types)
+    assert cpu_linear._fp32_packed() == before
