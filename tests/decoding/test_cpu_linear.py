@@ -142,9 +142,18 @@ def test_float32_over_a_big_weight_takes_the_packed_weight(bias):
     assert torch.equal(others[0, 2], got[3])
 
 
+def _f32_kernel_buildable() -> bool:
+    """An x86 CPU with AVX2 and FMA, a C++ compiler and ninja: where the AVX2 kernel must build."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cpu = cpu_linear.host_cpu()
+    return cpu.has("avx2") and cpu.has("fma") and bool(shutil.which("c++")) and is_ninja_available()
+
+
 needs_f32_kernel = pytest.mark.skipif(
-    not (cpu_linear.host_cpu().has("avx2") and cpu_linear.host_cpu().has("fma")),
-    reason="no AVX2 and FMA here",
+    not _f32_kernel_buildable(), reason="no AVX2 and FMA, no C++ compiler or no ninja here"
 )
 
 
