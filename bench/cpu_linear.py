@@ -113,14 +113,7 @@ def measure(
             t_packed = time_calls(packed_call, weights, reps)
             t_kernel = time_calls(kernel_call, weights, reps) if kernel else None
             w = weights[0]
-            got = cpu_linear.linear(x, w)
-            # the library keeps a packed copy of a weight it called packed; the kernel's outputs are its own sums
-            if w in cpu_linear._packed:
-                chosen = "packed"
-            elif kernel and torch.equal(got, kernel_call(w)):
-                chosen = "kernel"
-            else:
-                chosen = "torch"
+            chosen = cpu_linear.float32_path(x, w)  # the rule linear() follows
             invariant = {
                 "torch": torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1]),
                 "packed": torch.equal(packed_call(w, x[:1]), packed_call(w, x)[:1]),
@@ -184,7 +177,10 @@ def engine_rows(
             return e.generate_batch(prompts, new_tokens).tokens
 
         fns = {(k, m): (lambda e=e, m=m: run(e, m)) for k, e in built.items() for m in MODES}
-        got = timed_in_turn(fns, reps)
+        try:
+            got = timed_in_turn(fns, reps)
+        finally:
+            cpu_linear.use_float32_packed(True)
         for k in built:
             (kernel_s, kernel_tok), (packed_s, packed_tok), (torch_s, torch_tok) = (
                 got[(k, m)] for m in MODES

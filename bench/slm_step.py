@@ -94,18 +94,20 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                   for t, p in files.items()}  # fmt: skip
         for t, m in models.items():
             runs[f"llama.cpp {t}"] = lambda n, m=m, p=prompts: llama_cpp_decode(m, p, n)
-        for run in runs.values():  # warm-up: kernels built, weights packed, contexts allocated
-            run(2)
         walls: dict[str, dict[int, list[float]]] = {k: {1: [], args.new_tokens: []} for k in runs}
-        for _ in range(args.reps):
-            for k, run in runs.items():
-                for n in (1, args.new_tokens):
-                    t = time.perf_counter()
-                    run(n)
-                    walls[k][n].append(time.perf_counter() - t)
-        for m in models.values():
-            m.close()
-        cpu_linear.use_float32_packed(True)
+        try:
+            for run in runs.values():  # warm-up: kernels built, weights packed, contexts allocated
+                run(2)
+            for _ in range(args.reps):
+                for k, run in runs.items():
+                    for n in (1, args.new_tokens):
+                        t = time.perf_counter()
+                        run(n)
+                        walls[k][n].append(time.perf_counter() - t)
+        finally:
+            for m in models.values():
+                m.close()
+            cpu_linear.use_float32_packed(True)
         for k, w in walls.items():
             step = (statistics.median(w[args.new_tokens]) - statistics.median(w[1])) / (args.new_tokens - 1)
             rows.append({"batch": b, "decoder": k, "step_ms": step * 1e3, "weight_mb": weight_bytes[k] / 1e6,

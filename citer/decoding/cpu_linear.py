@@ -1,5 +1,5 @@
 """Linears on the CPU: for bf16 a small AVX512-BF16 kernel for a few rows and oneDNN's prepacked weights for more;
-for float32 on AMD CPUs oneDNN's prepacked weights.
+for float32 on AMD CPUs a small AVX2 kernel for a few rows and oneDNN's prepacked weights for more.
 
 A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs on
 (AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and costs
@@ -169,10 +169,28 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _eager_inference(w: torch.Tensor) -> bool:
-    """A call may take the packed weight: not while compiling (checked first: dynamo cannot trace the checks after
-    it, and inductor lays a graph's weights out for oneDNN itself) and without autograd through ``w``."""
-    return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and w.requires_grad)
+def _eager_inference(w: torch.Tensor, x: torch.Tensor | None = None, b: torch.Tensor | None = None) -> bool:
+    """A call may take the packed weight or the float32 kernel (neither has a backward): not while compiling (checked
+    first: dynamo cannot trace the checks after it, and inductor lays a graph's weights out for oneDNN itself) and not
+    where autograd would run through ``w``, ``x`` or ``b``."""
+    return not torch.compiler.is_compiling() and not _needs_grad(w, x, b)
+
+
+def float32_path(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> str:
+    """Which linear a float32 call ``linear(x, w, b)`` runs on this CPU: ``"kernel"`` (the AVX2 kernel), ``"packed"``
+    (oneDNN's packed weight) or ``"torch"`` (``F.linear``); building the kernel where it may serve and is not built."""
+    if x.device.type != "cpu" or x.dtype is not torch.float32 or w.dtype is not x.dtype or w.dim() != 2:
+        return "torch"
+    if (
+        w.stride(-1) != 1
+        or w.numel() < FP32_PACKED_MIN
+        or not _eager_inference(w, x, b)
+        or not _fp32_packed()
+    ):
+        return "torch"
+    if x.numel() // max(x.shape[-1], 1) <= F32_MAX_ROWS and f32_available():
+        return "kernel"
+    return "packed"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,12 +202,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return F.linear(x, w, b)
     if x.dtype is torch.bfloat16 and _enabled():
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= MAX_ROWS and available():
+        if rows <= MAX_ROWS and not _needs_grad(x, w, b) and available():
             return torch.ops.citer.linear_bf16(x, w, b)
-        if rows <= PACKED_MAX_ROWS and _eager_inference(w) and torch.backends.mkldnn.is_available():
+        if rows <= PACKED_MAX_ROWS and _eager_inference(w, x, b) and torch.backends.mkldnn.is_available():
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
-    elif x.dtype is torch.float32 and w.numel() >= FP32_PACKED_MIN and _eager_inference(w) and _fp32_packed():
-        if x.numel() // max(x.shape[-1], 1) <= F32_MAX_ROWS and f32_available():
+    elif x.dtype is torch.float32:
+        path = float32_path(x, w, b)
+        if path == "kernel":
             return torch.ops.citer.linear_f32(x, w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
+        if path == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def _needs_grad(*ts: torch.Tensor | None) -> bool:
+    """Autograd would run through one of ``ts``: the kernels have no backward, so such a call takes ``F.linear``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)

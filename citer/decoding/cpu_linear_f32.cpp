@@ -47,7 +47,7 @@ inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int6
 // y (..., N) = x (..., K) @ w (N, K)^T (+ bias (N,)); w rows contiguous, all float32.
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_f32: float32 only");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1), "linear_f32: shapes");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1) && x.size(-1) > 0, "linear_f32: shapes");
   x = x.contiguous();
   const int64_t K = x.size(-1), N = w.size(0), M = x.numel() / K, ldw = w.stride(0);
   auto sizes = x.sizes().vec();
@@ -58,7 +58,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
   const float* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, "linear_f32: bias");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == N, "linear_f32: bias");
     b = bias->contiguous();
     bp = b.data_ptr<float>();
   }

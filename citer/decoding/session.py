@@ -11,7 +11,9 @@ SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`Dec
 3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when the engine's call
    rule says so (:mod:`citer.decoding.call_rule`: at once, by fixed counts, or from its measured step times) or
    nothing else can advance. A waiting row does not advance (its next token is the LLM's), so sharing one LLM weight
-   read among several rows changes no row's tokens, only when they arrive;
+   read among several rows changes no row's tokens, only when they arrive (up to float rounding: where a call's size
+   picks the linears' kernel, as float32 on AMD CPUs at real shapes does (:mod:`citer.decoding.cpu_linear`), a
+   regrouped call may round a near tie otherwise);
 4. emits one token for every row that advanced, retires rows at EOS or their token budget (their slots are reused),
    and feeds the new tokens to the SLM in one call; held rows ride along in it without writing.
 

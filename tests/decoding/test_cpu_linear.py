@@ -209,3 +209,15 @@ def test_float32_small_weights_and_training_keep_torchs_linear():
     big = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256, requires_grad=True)
     cpu_linear.linear(x, big).sum().backward()  # autograd runs through F.linear
     assert big.grad is not None and big not in cpu_linear._packed
+    # A frozen weight under an input or bias that needs gradients: neither the kernel nor the packed weight (no
+    # backward), whatever the rows
+    frozen = torch.randn(cpu_linear.FP32_PACKED_MIN // 256, 256)
+    for rows in (2, cpu_linear.F32_MAX_ROWS + 1):
+        xg = torch.randn(rows, 256, requires_grad=True)
+        bg = torch.zeros(frozen.shape[0], requires_grad=True)
+        assert cpu_linear.float32_path(xg, frozen) == cpu_linear.float32_path(x, frozen, bg) == "torch"
+        cpu_linear.linear(xg, frozen, bg).sum().backward()
+        assert torch.allclose(xg.grad, frozen.sum(0).expand(rows, -1), rtol=1e-4, atol=1e-3) and torch.equal(
+            bg.grad, torch.full_like(bg, rows)
+        )
+    assert frozen not in cpu_linear._packed

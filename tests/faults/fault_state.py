@@ -83,9 +83,15 @@ def walk(base: Path) -> list[Path]:
     """Every file and directory under ``base``, read while a command may be renaming or removing them: what vanishes
     mid-walk is left out (``Path.rglob`` raises when a directory it is about to list was just renamed away)."""
     out = []
-    for top, dirs, files in os.walk(base):  # os.walk ignores a directory that vanished before it was listed
+    for top, dirs, files in os.walk(base, onerror=_only_vanished):
         out += [Path(top) / n for n in dirs + files]
     return sorted(out)
+
+
+def _only_vanished(err: OSError) -> None:
+    """os.walk's error handler: a directory that vanished before it was listed is skipped, any other error raised."""
+    if not isinstance(err, FileNotFoundError):
+        raise err
 
 
 def leftovers(root: Path) -> list[str]:
