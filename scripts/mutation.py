@@ -67,7 +67,9 @@ MODULES: dict[str, tuple[str, list[str], list[str]]] = {
         ],
         # Slow and about something else: that torch.compile traces the fixed-shape steps' pieces once per model. It
         # runs in CI.
-        ["tests/decoding/test_static_step.py::test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket"],
+        [
+            "tests/decoding/test_static_step.py::test_steps_trace_whole_and_compile_once_per_model_whatever_the_bucket"
+        ],
     ),
     "labels": (
         "citer/routing/labels.py",
