@@ -26,7 +26,8 @@ slower up to 2,048 rows, and a row's products do not depend on the rows beside i
 :data:`F32_MAX_ROWS` rows (decode steps, short catch-ups) the AVX2 kernel in ``cpu_linear_f32.cpp`` is faster still: it
 streams eight weight rows at once and reads the weight from memory once per call (oneDNN's packed layout reads it at
 about 20 GB/s on a Zen 3 EPYC, the kernel at about 25, the machine's best read ~30: docs/results.md); it is a
-``citer::linear_f32`` operator built like the bf16 one, and a row's sums run in one order whatever the call holds. Both
+``citer::linear_f32`` operator built like the bf16 one (into one extension with the decode step's other ops,
+:mod:`citer.decoding.cpu_step`), and a row's sums run in one order whatever the call holds. Both
 sum in another order than ``F.linear``: outputs differ from it in the last bits, and a row's outputs in a call of up to
 :data:`F32_MAX_ROWS` rows from the same row's in a bigger call. Only weights of at least :data:`FP32_PACKED_MIN` elements
 take either: below, a call's fixed cost exceeds the product (so tiny models, the pipeline's own among them, keep
@@ -58,16 +59,16 @@ FP32_PACKED_MIN = 1 << 17
 # weight up to 8 rows and matched it at 12 and 16 (docs/results.md); 16 keeps a decode step of up to 16 rows on one
 # kernel, so such a step's row computes the same sums whatever the batch.
 F32_MAX_ROWS = 16
-# name -> (extension, source, compiler flags) of the kernels built at first use
+# name -> (extension, sources, compiler flags) of the kernels built at first use
 _KERNELS = {
     "bf16": (
         "citer_cpu_linear",
-        Path(__file__).with_name("cpu_linear.cpp"),
+        [Path(__file__).with_name("cpu_linear.cpp")],
         ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
     ),
     "f32": (
         "citer_cpu_linear_f32",
-        Path(__file__).with_name("cpu_linear_f32.cpp"),
+        [Path(__file__).with_name("cpu_linear_f32.cpp"), Path(__file__).with_name("cpu_step_f32.cpp")],
         ["-O3", "-mavx2", "-mfma", "-fopenmp"],
     ),
 }
@@ -133,11 +134,11 @@ def _built(kind: str, cpu_ok: Callable[[], bool]) -> bool:
             return _state[key]
         ok = cpu_ok()
         if ok:
-            name, source, flags = _KERNELS[kind]
+            name, sources, flags = _KERNELS[kind]
             try:
                 from torch.utils.cpp_extension import load
 
-                load(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                load(name, [str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                      verbose=False)  # fmt: skip
                 _register_fake(f"citer::linear_{kind}")
             except Exception as err:  # no compiler, no ninja, an old assembler: the other linears serve

@@ -3,7 +3,9 @@
 A runner belongs to one model in one engine and holds that engine's one choice for it, ``forward`` (:data:`FORWARDS`):
 
 - ``"eager"``: the lean forward (:mod:`citer.decoding.lean`) where it covers the model's family, HF's modules
-  elsewhere; ragged calls, run as they come. The default, and what the pipeline's records are made with.
+  elsewhere; ragged calls, run as they come, a float32 decode step's layers in citer's C++ step ops where the model's
+  linears take the AVX2 kernel (:mod:`citer.decoding.cpu_step`). The default, and what the pipeline's records are
+  made with.
 - ``"hf"``: HF's modules always (the oracle the lean forward is tested against).
 - ``"compiled"``: the lean forward under ``torch.compile`` with dynamic sizes (:mod:`citer.decoding.compiled`), ragged
   calls; for long CPU runs, where the compile is paid once.
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from citer.decoding import cpu_step
 from citer.decoding.compiled import CompiledHidden, compiled_hidden
 from citer.decoding.context import CallInput, prepare
 from citer.decoding.kv_pool import HFPoolView, KVPool, PoolCall
@@ -130,7 +133,8 @@ class ModelRunner:
         compiled = self.compiled
         if compiled is not None and not torch.compiler.is_compiling():
             return compiled(ids, pos, mask, pool, call, n_pos)
-        return lean.hidden(ids, pos, mask, pool, call, n_pos)
+        layer = None if torch.compiler.is_compiling() else cpu_step.layer_for(lean, ids, mask, pool, call)
+        return lean.hidden(ids, pos, mask, pool, call, n_pos, layer=layer)
 
     def forward(
         self,

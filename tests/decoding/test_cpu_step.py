@@ -1,0 +1,162 @@
+"""A float32 decode step's C++ ops (citer.decoding.cpu_step, cpu_step_f32.cpp): the norm and the MLP's gate equal
+torch's up to float32 rounding, masked widths included; decode steps through them (ragged rows, a held row, named
+slots) give HF's logits at every position; each row's outputs are the same alone as beside others; and only float32
+decode steps of a model whose linears take the AVX2 kernel take them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from citer.decoding import cpu_linear, cpu_step
+from citer.decoding.context import prepare
+from citer.decoding.kv_pool import KVPool
+from citer.decoding.runner import ModelRunner
+
+
+def _buildable() -> bool:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cpu = cpu_linear.host_cpu()
+    return cpu.has("avx2") and cpu.has("fma") and bool(shutil.which("c++")) and is_ninja_available()
+
+
+pytestmark = [
+    pytest.mark.skipif(not _buildable(), reason="no AVX2 and FMA, no C++ compiler or no ninja here"),
+    pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"),
+]
+V = 97
+
+
+@pytest.fixture
+def fp32_kernels(monkeypatch):
+    """The float32 path on whatever this CPU's vendor (its gate is cpu_linear's, tested there)."""
+    monkeypatch.setattr(cpu_linear, "_state", {**cpu_linear._state, "fp32": True, "f32_kernel": True})
+    assert cpu_linear.f32_available(), "the AVX2 kernels did not build here"
+
+
+def build(family: str, hidden: int = 256, layers: int = 2, seed: int = 0):
+    """A model whose fused q/k/v weight reaches FP32_PACKED_MIN at hidden 256 (4 heads of 64, 2 KV heads)."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)  # fmt: skip
+    cls, cfg = {
+        "llama": (tf.LlamaForCausalLM, tf.LlamaConfig),
+        "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config),  # q/k/v biases
+        "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config),  # per-head norms
+    }[family]
+    torch.manual_seed(seed)
+    model = cls(cfg(**common))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif p.dim() == 1:  # biases: nonzero, so a bias dropped shows
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.usefixtures("fp32_kernels")
+@pytest.mark.parametrize("width", [576, 577, 5])
+def test_the_norm_and_the_gate_are_torchs_up_to_rounding(width):
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 1, width), torch.rand(width) + 0.5
+    torch.testing.assert_close(torch.ops.citer.rms_norm_f32(x, w, 1e-5), F.rms_norm(x, (width,), w, 1e-5))
+    gu = torch.randn(3, 1, 2 * width) * 4
+    g, u = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.citer.silu_mul_f32(gu), F.silu(g) * u)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]  # (T, V)
+
+
+@pytest.mark.usefixtures("fp32_kernels")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decode_steps_through_the_step_ops_equal_hf(family, monkeypatch):
+    """Rows of different lengths in named slots, one held every other step: every step runs the step ops, and each
+    returned logit row equals HF's full forward at that position."""
+    model = build(family)
+    calls = []
+    layer = cpu_step.decode_layer
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a: calls.append(1) or layer(*a))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    seqs = [list(p) for p in prompts]
+    slots = [2, 0, 1]  # rows fed out of slot order: attended in place, a run at a time
+    pool = KVPool(model, 3, 32)
+    runner = ModelRunner(model)
+    got: dict[int, list[torch.Tensor]] = {r: [] for r in range(3)}
+    with torch.inference_mode():
+        runner.feed(pool, [seqs[slots.index(s)] for s in range(3)])
+        for step in range(5):
+            chunks = [[30 + 3 * step + r] for r in range(3)]
+            if step % 2:
+                chunks[1] = []
+            calls.clear()
+            logits, _ = runner.feed(pool, chunks, slots=slots)
+            assert len(calls) == model.config.num_hidden_layers
+            for r, c in enumerate(chunks):
+                if c:
+                    seqs[r] += c
+                    got[r].append(logits[r])
+    for r, s in enumerate(seqs):
+        ref = hf_logits(model, s)[len(prompts[r]) :]
+        torch.testing.assert_close(torch.stack(got[r]), ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.usefixtures("fp32_kernels")
+def test_a_rows_attention_is_the_same_alone_and_beside_others():
+    torch.manual_seed(3)
+    nh, kv, d, cap = 4, 2, 64, 40
+    kb, vb = torch.randn(5, kv, cap + 1, d), torch.randn(5, kv, cap + 1, d)
+    qkv = torch.randn(3, (nh + 2 * kv) * d)
+    cos, sin = torch.randn(3, d), torch.randn(3, d)
+    rows, cols = torch.tensor([4, 0, 2]), torch.tensor([17, 30, 9])
+    mask = torch.arange(31)[None] <= cols[:, None]  # (3, K)
+
+    def run(i: slice, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.citer.decode_attention_f32(
+            qkv[i], cos[i], sin[i], k, v, rows[i], cols[i], mask[i], 31, nh, kv, 0.125
+        )
+
+    kt, vt = kb.clone(), vb.clone()
+    together = run(slice(None), kt, vt)  # (3, nh D)
+    for i in range(3):
+        k1, v1 = kb.clone(), vb.clone()
+        assert torch.equal(run(slice(i, i + 1), k1, v1)[0], together[i])
+        assert torch.equal(k1[rows[i], :, cols[i]], kt[rows[i], :, cols[i]])
+    # The written value is the projection's; the key its rotation (checked against the lean forward's rotate)
+    from citer.decoding.layers import rotate
+
+    v_new = qkv[:, (nh + kv) * d :].view(3, kv, d)
+    k_new = rotate(qkv[:, nh * d : (nh + kv) * d].view(3, kv, d), cos[:, None], sin[:, None])
+    for i in range(3):
+        assert torch.equal(vt[rows[i], :, cols[i]], v_new[i])
+        torch.testing.assert_close(kt[rows[i], :, cols[i]], k_new[i])
+
+
+@pytest.mark.usefixtures("fp32_kernels")
+def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monkeypatch):
+    def layer(model, chunks, packed=False):
+        runner = ModelRunner(model)
+        pool = KVPool(model, len(chunks), 16)
+        with torch.inference_mode():
+            runner.feed(pool, [[3, 4, 5]] * len(chunks))
+            inp = prepare(pool, chunks, list(range(len(chunks))), packed, lean=True, in_place=True)
+            return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call)
+
+    big = build("llama", layers=1)
+    assert layer(big, [[7], [8]]) is cpu_step.decode_layer
+    assert layer(big, [[7, 8], [9]]) is None  # a catch-up: more than one token a row
+    assert layer(big, [[7, 8], [9]], packed=True) is None
+    assert layer(build("qwen3", layers=1), [[7]]) is None  # per-head norms
+    small = build("llama", hidden=64, layers=1)  # below the kernel's weights: torch's ops
+    assert layer(small, [[7]]) is None
+    monkeypatch.setattr(cpu_linear, "_state", {**cpu_linear._state, "fp32": False})  # off the AMD gate
+    assert layer(big, [[7]]) is None
