@@ -3,10 +3,11 @@
 Issue #46 asks the SLM's step to take at most 1.5x its bytes time at batch 1 (2x at batch 8). Per batch, one process,
 the pair's SLM alone at its real shape with random weights (seed 1), timed in turn after a warm-up each:
 
-- ``torch kernel`` / ``torch packed`` / ``torch F.linear``: the engine ``citer route`` builds (``route_engine`` on the params' ``engine:`` block, the SLM
-  alone) with ``citer.decoding.cpu_linear``'s float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel
-  for calls of up to ``F32_MAX_ROWS`` rows and oneDNN's packed weight above (the default on an AMD CPU), the packed
-  weight for every call, and torch's ``F.linear``;
+- ``torch kernel`` / ``torch kernel, torch ops`` / ``torch packed`` / ``torch F.linear``: the engine ``citer route``
+  builds (``route_engine`` on the params' ``engine:`` block, the SLM alone) with ``citer.decoding.cpu_linear``'s
+  float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel for calls of up to ``F32_MAX_ROWS`` rows and
+  oneDNN's packed weight above, with the decode step's other ops in citer's C++ (``citer.decoding.cpu_step``; the
+  default on an AMD CPU) or in torch's ops; the packed weight for every call; and torch's ``F.linear``;
 - ``llama.cpp <type>``: the same weights written to GGUF (F32, then llama.cpp's quantizer for the others), one
   sequence a row, the final norm's hidden state returned as the router needs it (``LlamaCppModel(hidden=True)``);
   skipped where llama-cpp-python is not importable.
@@ -48,8 +49,14 @@ from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
 from citer.serving.champion import route_engine  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
-# bench/cpu_linear.py's float32 modes, as a decoder's name in the report
-TORCH_LABELS = {"kernel": "torch kernel", "packed": "torch packed", "torch": "torch F.linear"}
+# bench/cpu_linear.py's float32 modes (use_float32_packed's on, kernel) and the kernel without the step's C++ ops, as
+# a decoder's name in the report -> use_float32_packed's (on, kernel, step_ops)
+TORCH_MODES = {
+    "torch kernel": (*MODES["kernel"], True),
+    "torch kernel, torch ops": (*MODES["kernel"], False),
+    "torch packed": (*MODES["packed"], True),
+    "torch F.linear": (*MODES["torch"], True),
+}
 
 
 def llama_cpp_decode(model: LlamaCppModel, prompts: list[list[int]], n: int) -> None:
@@ -74,22 +81,20 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             files[t] = f32 if t == "F32" else scratch / f"slm-{t.lower()}.gguf"
             if t != "F32":
                 quantize_gguf(f32, files[t], t)
-    weight_bytes = {TORCH_LABELS[m]: ModelCost.from_model(slm).weight_bytes for m in MODES}
+    weight_bytes = {m: ModelCost.from_model(slm).weight_bytes for m in TORCH_MODES}
     weight_bytes |= {f"llama.cpp {t}": p.stat().st_size for t, p in files.items()}
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         gen = torch.Generator().manual_seed(b)
         prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
         runs: dict[str, Any] = {}
-        for mode, (on, kernel) in MODES.items():
+        for label, mode in TORCH_MODES.items():
 
-            def torch_run(
-                n: int, on: bool = on, kernel: bool = kernel, prompts: list[list[int]] = prompts
-            ) -> None:
-                cpu_linear.use_float32_packed(on, kernel)
+            def torch_run(n: int, mode: tuple[bool, ...] = mode, prompts: list[list[int]] = prompts) -> None:
+                cpu_linear.use_float32_packed(*mode)
                 engine.generate_batch(prompts, n)
 
-            runs[TORCH_LABELS[mode]] = torch_run
+            runs[label] = torch_run
         models = {t: LlamaCppModel(p, rows=b, row_tokens=args.prompt_len + args.new_tokens + 8, hidden=True)
                   for t, p in files.items()}  # fmt: skip
         for t, m in models.items():

@@ -23,7 +23,7 @@ def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, types):
     before = cpu_linear._fp32_packed()
     assert bench.main(args) == 0
     rep = json.loads(out.read_text())
-    decoders = ["torch kernel", "torch packed", "torch F.linear"] + [
+    decoders = ["torch kernel", "torch kernel, torch ops", "torch packed", "torch F.linear"] + [
         f"llama.cpp {t}" for t in types.split(",") if t
     ]
     assert [(r["batch"], r["decoder"]) for r in rep["rows"]] == [(b, d) for b in (1, 2) for d in decoders]

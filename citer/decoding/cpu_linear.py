@@ -98,13 +98,20 @@ def _fp32_packed() -> bool:
     return got
 
 
-def use_float32_packed(on: bool, kernel: bool = True) -> None:
+def use_float32_packed(on: bool, kernel: bool = True, step_ops: bool = True) -> None:
     """Turn the float32 path on (where :func:`_fp32_packed`'s CPU check holds) or off for this process, and with it on
-    the AVX2 kernel (``kernel=False``: the packed weight for every row count): what ``bench/cpu_linear.py --engine``
-    times in turn. Packed copies already made and a kernel already built are kept."""
+    the AVX2 kernel (``kernel=False``: the packed weight for every row count) and the decode step's C++ ops
+    (``step_ops``, :mod:`citer.decoding.cpu_step`, which need the kernel): what ``bench/cpu_linear.py --engine`` and
+    ``bench/slm_step.py`` time in turn. Packed copies already made and a kernel already built are kept."""
     _state.pop("fp32", None)
     _state["fp32"] = on and _fp32_packed()
     _state["f32_kernel"] = kernel
+    _state["f32_step"] = step_ops
+
+
+def step_ops_on() -> bool:
+    """Whether the decode step's C++ ops may serve (not switched off by :func:`use_float32_packed`)."""
+    return _state.get("f32_step", True)
 
 
 def available() -> bool:

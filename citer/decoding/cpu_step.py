@@ -29,7 +29,9 @@ def layer_for(
     lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
 ) -> Callable[..., torch.Tensor] | None:
     """:func:`decode_layer` where this call may take it (module docstring), else None (the lean forward's own)."""
-    if ids.shape[1] != 1 or pool is None or call is None or call.varlen is not None or call.keys is not None:
+    if not cpu_linear.step_ops_on() or ids.shape[1] != 1 or pool is None or call is None:
+        return None
+    if call.varlen is not None or call.keys is not None:  # packed
         return None
     if mask is not None and mask.dtype != torch.bool:
         return None

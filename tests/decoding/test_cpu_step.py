@@ -158,5 +158,8 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
     assert layer(build("qwen3", layers=1), [[7]]) is None  # per-head norms
     small = build("llama", hidden=64, layers=1)  # below the kernel's weights: torch's ops
     assert layer(small, [[7]]) is None
-    monkeypatch.setattr(cpu_linear, "_state", {**cpu_linear._state, "fp32": False})  # off the AMD gate
+    state = cpu_linear._state
+    monkeypatch.setattr(cpu_linear, "_state", {**state, "f32_step": False})  # switched off (the benches)
+    assert layer(big, [[7]]) is None
+    monkeypatch.setattr(cpu_linear, "_state", {**state, "fp32": False})  # off the AMD gate
     assert layer(big, [[7]]) is None
