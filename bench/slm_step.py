@@ -15,7 +15,10 @@ the pair's SLM alone at its real shape with random weights (seed 1), timed in tu
 ``step_ms``: (``generate`` of ``--new-tokens`` tokens - ``generate`` of 1) / (tokens - 1), the medians of ``--reps``;
 ``bytes_ms``: the weights' bytes (torch: every parameter but an untied input embedding, as the cost meter counts
 them; llama.cpp: the GGUF file) over the fastest large read this run measured (``read_bytes_per_s``; the rows' KV, a
-few hundred kB, left out); ``x_bytes``: their ratio.
+few hundred kB, left out); ``x_bytes``: their ratio. The torch rows also carry the step's compute roof where the AVX2
+kernel serves: ``compute_ms``, the step's multiply-adds (a weight element per row: batch x the float32 weights) at the
+kernel's rate on a weight that stays in cache at that many rows (``kernel_macs_per_s``: no memory traffic, so the
+fastest its products run here), and ``x_roof`` = step / max(bytes, compute): a step can beat neither.
 
 Writes ``reports/bench_slm_step_<cpu>.json`` (``--out``), stamped in ``reports/provenance.json``. Say whether the
 machine was quiet: ``others_cpu_share`` is recorded.
@@ -65,6 +68,25 @@ def llama_cpp_decode(model: LlamaCppModel, prompts: list[list[int]], n: int) -> 
     logits, _ = model.feed(dict(enumerate(prompts)))
     for _ in range(n - 1):
         logits, _ = model.feed({r: [int(t)] for r, t in enumerate(logits.argmax(-1))})
+
+
+def kernel_macs_per_s(rows: int, reps: int = 200) -> float | None:
+    """Multiply-adds a second of the AVX2 kernel at ``rows`` rows over a weight that stays in the cores' L2 caches
+    (384 x 576 float32, 0.9 MB, half a core): the products' own speed, with no memory traffic; best of 5 passes of
+    ``reps`` calls. None where the kernel does not serve."""
+    if not cpu_linear.f32_available():
+        return None
+    w, x = torch.randn(384, 576), torch.randn(rows, 576)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(20):
+            torch.ops.citer.linear_f32(x, w, None)
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                torch.ops.citer.linear_f32(x, w, None)
+            best = min(best, (time.perf_counter() - t) / reps)
+    return rows * w.numel() / best
 
 
 def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
@@ -137,14 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="slm_step_") as scratch:
         got = measure(args, Path(scratch))
     read = read_bandwidth("cpu")
+    batches = sorted({row["batch"] for row in got["rows"]})
+    macs = {b: kernel_macs_per_s(b) for b in batches}
     for row in got["rows"]:
         row["bytes_ms"] = row["weight_mb"] * 1e6 / read["best"] * 1e3
         row["x_bytes"] = row["step_ms"] / row["bytes_ms"]
+        rate = macs[row["batch"]]
+        if rate is not None and row["decoder"].startswith("torch"):
+            row["compute_ms"] = row["batch"] * row["weight_mb"] * 1e6 / 4 / rate * 1e3
+            row["x_roof"] = row["step_ms"] / max(row["bytes_ms"], row["compute_ms"])
     report = {
         "bench": "slm_step", "cpu": cpu_kind(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": "fp32", "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "reps": args.reps, "f32_max_rows": cpu_linear.F32_MAX_ROWS,
-        "read_bytes_per_s": read, "others_cpu_share": others_cpu_share(t0, cpu_times()), **got,
+        "read_bytes_per_s": read, "kernel_macs_per_s": {str(b): r for b, r in macs.items()},
+        "others_cpu_share": others_cpu_share(t0, cpu_times()), **got,
     }  # fmt: skip
     write_report(args.out, report, "slm_step", vars(args), time.time() - t0[0])
     return 0

@@ -32,6 +32,12 @@ def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, types):
         assert r["bytes_ms"] == pytest.approx(r["weight_mb"] * 1e6 / best * 1e3)
         assert r["x_bytes"] == pytest.approx(r["step_ms"] / r["bytes_ms"])
         assert len(r["walls_s"]["3"]) == len(r["walls_s"]["1"]) == 1
+        rate = rep["kernel_macs_per_s"][str(r["batch"])]
+        if rate is not None and r["decoder"].startswith("torch"):
+            assert r["compute_ms"] == pytest.approx(r["batch"] * r["weight_mb"] * 1e6 / 4 / rate * 1e3)
+            assert r["x_roof"] == pytest.approx(r["step_ms"] / max(r["bytes_ms"], r["compute_ms"]))
+        else:
+            assert "compute_ms" not in r
     torch_mb = {r["weight_mb"] for r in rep["rows"] if r["decoder"].startswith("torch")}
     assert len(torch_mb) == 1  # one model's bytes whatever the linear
     assert (rep["llama_cpp_missing"] is None) == bool(types)

@@ -21,8 +21,10 @@ inline float hsum(__m256 v) {
 }
 
 // One input row x (K,) against NR weight rows from w (nrows of them real): out[r] their dot products, summed over
-// 8-column chunks in order, the last K % 8 columns masked.
-inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int64_t ldw, float out[NR]) {
+// 8-column chunks in order, the last K % 8 columns masked. Meanwhile the n_next rows from `next` (a later block's)
+// are prefetched into L2, a cache line at a time.
+inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int64_t ldw, float out[NR],
+                  const float* next, int64_t n_next) {
   __m256 acc[NR];
   const float* rows[NR];
   for (int r = 0; r < NR; ++r) {
@@ -32,6 +34,8 @@ inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int6
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
+    if (n_next && (k & 15) == 0)
+      for (int64_t r = 0; r < n_next; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T1);
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows[r] + k), acc[r]);
   }
   if (K8 < K) {
@@ -68,8 +72,12 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
     float out[NR];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * NR, nrows = std::min<int64_t>(NR, N - n);
+      const int64_t next_rows = blk + 1 < b1 ? std::min<int64_t>(NR, N - n - NR) : 0;
       for (int64_t m = 0; m < M; ++m) {  // the block's weight rows are read from memory once, then from cache
-        block(xp + m * K, K, wp + n * ldw, nrows, ldw, out);
+        // Passes after the first read the block from cache: they prefetch the next block's rows, a share each, so
+        // its read from memory overlaps their products (at 8 rows ~15% faster on a Zen 3: docs/results.md).
+        const int64_t r0 = m ? (m - 1) * next_rows / (M - 1) : 0, r1 = m ? m * next_rows / (M - 1) : 0;
+        block(xp + m * K, K, wp + n * ldw, nrows, ldw, out, wp + (n + NR + r0) * ldw, r1 - r0);
         for (int64_t r = 0; r < nrows; ++r) yp[m * N + n + r] = bp ? out[r] + bp[n + r] : out[r];
       }
     }
