@@ -15,11 +15,12 @@ the pair's SLM alone at its real shape with random weights (seed 1), timed in tu
 ``step_ms``: (``generate`` of ``--new-tokens`` tokens - ``generate`` of 1) / (tokens - 1), the medians of ``--reps``;
 ``bytes_ms``: the weights' bytes (torch: every parameter but an untied input embedding, as the cost meter counts
 them; llama.cpp: the GGUF file) over the fastest large read this run measured (``read_bytes_per_s``; the rows' KV, a
-few hundred kB, left out; the faster of two measurements, before and after the timed runs); ``x_bytes``: their
-ratio. The torch rows also carry the step's compute roof where the AVX2
-kernel serves: ``compute_ms``, the step's multiply-adds (a weight element per row: batch x the float32 weights) at the
-kernel's rate on a weight that stays in cache at that many rows (``kernel_macs_per_s``: no memory traffic, so the
-fastest its products run here; the faster of the two passes, as for the read), and ``x_roof`` = step / max(bytes, compute): a step can beat neither.
+few hundred kB, left out; the faster of two measurements, before and after the timed runs, ``read_passes``);
+``x_bytes``: their ratio. The torch rows also carry the step's compute roof where the AVX2 kernel serves:
+``compute_ms``, the step's multiply-adds (a weight element per row: batch x the float32 weights) at the kernel's
+rate on a weight that stays in cache at that many rows (``kernel_macs_per_s``: no memory traffic, so the fastest its
+products run here; the best of samples taken beside every rep, ``kernel_macs_samples``, since these shared cores'
+speed drifts within a run), and ``x_roof`` = step / max(bytes, compute): a step can beat neither.
 
 Writes ``reports/bench_slm_step_<cpu>.json`` (``--out``), stamped in ``reports/provenance.json``. Say whether the
 machine was quiet: ``others_cpu_share`` is recorded.
@@ -107,10 +108,12 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     weight_bytes = {m: ModelCost.from_model(slm).weight_bytes for m in TORCH_MODES}
     weight_bytes |= {f"llama.cpp {t}": p.stat().st_size for t, p in files.items()}
     rows = []
+    macs: dict[int, list[float]] = {}
     for b in (int(x) for x in args.batches.split(",")):
         gen = torch.Generator().manual_seed(b)
         prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
         runs: dict[str, Any] = {}
+        macs[b] = []
         for label, mode in TORCH_MODES.items():
 
             def torch_run(n: int, mode: tuple[bool, ...] = mode, prompts: list[list[int]] = prompts) -> None:
@@ -132,6 +135,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                         t = time.perf_counter()
                         run(n)
                         walls[k][n].append(time.perf_counter() - t)
+                rate = kernel_macs_per_s(b, reps=50)  # the roof, sampled beside each rep (module docstring)
+                if rate is not None:
+                    macs[b].append(rate)
         finally:
             for m in models.values():
                 m.close()
@@ -141,7 +147,11 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             rows.append({"batch": b, "decoder": k, "step_ms": step * 1e3, "weight_mb": weight_bytes[k] / 1e6,
                          "walls_s": w})  # fmt: skip
             print(f"b{b} {k}: {step * 1e3:.2f} ms a step", flush=True)
-    return {"rows": rows, "llama_cpp_missing": why_not}
+    return {
+        "rows": rows,
+        "llama_cpp_missing": why_not,
+        "kernel_macs_samples": {str(b): v for b, v in macs.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     t0 = cpu_times()
     batches = [int(x) for x in args.batches.split(",")]
-    # The roofs before and after the timed runs, the faster of each kept: a roof measured in a slow spell of these
-    # shared cores would flatter every ratio to it.
-    roofs = [(read_bandwidth("cpu"), {b: kernel_macs_per_s(b) for b in batches})]
+    # The read before and after the timed runs, the faster kept: a roof measured in a slow spell of these shared
+    # cores would flatter every ratio to it.
+    reads = [read_bandwidth("cpu")]
     with tempfile.TemporaryDirectory(prefix="slm_step_") as scratch:
         got = measure(args, Path(scratch))
-    roofs.append((read_bandwidth("cpu"), {b: kernel_macs_per_s(b) for b in batches}))
-    read = max((r for r, _ in roofs), key=lambda r: r["best"])
-    macs = {b: max((m[b] for _, m in roofs), default=None, key=lambda v: v or 0.0) for b in batches}
+    reads.append(read_bandwidth("cpu"))
+    read = max(reads, key=lambda r: r["best"])
+    macs = {b: max(got["kernel_macs_samples"][str(b)], default=None) for b in batches}
     for row in got["rows"]:
         row["bytes_ms"] = row["weight_mb"] * 1e6 / read["best"] * 1e3
         row["x_bytes"] = row["step_ms"] / row["bytes_ms"]
@@ -178,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": "fp32", "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "reps": args.reps, "f32_max_rows": cpu_linear.F32_MAX_ROWS,
         "read_bytes_per_s": read, "kernel_macs_per_s": {str(b): r for b, r in macs.items()},
-        "roof_passes": [{"read_best": r["best"], "kernel_macs_per_s": {str(b): v for b, v in m.items()}}
-                        for r, m in roofs],
+        "read_passes": [r["best"] for r in reads],
         "others_cpu_share": others_cpu_share(t0, cpu_times()), **got,
     }  # fmt: skip
     write_report(args.out, report, "slm_step", vars(args), time.time() - t0[0])
