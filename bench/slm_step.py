@@ -135,6 +135,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                         t = time.perf_counter()
                         run(n)
                         walls[k][n].append(time.perf_counter() - t)
+                cpu_linear.use_float32_packed(True)  # the kernel's own rate, whichever mode ran last
                 rate = kernel_macs_per_s(b, reps=50)  # the roof, sampled beside each rep (module docstring)
                 if rate is not None:
                     macs[b].append(rate)
