@@ -74,11 +74,12 @@ def llama_cpp_decode(model: LlamaCppModel, prompts: list[list[int]], n: int) -> 
 
 def kernel_macs_per_s(rows: int, reps: int = 200) -> float | None:
     """Multiply-adds a second of the AVX2 kernel at ``rows`` rows over a weight that stays in the cores' L2 caches
-    (384 x 576 float32, 0.9 MB, half a core): the products' own speed, with no memory traffic; best of 5 passes of
-    ``reps`` calls. None where the kernel does not serve."""
-    if not cpu_linear.f32_available():
+    (128 weight rows of 576 float32 a thread, at least 3 threads' worth: 0.3 MB a core, and every thread busy, as the
+    kernel splits 16 blocks of 8 rows at least to a thread): the products' own speed, with no memory traffic; best
+    of 5 passes of ``reps`` calls. None where the kernel does not serve (not built, or more rows than it takes)."""
+    if not cpu_linear.f32_available() or rows > cpu_linear.F32_MAX_ROWS:
         return None
-    w, x = torch.randn(384, 576), torch.randn(rows, 576)
+    w, x = torch.randn(128 * max(3, torch.get_num_threads()), 576), torch.randn(rows, 576)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(20):

@@ -31,6 +31,8 @@ def layer_for(
     """:func:`decode_layer` where this call may take it (module docstring), else None (the lean forward's own)."""
     if not cpu_linear.step_ops_on() or ids.shape[1] != 1 or pool is None or call is None:
         return None
+    if torch.is_grad_enabled():  # the ops have no backward (and write the pool without bumping its version)
+        return None
     if call.varlen is not None or call.keys is not None:  # packed
         return None
     if mask is not None and mask.dtype != torch.bool:

@@ -111,6 +111,31 @@ def test_decode_steps_through_the_step_ops_equal_hf(family, monkeypatch):
 
 
 @pytest.mark.usefixtures("fp32_kernels")
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9]], [[5, 6, 7], [8, 9, 10]]])
+def test_rows_of_one_length_in_the_slot_prefix_equal_hf(prompts, monkeypatch):
+    """Batch 1 and rows of one length: steps without a mask over the slot prefix (the pool's views, no runs)."""
+    model = build("llama")
+    masks = []
+    layer = cpu_step.decode_layer
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a: masks.append(a[3]) or layer(*a))
+    seqs = [list(p) for p in prompts]
+    pool = KVPool(model, len(seqs), 32)
+    runner = ModelRunner(model)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    with torch.inference_mode():
+        runner.feed(pool, seqs)
+        for step in range(4):
+            logits, _ = runner.feed(pool, [[40 + step + r] for r in range(len(seqs))])
+            for r in range(len(seqs)):
+                seqs[r].append(40 + step + r)
+                got[r].append(logits[r])
+    assert len(masks) == 4 * model.config.num_hidden_layers and all(m is None for m in masks)
+    for r, s in enumerate(seqs):
+        ref = hf_logits(model, s)[len(prompts[r]) :]
+        torch.testing.assert_close(torch.stack(got[r]), ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.usefixtures("fp32_kernels")
 def test_a_rows_attention_is_the_same_alone_and_beside_others():
     torch.manual_seed(3)
     nh, kv, d, cap = 4, 2, 64, 40
@@ -163,3 +188,11 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
     assert layer(big, [[7]]) is None
     monkeypatch.setattr(cpu_linear, "_state", {**state, "fp32": False})  # off the AMD gate
     assert layer(big, [[7]]) is None
+    monkeypatch.setattr(cpu_linear, "_state", state)
+    runner = ModelRunner(big)
+    pool = KVPool(big, 1, 16)
+    with torch.no_grad():
+        runner.feed(pool, [[3, 4, 5]])
+        inp = prepare(pool, [[7]], [0], False, lean=True, in_place=True)
+    with torch.enable_grad():  # no backward through the ops
+        assert cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call) is None
