@@ -38,13 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from citer.ops.openmp import set_wait_env, wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from speed_report import cpu_times, others_cpu_share, write_report  # noqa: E402
 
 from citer.decoding import cpu_linear  # noqa: E402
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "cpu_linear",
         "cpu": cpu_kind(),
         "threads": torch.get_num_threads(),
+        "openmp": wait_env(),
         "torch": torch.__version__,
         "bandwidth_gb_s": bw,
         "fp32_packed_min": cpu_linear.FP32_PACKED_MIN,

@@ -36,13 +36,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from citer.ops.openmp import set_wait_env, wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from speed_report import (  # noqa: E402
     PAIRS,
     SPECS,
@@ -243,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu": cpu_kind(),
             "vector": cpu_vector(),
             "threads": torch.get_num_threads(),
+            "openmp": wait_env(),
             "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         },  # fmt: skip
         "llama_cpp_python": llama_cpp.__version__,

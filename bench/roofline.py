@@ -44,13 +44,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import yaml
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from citer.ops.openmp import set_wait_env, wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
 from speed_report import build_pair, cpu_times, others_cpu_share, write_report  # noqa: E402
 
 from citer.config import load_params  # noqa: E402
@@ -218,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "roofline",
         "cpu": cpu_kind(),
         "threads": torch.get_num_threads(),
+        "openmp": wait_env(),
         "torch": torch.__version__,
         "pair": a.pair,
         "dtype": a.dtype,

@@ -36,12 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from citer.ops.openmp import set_wait_env, wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import torch  # noqa: E402
 from cpu_linear import MODES  # noqa: E402
 from roofline import engine_block  # noqa: E402
 from speed_report import PAIRS, SPECS, build_model, cpu_times, others_cpu_share, read_bandwidth, write_report  # noqa: E402
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             row["compute_ms"] = row["batch"] * row["weight_mb"] * 1e6 / 4 / rate * 1e3
             row["x_roof"] = row["step_ms"] / max(row["bytes_ms"], row["compute_ms"])
     report = {
-        "bench": "slm_step", "cpu": cpu_kind(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "bench": "slm_step", "cpu": cpu_kind(), "threads": torch.get_num_threads(), "openmp": wait_env(),
+        "torch": torch.__version__,
         "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": "fp32", "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "reps": args.reps, "f32_max_rows": cpu_linear.F32_MAX_ROWS,
         "read_bytes_per_s": read, "kernel_macs_per_s": {str(b): r for b, r in macs.items()},

@@ -252,14 +252,19 @@ if __name__ == "__main__" and sys.argv[1:2] == ["peer"]:
     print(json.dumps(PEERS[sys.argv[2]](Path(sys.argv[3]))), flush=True)
     raise SystemExit(0)
 
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 # A citer already on the path (PYTHONPATH: e.g. a pinned copy of one commit) wins over this checkout's.
 if importlib.util.find_spec("citer") is None:
     sys.path.insert(0, str(ROOT))
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
+
+from citer.ops.openmp import set_wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import torch  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -14,7 +14,6 @@ budget, each variant's row saved after every rep.
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from citer.decoding.lean import lean_decoder
 from citer.decoding.runner import FORWARDS
 from citer.decoding.speculative import assistant_setup
 from citer.decoding.static_step import step_stats
+from citer.ops.openmp import peer_environ
 
 
 class AgreeProcessor:
@@ -289,7 +289,7 @@ def _peer(run: BenchRun, models: BuiltPair, which: str, peer: str, batch: int) -
                        quants=a.llama_cpp_quants if peer == "llama_cpp" else [])  # fmt: skip
             (out / "config.json").write_text(json.dumps(cfg))
             script = Path(__file__).with_name("speed.py")
-            env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
+            env = {**peer_environ(), "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
             cmd = [python, str(script), "peer", peer, tmp]
             res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
             for npy in out.glob("*.npy"):  # in the GGUF file now

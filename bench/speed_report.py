@@ -28,6 +28,7 @@ import torch
 from citer.decoding.cost import GPU_BANDWIDTH, ModelCost
 from citer.ops.cpu import host_cpu
 from citer.ops.io import write_text
+from citer.ops.openmp import wait_env
 
 # ----------------------------------------------------------------------------------------------------------- models
 # Real configs (family, hidden, intermediate, layers, heads, kv heads, vocab rows, tied embeddings, max positions).
@@ -232,7 +233,8 @@ class BenchRun:
     def _device_info(self) -> dict[str, Any]:
         if not self.device.startswith("cuda"):
             return {"name": _cpu_name() + (" (--tiny smoke run; timings mean nothing)" if self.args.tiny else ""),
-                    "cuda": False, "threads": torch.get_num_threads(), "vector": cpu_vector()}  # fmt: skip
+                    "cuda": False, "threads": torch.get_num_threads(), "vector": cpu_vector(),
+                    "openmp": wait_env()}  # fmt: skip
         p = torch.cuda.get_device_properties(0)
         return {
             "name": torch.cuda.get_device_name(0),

@@ -372,11 +372,14 @@ def serve_cmd(
     allow_pair_mismatch: AllowPairMismatch = False,
 ) -> None:
     """Serve the registry's champion router behind an OpenAI-compatible API (streaming included)."""
+    from citer.ops.threads import set_stage_threads
     from citer.project import load_project
     from citer.serving.server import serve_champion
 
+    proj = load_project(params)
+    set_stage_threads(proj)  # as a stage picks them: one for small models, else the cores free now
     serve_champion(
-        load_project(params),
+        proj,
         host=host,
         port=port,
         llm_fraction=llm_fraction,
@@ -427,8 +430,9 @@ def report_docs(
 
 
 def main() -> None:  # pragma: no cover - console entry
-    # Waiting OpenMP threads sleep instead of spinning on a core other work needs (before torch is imported).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from citer.ops.openmp import set_wait_env
+
+    set_wait_env()  # before torch is imported: how OpenMP's waiting threads wait (citer.ops.openmp)
     # friendly() starts the reaper, and under `dvc repro` joins the repro's Prefect server first
     _CONSOLE["main"] = True
     if len(sys.argv) > 1 and sys.argv[1] not in {"--help", "-h"}:

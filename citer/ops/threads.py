@@ -5,9 +5,8 @@ models are tiny (the LLM's weights are 1.5 MB): their steps are short ops domina
 thread gains nothing on a quiet machine, and with another process busy on one of two cores the two threads spin
 against it (measured before this module: ``iterate`` 5x its quiet time, ``dvc repro`` 1,206 s against 443-495 s).
 So a stage whose largest model has under :data:`SMALL_WEIGHT_BYTES` of weights runs on one thread, and a larger
-one on the cores that are free when it starts (sampled, at least one), never more than the process may use. The
-console entry also sets ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment says otherwise): threads that wait
-sleep rather than spin, which keeps a multi-threaded stage from stealing a core that other work needs.
+one on the cores that are free when it starts (sampled, at least one), never more than the process may use. How the
+threads of a multi-threaded stage wait between parallel regions is :mod:`citer.ops.openmp`'s.
 """
 
 from __future__ import annotations
