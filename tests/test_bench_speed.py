@@ -559,7 +559,7 @@ def test_the_gpu_run_builds_its_engines_from_the_params_block_without_pydantic(m
     bench = engine_from_block(pair.slm, pair.llm, router, 0.5, written, vocab_size=pair.vocab)
     route = route_engine(pair.slm, pair.llm, router, 0.5, load_params(path).engine, vocab_size=pair.vocab)
     assert {k: getattr(bench, k) for k in ENGINE_SETTINGS} == {k: getattr(route, k) for k in ENGINE_SETTINGS}
-    assert bench.forward == "graphs" and bench.static_for("slm") is not None
+    assert bench.forward == "graphs" and bench.slm_runner.static is not None
     prompts = [[3, 4, 5], [6, 7, 8, 9]]
     assert bench.generate_batch(prompts, 6).tokens == route.generate_batch(prompts, 6).tokens
 

@@ -37,17 +37,6 @@ def read_to_host(t: torch.Tensor) -> list:
     return buf.tolist()
 
 
-def choose_tokens(
-    logits: torch.Tensor,
-    sampling: Sequence[Sampling],
-    rid: torch.Tensor,
-    steps: torch.Tensor,
-    vocab_size: int,
-) -> list[int]:
-    """Tokens for the k rows of ``logits`` (k, V), read back to the host: :func:`choose_token_tensor`'s."""
-    return choose_token_tensor(logits, sampling, rid, steps, vocab_size).tolist()
-
-
 def choose_token_tensor(
     logits: torch.Tensor,
     sampling: Sequence[Sampling],

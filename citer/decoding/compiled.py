@@ -1,33 +1,26 @@
 """The lean forward under ``torch.compile`` (Inductor) with dynamic sizes: :func:`compiled_hidden`.
 
-Why: a decode step of a small model is bound by its op count, not its arithmetic. Eager, a lean layer is ~30 ops of
-3-10 us each on a CPU core. Inductor fuses the norms, RoPE, SiLU-gate, cache writes and (CPU) the one-query attention
-of decode steps into a few C++ loops, calls the library kernels for the matrix products and multi-token attention,
-and (CPU) calls it all from a C++ wrapper instead of a Python one. Compiled, a catch-up packs its rows whenever their
-chunks differ in length (``ModelRunner.feed``, :mod:`citer.decoding.runner`): packing's scatter and gather fuse away, padding is wasted work.
-Measured on the embedded pair: docs/results.md (the committed ``reports/bench_engine_v0.json``, row ``today_compiled``).
+Why: a decode step of a small model is bound by its op count, not its arithmetic. Inductor fuses the norms, RoPE,
+SiLU-gate, cache writes and (CPU) the one-query attention of decode steps into a few C++ loops, calls the library
+kernels for the matrix products and multi-token attention, and (CPU) calls it all from a C++ wrapper instead of a
+Python one. Compiled, a catch-up packs its rows whenever their chunks differ in length (``ModelRunner.feed``):
+packing's scatter and gather fuse away, padding is wasted work. Measured: docs/results.md.
 
-How: each model gets its own compiled copy of ``LeanDecoder.hidden`` (:mod:`citer.decoding.lean`) per call
-kind: no cache, decode step, padded or packed catch-up, with or without a mask, named slots or the prefix.
-``torch.compile`` keys graphs, guards and the sizes it has seen change (automatic dynamic) on the code object: one
-shared copy would make the SLM's head count a symbol once the LLM's differs, and every call would try every kind's
-guards. The first call of a kind compiles a graph for its sizes; a second size recompiles it with dynamic sizes,
-which later sizes reuse (sizes 0 and 1 keep graphs of their own). The KV pool's sizes stay static: the caches of a
-model whose forward runs compiled round them (rows to a power of two, columns to a multiple of 128:
-``KVPool.round_shapes``) and each pool shape gets its own graphs, which ran 10-15% faster than graphs with
-the pool's sizes as symbols. So a run compiles a handful of graphs per model and pool shape, seconds each, then only
-replays them.
+How: each model gets its own compiled copy of ``LeanDecoder.hidden`` (:mod:`citer.decoding.lean`) per call kind (no
+cache, decode step, padded or packed catch-up, with or without a mask, named slots or the prefix). ``torch.compile``
+keys graphs, guards and the sizes it has seen change on the code object: one shared copy would make the SLM's head
+count a symbol once the LLM's differs, and every call would try every kind's guards. A kind's second size recompiles
+it with dynamic sizes, which later sizes reuse (sizes 0 and 1 keep graphs of their own). The KV pool's sizes stay
+static: a compiled model's pools round their shapes (``KVPool.round_shapes``) and each pool shape gets its own
+graphs, faster than graphs with the pool's sizes as symbols.
 
-A decode step of the SLM can also take the next step's decision into its graph (:meth:`CompiledHidden.decided`):
-the head, the router's score, the token choice and the hard flag, as the fixed-shape steps do (``static_decide``),
-so the session reads one result instead of running a dozen eager ops after the forward. A router the graph cannot
-hold is tried once, warned about, and decided eagerly from then on.
+A decode step of the SLM can also take the next step's decision into its graph (:meth:`CompiledHidden.decided`), as
+the fixed-shape steps do; a router the graph cannot hold is warned about once and decided eagerly from then on.
 
-What it changes: fused float32 arithmetic rounds differently from eager (logits within ~1e-5), so a near tie can pick
-the other token. That is why it is opt-in (``RoutedEngine(forward="compiled")``, ``engine.forward: compiled``), for
-long runs (a server, a big ``citer route``) where the compile time is paid once. The graphs are the model's (one
-:class:`CompiledHidden` per lean decoder), shared by every runner that compiles it; a forward that fails to compile
-warns once and runs eagerly from then on.
+What it changes: fused float32 arithmetic rounds differently from eager, so a near tie can pick the other token.
+Hence opt-in (``forward="compiled"``), for long runs where the compile time is paid once. The graphs are the model's
+(one :class:`CompiledHidden` per lean decoder), shared by every runner that compiles it; a forward that fails to
+compile warns once and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -61,7 +54,7 @@ class CompiledHidden:
         self.lean = lean
         self.failed = False  # a compile failed: the runners over this model run its forward eagerly
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILES)
-        # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
+        # The C++ wrapper calls the kernels without a Python frame each (docs/results.md).
         self._options = {} if lean.embed.is_cuda else {"cpp_wrapper": True}
         self._fns: dict[tuple[bool, ...], Callable[..., torch.Tensor]] = {}
         self._decide_fns: dict[bool, Callable[..., Any]] = {}  # decided steps, by "has a mask"
@@ -71,17 +64,17 @@ class CompiledHidden:
         self._attention = "sdpa" if lean.embed.is_cuda else "fused_decode"
 
     def _mark_static(self, pool: torch.Tensor) -> None:
-        """Compile for this pool's sizes: graphs with the pool's rows and columns as symbols ran 10-15% slower on
-        the embedded pair at batch 32. A rounded pool (``KVPool.round_shapes``) takes a few shapes in a run;
-        past :data:`_STATIC_POOLS` of them, new pools stay symbolic, so a long run never recompiles without end."""
+        """Compile for this pool's sizes (graphs with the pool's sizes as symbols run slower). A rounded pool
+        (``KVPool.round_shapes``) takes a few shapes in a run; past :data:`_STATIC_POOLS` of them, new pools stay
+        symbolic, so a long run never recompiles without end."""
         shape = tuple(pool.shape)
         if shape in self._pools or len(self._pools) < _STATIC_POOLS:
             self._pools.add(shape)
             torch._dynamo.mark_static(pool)
 
     def _fn(self, kind: tuple[bool, ...]) -> Callable[..., torch.Tensor]:
-        """One compiled copy per call kind: a lookup then tries one kind's guards, not every kind's (a failed guard
-        set costs tens of microseconds a call on a CPU)."""
+        """One compiled copy per call kind: a lookup then tries one kind's guards, not every kind's (failed guard
+        sets cost every call)."""
         fn = self._fns.get(kind)
         if fn is None:
             tag = f"{id(self.lean):x}_{''.join('1' if k else '0' for k in kind)}"
@@ -112,10 +105,10 @@ class CompiledHidden:
         steps: torch.Tensor,
         decision: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A decode step (ids, pos (B, 1)) over ``pool`` (where ``call`` says) with the next step's decision in the same graph: logits
-        (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each row's draws and
-        ``decision`` is a :class:`~citer.decoding.decide.Decision`. None, having run nothing, when the router
-        cannot be traced; the caller then decides eagerly, and so does every later call with that router."""
+        """A decode step (ids, pos (B, 1)) over ``pool`` (where ``call`` says) with the next step's decision in the
+        same graph: logits (B, V), hidden (B, H), tokens (B,) and hard flags (B,); ``rid``/``steps`` (B,) key each
+        row's draws. None, having run nothing, when the router cannot be traced; the caller then decides eagerly, and
+        so does every later call with that router."""
         if decision.router in self._untraceable:
             return None
         self._prepare(ids, n_pos, pool)

@@ -1,37 +1,27 @@
 """Cost meter for routed decoding: tokens by model, LLM calls, catch-up tokens, bytes moved, projected GPU time.
 
-Decoding a few rows at a time is memory-bound on a GPU: a forward call costs about the bytes it moves. The model:
+Decoding a few rows at a time is memory-bound on a GPU: a forward call costs about the bytes it moves
+(docs/cost_model.md defines every term and what each method is charged):
 
     bytes(call of model M over rows R) = W_M + sum_{r in R} kv_M * (ctx_r + new_r)
 
-- ``W_M``: weight bytes read once per forward call = bytes of every parameter of M, minus the input embedding table
-  when it is not tied to the output head (a lookup reads only the rows it needs, which we neglect). The SLM's ``W``
-  includes the router's reads (its MLP, any embedding row it looks up), since the router runs at every SLM step.
-- ``kv_M``: K and V bytes of one token over all layers = 2 * layers * kv_heads * head_dim * dtype_bytes.
-- ``ctx_r``: cache columns row r attends to after the call (its whole sequence so far, new tokens included) -- the
-  KV read; ``new_r``: tokens fed for row r in this call -- the KV written.
+``W_M``: the weight bytes read once per call (an untied input embedding left out; the SLM's includes the router's
+reads, since the router runs at every SLM step); ``kv_M``: K and V bytes of one token over all layers; ``ctx_r``: the
+cache columns row r attends after the call (the KV read); ``new_r``: its tokens fed in the call (the KV written).
 
-Per-row accounting splits the weight read evenly among the rows of the call, so per-row bytes sum exactly to the
-batch bytes:
-
-    bytes_r = sum over calls c containing r of ( W_M / |R_c| + kv_M * (ctx_r + new_r) )
-
-A row held back while it waits for a shared LLM call rides along in the SLM's calls without advancing: the KV it
-attends is read (counted in its ``bytes_moved``), but a row decoded alone would not make that call, so ``bytes_alone``
-leaves it out. ``bytes_alone`` prices the same calls as if the row had been decoded by itself (batch 1, the latency regime the
-CITER paper measures): ``sum over calls c containing r of ( W_M + kv_M * (ctx_r + new_r) )``. Because the engine's
-output for a row does not depend on its batch, this is exact, not an estimate.
-
-Projected GPU time = bytes / bandwidth of the named GPU (``GPU_BANDWIDTH``, bytes/s: H100 3.35e12, H200 4.8e12);
-per token it is batch bytes / bandwidth / tokens generated in the batch. Compute, launch and Python overheads are not
-in the projection; wall time (measured) is reported beside it.
+Per row, a call's weight read is split evenly among its rows, so per-row bytes sum exactly to the batch's.
+``bytes_alone`` prices the row's calls as if it had been decoded alone (batch 1, every call reads the whole weights):
+exact, not an estimate, because a row's output does not depend on its batch. A row held back while it waits for a
+shared LLM call rides along in the SLM's calls: the KV it attends counts in its ``bytes_moved``, not in
+``bytes_alone``. Projected GPU time = bytes / the named GPU's bandwidth (:data:`GPU_BANDWIDTH`); compute, launch and
+Python overheads are not in it, and the measured wall time is reported beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -93,9 +83,6 @@ class RowStats:
     slm_kv_tokens: int = 0
     llm_kv_tokens: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class BatchStats:
@@ -126,9 +113,6 @@ class BatchStats:
     rolled_back_tokens: int = 0
     # steps whose SLM call was queued while their LLM call was in flight (engine.overlap)
     overlapped_steps: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _ROW_FIELDS = ("calls", "wshare", "kv", "kv_idle", "tokens")

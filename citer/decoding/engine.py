@@ -7,16 +7,11 @@ The emitted token is then fed to the SLM. Rows stop at EOS or ``max_new_tokens``
 run by :class:`~citer.decoding.session.DecodeSession`, which also lets rows join a running batch; ``generate_batch``
 is a loop over it.
 
-At batch > 1 some row needs the LLM at almost every step, so the LLM's weights would be read almost every step.
-``llm_min_rows``/``llm_max_wait_steps`` let a routed row wait (without advancing) until that many rows want the LLM or
-it has waited that many steps: one weight read then serves several rows. Tokens are unchanged; they arrive later.
-``overlap`` lets the SLM's step of the other rows run while that call is in flight (:mod:`citer.decoding.session`).
-
-Both models keep a :class:`~citer.decoding.kv_pool.KVPool`, so rows of different lengths share every call;
-each model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, the one place that picks the forward
-(lean or HF, eager or compiled, ragged or fixed-shape and captured) from the engine's one ``forward``.
-Shapes: b = rows in a call, V = vocab, H = hidden. Logits are cut to the tokenizer's vocabulary before a token is
-chosen (:mod:`citer.decoding.pairing`), so the models' embeddings may be padded to different sizes.
+Both models keep a :class:`~citer.decoding.kv_pool.KVPool`, so rows of different lengths share every call; each
+model's calls run through its :class:`~citer.decoding.runner.ModelRunner`, which picks the forward from the engine's
+one ``forward``. Logits are cut to the tokenizer's vocabulary before a token is chosen
+(:mod:`citer.decoding.pairing`), so the models' embeddings may be padded to different sizes.
+Shapes: b = rows in a call, V = vocab, H = hidden.
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
-from citer.decoding.call_rule import CallRule, StepTimes, call_rule
+from citer.decoding.baselines import Router, router_read_bytes, wants_row_ids
+from citer.decoding.call_rule import CallRule, StepTimes
 from citer.decoding.cost import BatchStats, ModelCost, RowStats
 from citer.decoding.decide import Decision, route
 from citer.decoding.kv_pool import KVPool
@@ -44,10 +39,17 @@ from citer.decoding.pairing import (
     model_label,
     shared_vocab_size,
 )
-from citer.decoding.rows import check_prompts, checked_llm_prefill, engine_verification
+from citer.decoding.rows import (
+    check_prompts,
+    checked_llm_prefill,
+    checked_max_rows,
+    checked_routing,
+    engine_call_rule,
+    engine_verification,
+    eos_ids,
+)
 from citer.decoding.runner import FORWARDS, ModelRunner
 from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
-from citer.decoding.static_step import StaticSteps
 
 
 @dataclass
@@ -68,26 +70,22 @@ class RoutedEngine:
     """Token-level routed generation. ``llm=None`` is allowed with an :class:`~citer.decoding.baselines.AlwaysSLM` router.
 
     ``eos_token_id``: one id or several (None: stop at ``max_new_tokens`` only). ``pad_token_id`` is accepted for
-    symmetry with HF; the engine never needs it (pad slots repeat a real token and are masked). ``gpu`` names the
-    bandwidth used for the projected time (:data:`citer.decoding.cost.GPU_BANDWIDTH`). ``vocab_size``: the token ids
-    the models share, ``len(tokenizer)`` (default: the smaller embedding); logits are cut to it before any choice, so
-    models whose embeddings are padded to different sizes pair as long as their tokenizers agree.
-    ``llm_min_rows`` (>= 1) and ``llm_max_wait_steps`` (>= 0): shared LLM calls (module docstring); 1 and 0 call the
-    LLM at the step a row is routed to it; ``llm_schedule="measured"`` replaces them with the rule that the engine
-    derives from its own measured step times (:mod:`citer.decoding.call_rule`). ``llm_prefill``: ``"lazy"`` lets the
-    LLM read a row's prompt in its first catch-up; ``"admit"`` reads every admitted prompt but its last token in one
-    LLM call beside the SLM's prefill (one large call instead of prompts mixed into small catch-ups; wasted on a row
-    the router never routes). ``forward``: how both models' calls run (:data:`~citer.decoding.runner.FORWARDS`):
-    ``"eager"`` each model's lean forward where it covers the family (:mod:`citer.decoding.lean`), HF's elsewhere;
-    ``"hf"`` HF's for both (the oracle); ``"compiled"`` the lean forwards under ``torch.compile``
-    (:mod:`citer.decoding.compiled`: faster steps after seconds of compiling per graph kind; fused rounding, so a near
-    tie may pick the other token); ``"graphs"`` decode steps and short catch-ups as fixed-shape calls captured per
-    bucket (:mod:`citer.decoding.static_step`: CUDA graphs on a GPU). The choice is this engine's: another engine
-    over the same models runs them as it was asked to. ``verify_rho``/``verify_window``/``verify_final``: verified routing
-    (:mod:`citer.decoding.verify`); the defaults (inf, 0, False) are plain CITER. ``overlap``: a step queues the
-    SLM's call while its LLM catch-up is in flight (on CUDA, on a stream of its own) and feeds the LLM's tokens to the
-    SLM a step later (:mod:`citer.decoding.session`): the same tokens, a step that costs the longer call rather than
-    both where the device overlaps them, one more step per LLM token for its row.
+    symmetry with HF and unused (pad slots repeat a real token and are masked). ``gpu`` names the bandwidth of the
+    projected time (:data:`citer.decoding.cost.GPU_BANDWIDTH`). ``vocab_size``: the token ids the models share,
+    ``len(tokenizer)`` (default: the smaller embedding).
+    ``llm_min_rows`` (>= 1), ``llm_max_wait_steps`` (>= 0): at batch > 1 some row wants the LLM almost every step, so
+    a routed row waits (without advancing) until that many rows want the LLM or it has waited that many steps, and
+    one weight read serves several rows: the same tokens, later. 1 and 0 call at once; ``llm_schedule="measured"``
+    derives the rule from the engine's measured step times (:mod:`citer.decoding.call_rule`).
+    ``llm_prefill``: ``"lazy"`` the LLM reads a row's prompt in its first catch-up; ``"admit"`` every admitted prompt
+    but its last token in one LLM call beside the SLM's prefill (one large call instead of prompts mixed into small
+    catch-ups; wasted on a row the router never routes).
+    ``forward``: how both models' calls run (:data:`~citer.decoding.runner.FORWARDS`); the choice is this engine's,
+    another engine over the same models runs them as it was asked to.
+    ``verify_rho``/``verify_window``/``verify_final``: verified routing (:mod:`citer.decoding.verify`); the defaults
+    (inf, 0, False) are plain CITER. ``overlap``: a step queues the SLM's call while its LLM catch-up is in flight and
+    feeds the LLM's tokens to the SLM a step later (:mod:`citer.decoding.session`): the same tokens, one more step per
+    LLM token for its row.
     """
 
     runner = "torch"  # which kernels decode (engine.runner); the llama.cpp engine says "llama_cpp"
@@ -112,10 +110,7 @@ class RoutedEngine:
         verify_final: bool = False,
         overlap: bool = False,
     ) -> None:
-        if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
-            raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
-        if llm is None and not isinstance(router, AlwaysSLM):
-            raise EngineInputError("llm=None needs an AlwaysSLM router (no LLM to route to)")
+        self.tau = checked_routing(router, llm is not None, tau)
         for m in (slm, llm):
             if m is None:
                 continue
@@ -132,22 +127,15 @@ class RoutedEngine:
             self.vocab_size = shared_vocab_size(slm, llm, vocab_size)
         except PairingError as exc:
             raise EngineInputError(str(exc)) from exc
-        self.slm, self.llm, self.router, self.tau = slm, llm, router, float(tau)
-        eos = (
-            [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        )
-        self.eos = set(int(e) for e in eos)
-        self.pad_token_id = pad_token_id
+        self.slm, self.llm, self.router = slm, llm, router
+        self.eos = eos_ids(eos_token_id)
         self.gpu = gpu
         self._router_ctx = wants_row_ids(router)
         # The router runs at every SLM step, so its reads join the SLM's (docs/cost_model.md).
         self.router_bytes = router_read_bytes(router, slm)
         self.cost_slm = ModelCost.from_model(slm).plus(self.router_bytes)
         self.cost_llm = ModelCost.from_model(llm) if llm is not None else None
-        try:
-            self.call_rule: CallRule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
-        except ValueError as err:  # the engine's own input error, as every bad argument
-            raise EngineInputError(str(err)) from None
+        self.call_rule: CallRule = engine_call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         self.llm_min_rows, self.llm_max_wait_steps, self.llm_schedule = (
             llm_min_rows,
             llm_max_wait_steps,
@@ -167,12 +155,6 @@ class RoutedEngine:
         self._lease: weakref.ref[object] | None = None  # the session the pools are lent to
         self._decisions: dict[tuple[float, float, int], Decision] = {}
         self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
-
-    def static_for(self, which: str) -> StaticSteps | None:
-        """The fixed-shape steps of ``which`` model ("slm"/"llm") when ``forward`` asks for them and the model runs
-        the lean forward; None keeps the ragged call."""
-        runner = self.slm_runner if which == "slm" else self.llm_runner
-        return runner.static if runner is not None else None
 
     def pools_for(self, session: object) -> tuple[KVPool, KVPool | None]:
         """The engine's two KV pools, lent to ``session`` while no other live session holds them (emptied, their
@@ -239,24 +221,22 @@ class RoutedEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced: one causal pass of model ``which`` ("slm" | "llm") over ``seqs``; its logits (n, V) and
         hidden states (n, H) at the pairs (``rows[i]``, ``pos[i]``). Right padding needs no mask: a causal model's
-        position never sees the pads after it. Eager, whatever the engine's runners compile: a pass over whole texts
-        is one call of a shape no step repeats."""
+        position never sees the pads after it. The engine's forward, but eager where its runners compile or capture: a
+        pass over whole texts is one call of a shape no step repeats."""
         model = self.slm if which == "slm" else self.llm
         assert model is not None, which
         ids, _ = right_padded(seqs, 0)
         dev = input_device(model)
         pick = (torch.tensor(rows, device=dev), torch.tensor(pos, device=dev))
-        return ModelRunner(model).forward(ids.to(dev), last_index=pick)
+        runner = ModelRunner(model, "hf" if self.forward == "hf" else "eager")
+        return runner.forward(ids.to(dev), last_index=pick)
 
     def session(
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
     ) -> DecodeSession:
         """A step-level scheduler over this engine: add rows at any time, step, collect tokens as they come."""
         check_sampling(temperature, top_p)
-        if max_rows is not None and (
-            isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
-        ):
-            raise EngineInputError(f"max_rows must be an integer >= 1 or None, got {max_rows!r}")
+        max_rows = checked_max_rows(max_rows)
         return DecodeSession(self, max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> GenerationResult:
@@ -277,8 +257,9 @@ class RoutedEngine:
         """Generate for every prompt: a :class:`DecodeSession` stepped until every row is done. ``row_ids`` (default
         0..n-1) key the random router and the sampler, so a caller splitting a long list into batches passes each
         row's global index to keep results batch-invariant. ``max_rows``: at most this many rows in the SLM's batch;
-        the others join as rows finish or wait for the LLM (continuous batching, :meth:`DecodeSession.room`). ``drafts``: per row, first new tokens given as the SLM's
-        (:meth:`DecodeSession.add`'s ``draft``); they lead the row's ``tokens`` unless a check took them back."""
+        the others join as rows finish or wait for the LLM (continuous batching, :meth:`DecodeSession.room`).
+        ``drafts``: per row, first new tokens given as the SLM's (:meth:`DecodeSession.add`'s ``draft``); they lead
+        the row's ``tokens`` unless a check took them back."""
         self.check_prompts(prompts, max_new_tokens, row_ids)
         t0 = time.perf_counter()
         sess = self.session(max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
@@ -323,23 +304,27 @@ def decode_all(
     """Add every prompt to a session (either runner's: ``add``, ``step``, ``busy``, ``meter``), step it until every
     row is done, and gather each row's tokens, which model wrote them and what verification took back; ``t0``: when
     the call began (the batch's wall seconds)."""
-    ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
-    if drafts is not None and len(drafts) != len(prompts):
-        raise EngineInputError(f"drafts: need {len(prompts)} lists, got {len(drafts)}")
-    keys = [
-        sess.add(p, max_new_tokens, row_id=r, draft=drafts[i] if drafts is not None else ())
-        for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
-    ]
-    out_tok: dict[int, list[int]] = {k: [] for k in keys}
-    out_llm: dict[int, list[bool]] = {k: [] for k in keys}
-    out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}
-    while sess.busy:
-        for em in sess.step():
-            if em.replaced:
-                out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
-            out_tok[em.key].append(em.token)
-            out_llm[em.key].append(em.from_llm)
-    sess.closed = True  # the engine's pools (or contexts) are free for the next call
+    try:
+        ids = list(range(len(prompts))) if row_ids is None else [int(r) for r in row_ids]
+        if drafts is not None and len(drafts) != len(prompts):
+            raise EngineInputError(f"drafts: need {len(prompts)} lists, got {len(drafts)}")
+        keys = [
+            sess.add(p, max_new_tokens, row_id=r, draft=drafts[i] if drafts is not None else ())
+            for i, (p, r) in enumerate(zip(prompts, ids, strict=True))
+        ]
+        out_tok: dict[int, list[int]] = {k: [] for k in keys}
+        out_llm: dict[int, list[bool]] = {k: [] for k in keys}
+        out_rep: dict[int, list[tuple[int, list[int]]]] = {k: [] for k in keys}
+        while sess.busy:
+            for em in sess.step():
+                if em.replaced:
+                    out_rep[em.key].append((len(out_tok[em.key]), em.replaced))
+                out_tok[em.key].append(em.token)
+                out_llm[em.key].append(em.from_llm)
+    finally:
+        # The engine's pools (or contexts) are free for the next call, after a failure too: the next session
+        # empties them before use.
+        sess.closed = True
     rows, batch = sess.meter.finish(time.perf_counter() - t0)
     return GenerationResult(
         tokens=[out_tok[k] for k in keys],

@@ -73,13 +73,9 @@ def write_and_read(
 
 
 class KVPool:
-    """Per layer a (R, kv_heads, capacity + 1, head_dim) buffer; slot r holds ``lengths[r]`` columns.
-
-    A call either pads (rows x longest chunk; pad keys go to the last column, a trash column) or packs (all new tokens
-    in one sequence, each attending only its own row's columns: no padded linears; the HF forward gathers the rows'
-    keys into one sequence under a block-diagonal mask, the lean one lays the queries out per row). ``add_slots`` and
-    ``remove_slots`` keep the active rows a prefix (the common call then reads views, not gathers).
-    """
+    """Per layer a (R, kv_heads, capacity + 1, head_dim) buffer; slot r holds ``lengths[r]`` columns, and the last
+    column is the trash column a padded call's pad keys go to (padded and packed calls: :mod:`citer.decoding.context`).
+    ``add_slots`` and ``remove_slots`` keep the active rows a prefix, so the common call reads views, not gathers."""
 
     def __init__(self, model: nn.Module, n_rows: int, capacity: int, round_shapes: bool = False) -> None:
         cfg = model.config.get_text_config(decoder=True)

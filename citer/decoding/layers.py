@@ -59,10 +59,10 @@ def fused_attention(
 ) -> torch.Tensor:
     """q (B, nh, Q, D), k/v (B, kv, K, D), mask (B, 1, Q, K) -> (B, nh, Q, D) (``flat``: (B, Q, nh D), the output
     projection's input, written in that layout rather than copied into it), as products and sums a compiler fuses
-    into a few loops (eagerly they would be materialized: for compiled code only). On a CPU the library kernel costs
-    ~40 us a call at 32 rows of a small model, mostly per-row setup; fused, a compiled SLM step over 32 rows took ~160
-    us instead of ~220. And nothing here merges a symbolic size with another dimension, which a batched matrix product
-    does (a guard on rows or tokens being 1): the fixed-shape steps compile it once for every B and Q."""
+    into a few loops (eagerly they would be materialized: for compiled code only). On a CPU the library kernel's cost
+    is mostly per-row setup, which fusing avoids. And nothing here merges a symbolic size with another dimension,
+    which a batched matrix product does (a guard on rows or tokens being 1): the fixed-shape steps compile it once for
+    every B and Q."""
     b, nh, n_q, d = q.shape
     kv = k.shape[1]
     qg = q.view(
@@ -96,8 +96,8 @@ def grouped_attention(
 
 @dataclass(frozen=True)
 class HeadShape:
-    """A decoder's attention shape, softmax scale and norm epsilon: constants of every traced layer (one object per model, so a
-    compiled layer guards on it once)."""
+    """A decoder's attention shape, softmax scale and norm epsilon: constants of every traced layer (one object per
+    model, so a compiled layer guards on it once)."""
 
     n_heads: int
     n_kv: int

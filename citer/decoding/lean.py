@@ -1,12 +1,12 @@
 """A lean decoder forward for the families users bring (Qwen2/Qwen2.5, Llama 3.x, Qwen3, Mistral without a window).
 
 The HF modules spend most of a small decode step in Python (attention-interface lookup, config reads, output
-dataclasses, one RoPE module call per layer); at batch 1 on a CPU the matrix products are ~13% of a step. This module
-reads the weights of the HF model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF
-parameters become views of it, so both paths read the same memory -- and runs the same arithmetic in a handful of
-tensor ops per layer (gpt-fast's ``model.py`` shape). K/V go through the pool's ``update``
-(:class:`~citer.decoding.kv_pool.KVPool`), told by the call's :class:`~citer.decoding.kv_pool.PoolCall` where
-they go and what the queries attend, padded, packed or without a pool.
+dataclasses, one RoPE module call per layer), not in the matrix products. This module reads the weights of the HF
+model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF parameters become views of
+it, so both paths read the same memory -- and runs the same arithmetic in a handful of tensor ops per layer
+(gpt-fast's ``model.py`` shape). K/V go to the layer's pool buffers where the call's
+:class:`~citer.decoding.kv_pool.PoolCall` says (:func:`~citer.decoding.kv_pool.write_and_read`), padded, packed or
+without a pool.
 
 :func:`lean_decoder` returns ``None`` for a model it does not cover, with the reason in :func:`unsupported_reason`;
 callers then keep the HF forward. Which forward a call takes is not decided here but by the model's runner in an
@@ -134,7 +134,7 @@ class LeanDecoder:
 
     def stale(self, model: nn.Module) -> bool:
         """True when the model's weights were moved or replaced since this view was built (``.to``, ``.half``).
-        Checked on every call, so it reads two module attributes, not HF's accessors (~1 us, not ~14)."""
+        Checked on every call, so it reads two module attributes, not HF's slower accessors."""
         e, h = self._embed_mod.weight, self._head_mod.weight
         return (e.data_ptr(), e.dtype, e.device, h.data_ptr()) != self._source
 

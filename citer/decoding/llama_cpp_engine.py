@@ -1,14 +1,9 @@
-""":class:`LlamaCppEngine`: the routed engine's interface (``generate_batch``, its :class:`GenerationResult` with
-per-row costs, and step-level sessions for ``citer serve``'s scheduler) with both models on llama.cpp, so ``citer
-route``, the sweep's passes and ``citer serve`` run on the runner ``engine.runner: llama_cpp`` names, and τ is chosen
-on the runner that serves. The pair's models are GGUF files (:func:`citer.models.to_gguf.gguf_for` converts and
-quantizes the pipeline's own); the decoding is :class:`~citer.decoding.llama_cpp_routed.LlamaCppSession`, routed
-rows sharing LLM calls by the engine's call rule as the torch engine's do. Costs are metered like the torch
-engine's, at the files' own bytes (a 4-bit file reads a quarter of the bf16 weights) and llama.cpp's F16 KV cache.
-
-Teacher-forced scoring (:mod:`citer.decoding.scoring`: echo log-probs, harness log-likelihoods) reads
-:meth:`LlamaCppEngine.positions` on contexts of its own. Verified routing and drafts run as in the torch engine
-(``verify_*``). Not here (the torch engine's): compiled forwards, overlapped calls.
+""":class:`LlamaCppEngine`: the routed engine's interface (``generate_batch`` and its :class:`GenerationResult`,
+step-level sessions for ``citer serve``, teacher-forced :meth:`~LlamaCppEngine.positions`) with both models as GGUF
+files on llama.cpp, so ``citer route``, the sweep and ``citer serve`` run on the runner ``engine.runner: llama_cpp``
+names and τ is chosen on the runner that serves. The decoding is
+:class:`~citer.decoding.llama_cpp_routed.LlamaCppSession`; costs are metered as the torch engine's, at the files' own
+bytes and llama.cpp's F16 KV cache. Not here (the torch engine's): compiled forwards, overlapped calls.
 """
 
 from __future__ import annotations
@@ -22,29 +17,30 @@ from pathlib import Path
 
 import torch
 
-from citer.decoding.baselines import AlwaysSLM, Router, router_read_bytes, wants_row_ids
-from citer.decoding.call_rule import StepTimes, call_rule
+from citer.decoding.baselines import Router, router_read_bytes, wants_row_ids
+from citer.decoding.call_rule import StepTimes
 from citer.decoding.cost import CostMeter
 from citer.decoding.decide import route
 from citer.decoding.engine import GenerationResult, decode_all
 from citer.decoding.llama_cpp_routed import MAX_SEQUENCES, LlamaCppSession
 from citer.decoding.llama_cpp_runner import LlamaCppModel
+from citer.decoding.pairing import PairingError, vocab_within
 from citer.decoding.rows import (
     EngineInputError,
     check_prompts,
     check_sampling,
     checked_llm_prefill,
+    checked_routing,
+    engine_call_rule,
     engine_verification,
+    eos_ids,
 )
 
 
 class LlamaCppEngine:
     """Routed generation on llama.cpp between the GGUF files ``slm`` and ``llm`` (``llm=None``: the SLM alone, with
-    an :class:`AlwaysSLM` router). ``eos_token_id``: one id or several; ``vocab_size``: the ids the models share
-    (default the smaller vocabulary); ``gpu``: the bandwidth named for projected seconds, as the torch engine's;
-    ``llm_min_rows``, ``llm_max_wait_steps``, ``llm_schedule``: when routed rows call the LLM, as the torch
-    engine's (:func:`~citer.decoding.call_rule.call_rule`); ``llm_prefill``: ``"admit"`` has the LLM read admitted
-    prompts at once, ``"lazy"`` at each row's first catch-up, as the torch engine's."""
+    an :class:`AlwaysSLM` router); ``rows``: the contexts' first size. The other arguments are the torch engine's
+    (:class:`~citer.decoding.engine.RoutedEngine`); ``vocab_size`` defaults to the smaller vocabulary."""
 
     runner = "llama_cpp"
 
@@ -66,25 +62,20 @@ class LlamaCppEngine:
         verify_window: int = 0,
         verify_final: bool = False,
     ) -> None:
-        if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
-            raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
-        if llm is None and not isinstance(router, AlwaysSLM):
-            raise EngineInputError("llm=None needs an AlwaysSLM router (no LLM to route to)")
-        self.router, self.tau, self.gpu = router, float(tau), gpu
-        try:
-            self.call_rule = call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
-        except ValueError as err:  # the engine's own input error, as every bad argument
-            raise EngineInputError(str(err)) from None
+        self.tau = checked_routing(router, llm is not None, tau)
+        self.router, self.gpu = router, gpu
+        self.call_rule = engine_call_rule(llm_schedule, llm_min_rows, llm_max_wait_steps)
         self.llm_prefill = checked_llm_prefill(llm_prefill)
         self.verify = engine_verification(verify_rho, verify_window, verify_final, llm is not None)
         self.times = StepTimes()  # the engine's measured calls, which a measured rule reads
-        self.eos = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else [
-            int(e) for e in eos_token_id
-        ]  # fmt: skip
+        self.eos = eos_ids(eos_token_id)
         self.slm = LlamaCppModel(Path(slm), rows, 64, hidden=llm is not None)
         self.llm = LlamaCppModel(Path(llm), rows, 64) if llm is not None else None
         models = [self.slm] if self.llm is None else [self.slm, self.llm]
-        self.vocab_size = vocab_size or min(m.vocab_size for m in models)
+        try:  # the ids both may emit, checked as the torch engine checks them
+            self.vocab_size = vocab_within([(m.path.name, m.vocab_size) for m in models], vocab_size)
+        except PairingError as exc:
+            raise EngineInputError(str(exc)) from exc
         self.router_bytes = router_read_bytes(router, None) if self.llm is not None else 0
         self.cost_slm = self.slm.cost().plus(self.router_bytes)
         self.cost_llm = self.llm.cost() if self.llm is not None else None

@@ -1,27 +1,14 @@
 """Routed decoding with both models on llama.cpp (:class:`~citer.decoding.llama_cpp_runner.LlamaCppModel`), a step at a
 time: :class:`LlamaCppSession`, the llama.cpp runner's counterpart of :class:`~citer.decoding.session.DecodeSession`
-(the same caller's side, so ``citer serve``'s scheduler steps either).
+(the same caller's side, so ``citer serve``'s scheduler steps either), whose steps, verification and random draws
+these mirror, so a router and τ chosen on one runner decide the same way on the other.
 
-Each :meth:`LlamaCppSession.step`:
-
-1. admits queued rows while the SLM's batch has room (a row waiting for the LLM has left it), each taking a free
-   sequence id in both contexts (with ``llm_prefill="admit"`` the LLM reads their prompts in one decode then);
-2. the SLM reads every stepping row's unread tokens (an admitted row's prompt, the others' last token) in one batched
-   decode; the router (:func:`~citer.decoding.decide.route`) reads the hidden states llama.cpp returns and the
-   engine's sampler proposes a token per row; the rows the router sends wait for the LLM and leave the SLM's batch;
-3. the LLM catches the waiting rows up in one batched decode of the tokens it has not read, whose last logits write
-   each row's token, when the call rule (:mod:`citer.decoding.call_rule`) says so or no other row advances; a waiting
-   row does not advance, so sharing a call changes when its token arrives, never which;
-4. every row that advanced emits its token; rows at EOS or their budget leave and free their sequence ids.
-
-With verification on (:mod:`citer.decoding.verify`) an LLM call reads the LLM's logits at every caught-up position,
-takes back a row's first rejected SLM token and what follows (both contexts forget them), and rows call the LLM to
-check (window, final); SLM tokens are held back until checked, as in the torch session, whose tokens these are.
-
-A row's random draws (router noise, sampling) are keyed on (row id, tokens written), as in the torch engine, so a
-router and τ chosen there decide the same way here and a row writes what it writes alone.
-:func:`routed_generate` decodes a list of prompts through a session; :func:`solo_generate` is one model alone.
-
+Each :meth:`LlamaCppSession.step` admits queued rows while the SLM's batch has room, each taking a free sequence id in
+both contexts; the SLM reads every stepping row's unread tokens in one batched decode and proposes, the router reading
+the hidden states llama.cpp returns; the LLM catches the waiting rows up in one batched decode when the call rule
+(:mod:`citer.decoding.call_rule`) says so or no other row advances; every row that advanced emits its token, and rows
+at EOS or their budget free their sequence ids. :func:`routed_generate` decodes a list of prompts through a session;
+:func:`solo_generate` is one model alone.
 Shapes: b = rows the SLM steps, R = rows the LLM catches up, V = vocabulary, H = the SLM's hidden size.
 """
 
@@ -30,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +29,7 @@ from citer.decoding.cost import CostMeter
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
 from citer.decoding.pairing import cut_logits
-from citer.decoding.rows import Emitted, EngineInputError, Row, RowQueue, check_sampling
+from citer.decoding.rows import Emitted, EngineInputError, Row, RowQueue, check_sampling, checked_max_rows
 from citer.decoding.verify import Verification, first_cuts
 
 MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
@@ -79,7 +66,7 @@ class LlamaCppSession(RowQueue):
         tau: float,
         *,
         meter: CostMeter,
-        eos_ids: Sequence[int] = (),
+        eos_ids: Iterable[int] = (),
         vocab_size: int | None = None,
         rule: CallRule = FixedRule(),
         times: StepTimes | None = None,
@@ -94,8 +81,7 @@ class LlamaCppSession(RowQueue):
             raise ValueError(f"{slm.path.name}: the SLM's context must return hidden states (hidden=True)")
         if (llm is None) != (router is None):
             raise ValueError("a router needs an LLM to route to, and an LLM a router")
-        if max_rows is not None and max_rows < 1:
-            raise EngineInputError(f"max_rows must be >= 1, got {max_rows}")
+        checked_max_rows(max_rows)
         check_sampling(temperature, top_p)
         self.slm, self.llm, self.router, self.tau = slm, llm, router, float(tau)
         self.models = [slm] if llm is None else [slm, llm]

@@ -118,8 +118,8 @@ class LlamaCppModel:
         cp.n_batch = cp.n_ctx  # a catch-up may feed every row's whole prompt in one decode
         cp.n_ubatch = min(cp.n_batch, 512)
         cp.n_threads = cp.n_threads_batch = self.threads
-        # a cache per row (n_ctx / rows cells each): a step attends its own row's cells only; one cache shared by 256
-        # rows made every step attend all of them (measured 7x slower steps at 256 rows of a tiny model)
+        # a cache per row (n_ctx / rows cells each): a step attends its own row's cells only, where one cache shared
+        # by every row makes each step attend all of them
         cp.kv_unified = False
         if self.hidden:
             cp.embeddings = True
@@ -299,8 +299,8 @@ def gguf_type_counts(path: str | os.PathLike[str]) -> dict[str, int]:
 def gguf_cost(path: str | os.PathLike[str]) -> ModelCost:
     """What a decode call of the GGUF file's model reads, as the engine's meter counts it, from the file alone (no
     model loaded): its tensors but an untied input embedding (rows looked up), and the K and V of one token at
-    llama.cpp's default cache type (F16). Kept per file version: reading a GGUF's tensor table takes about a second
-    for a 1.7B model, longer than a short decode."""
+    llama.cpp's default cache type (F16). Kept per file version: reading a GGUF's tensor table can take longer than
+    a short decode."""
     p = Path(path).resolve()
     st = p.stat()
     return _gguf_cost(p, st.st_size, st.st_mtime_ns)

@@ -14,6 +14,7 @@ sliding-window or mixed-attention layer would silently see too much, so such mod
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,16 +40,18 @@ def shared_vocab_size(slm: nn.Module, llm: nn.Module | None, vocab_size: int | N
     """The number of token ids both models may emit: ``vocab_size`` (pass ``len(tokenizer)``) or, without a
     tokenizer at hand, the smaller embedding. Refuses a ``vocab_size`` larger than either model's embedding."""
     models = [m for m in (slm, llm) if m is not None]
-    rows = min(embedding_rows(m) for m in models)
+    return vocab_within([(model_label(m), embedding_rows(m)) for m in models], vocab_size)
+
+
+def vocab_within(widths: Sequence[tuple[str, int]], vocab_size: int | None) -> int:
+    """:func:`shared_vocab_size` for models given as (name, logits' width) pairs, whatever runs them."""
     if vocab_size is None:
-        return rows
+        return min(n for _, n in widths)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise PairingError(f"vocab_size must be a positive integer (len(tokenizer)), got {vocab_size!r}")
-    for m in models:
-        if embedding_rows(m) < vocab_size:
-            raise PairingError(
-                f"{model_label(m)}: embeds {embedding_rows(m)} tokens, fewer than the tokenizer's {vocab_size}"
-            )
+    for name, n in widths:
+        if n < vocab_size:
+            raise PairingError(f"{name}: embeds {n} tokens, fewer than the tokenizer's {vocab_size}")
     return vocab_size
 
 

@@ -1,5 +1,5 @@
-"""What a decoding session is made of: the engine it needs, the rows it decodes, the tokens it emits, and the
-caller's side both runners' sessions share (:class:`RowQueue`).
+"""What a decoding session is made of: the engine it needs, the rows it decodes, the tokens it emits, the caller's
+side both runners' sessions share (:class:`RowQueue`), and the checks both engines apply to their arguments.
 
 Shapes: k = rows, V = vocab.
 """
@@ -15,7 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from citer.decoding.call_rule import CallRule, StepTimes
+from citer.decoding.baselines import AlwaysSLM
+from citer.decoding.call_rule import CallRule, StepTimes, call_rule
 from citer.decoding.choice import TopLogprobs
 from citer.decoding.cost import CostMeter, ModelCost, RowStats
 from citer.decoding.decide import Sampling
@@ -46,8 +47,6 @@ class Engine(Protocol):
     ) -> None: ...
 
     def route(self, hidden: torch.Tensor, row_ids: torch.Tensor, steps: torch.Tensor) -> torch.Tensor: ...
-
-    def static_for(self, which: str) -> Any: ...
 
     def pools_for(self, session: object) -> tuple[Any, Any]: ...
 
@@ -207,6 +206,39 @@ def engine_verification(rho: float, window: int, final: bool, has_llm: bool) -> 
     if verify.on and not has_llm:
         raise EngineInputError("verify_rho needs an LLM to verify with (llm=None)")
     return verify
+
+
+def checked_routing(router: Any, has_llm: bool, tau: float) -> float:
+    """An engine's ``tau`` as a float, refused as the engine's input error outside [0, 1], or where ``llm=None``
+    comes with a router other than :class:`~citer.decoding.baselines.AlwaysSLM` (no LLM to route to)."""
+    if not isinstance(tau, int | float) or not 0.0 <= float(tau) <= 1.0:
+        raise EngineInputError(f"tau must lie in [0, 1], got {tau!r}")
+    if not has_llm and not isinstance(router, AlwaysSLM):
+        raise EngineInputError("llm=None needs an AlwaysSLM router (no LLM to route to)")
+    return float(tau)
+
+
+def eos_ids(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    """An engine's ``eos_token_id`` (one id, several, or None: stop at ``max_new_tokens`` only) as a set."""
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
+
+
+def engine_call_rule(schedule: str, min_rows: int, max_wait_steps: int) -> CallRule:
+    """An engine's ``llm_schedule``/``llm_min_rows``/``llm_max_wait_steps`` as its
+    :func:`~citer.decoding.call_rule.call_rule`, refused as the engine's input error."""
+    try:
+        return call_rule(schedule, min_rows, max_wait_steps)
+    except ValueError as err:
+        raise EngineInputError(str(err)) from None
+
+
+def checked_max_rows(max_rows: int | None) -> int | None:
+    """A session's ``max_rows`` (None: no bound), refused as the engine's input error unless an integer >= 1."""
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
+        raise EngineInputError(f"max_rows must be an integer >= 1 or None, got {max_rows!r}")
+    return max_rows
 
 
 class RowQueue:

@@ -1,28 +1,23 @@
 """One model's forward calls: :class:`ModelRunner`, the one place that chooses how a call runs.
 
-A runner belongs to one model in one engine and holds that engine's one choice for it, ``forward`` (:data:`FORWARDS`):
+A runner belongs to one model in one engine and holds that engine's choice for it, ``forward`` (:data:`FORWARDS`):
 
 - ``"eager"``: the lean forward (:mod:`citer.decoding.lean`) where it covers the model's family, HF's modules
-  elsewhere; ragged calls, run as they come, a float32 decode step's layers in citer's C++ step ops where the model's
-  linears take the AVX2 kernel (:mod:`citer.decoding.cpu_step`). The default, and what the pipeline's records are
-  made with.
+  elsewhere; ragged calls, a float32 decode step's layers in citer's C++ step ops where the model's linears take the
+  AVX2 kernel (:mod:`citer.decoding.cpu_step`). The default, and what the pipeline's records are made with.
 - ``"hf"``: HF's modules always (the oracle the lean forward is tested against).
 - ``"compiled"``: the lean forward under ``torch.compile`` with dynamic sizes (:mod:`citer.decoding.compiled`), ragged
   calls; for long CPU runs, where the compile is paid once.
-- ``"graphs"``: decode steps and catch-ups of up to :data:`STATIC_Q` tokens as fixed-shape calls, bucketed, one
-  compiled layer and head per model and one capture per bucket (:mod:`citer.decoding.static_step`; CUDA graphs on a
-  GPU, the same buffers replayed by calls elsewhere); prompts take the eager ragged call.
+- ``"graphs"``: decode steps and catch-ups of up to :data:`STATIC_Q` tokens as fixed-shape calls, bucketed and
+  captured (:mod:`citer.decoding.static_step`; CUDA graphs on a GPU); prompts take the eager ragged call.
 - ``"fixed"``, ``"aot_eager"``: the fixed-shape calls run eagerly, or captured and traced without code generation
   (the CPU's check of ``"graphs"``): for tests and benches.
 
-The choice is the runner's, not the model's: two engines over one model may run it differently, and nothing outside
-the engine switches it.
-
+The choice is the runner's, not the model's: two engines over one model may run it differently.
 :meth:`ModelRunner.feed` is the engine's one call over a KV pool (:class:`~citer.decoding.kv_pool.KVPool`): rows
-whose caches lag by different gaps append in one forward call, padded or packed (laid out by
-:func:`~citer.decoding.context.prepare`): packed where padding would double the tokens or its pad tokens cost more
-than packing, padded otherwise (decode steps). :meth:`ModelRunner.forward` is one causal pass, over a pool or not,
-returning the logits and the router's input (the last layer's output after the final norm).
+whose caches lag by different gaps append in one forward call, padded or packed
+(:func:`~citer.decoding.context.prepare`). :meth:`ModelRunner.forward` is one causal pass, over a pool or not,
+returning the logits and the router's input.
 Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = hidden.
 """
 
@@ -51,9 +46,9 @@ FORWARDS: dict[str, tuple[str, StepMode | None]] = {
     "aot_eager": ("lean", StepMode("aot_eager", graphs=True)),
 }
 
-# What packing a call's queries costs per layer (a scatter and a gather, ~20 us on a CPU core), in the multiply-adds
-# a core does meanwhile (~250 G/s, the rate of the LLM's products on the Zen 4 host in docs/results.md): an estimate
-# that packs a 1.7B LLM's catch-ups at any padding and leaves small models' to the doubling rule.
+# What packing a call's queries costs per layer (a scatter and a gather), in the multiply-adds a CPU core does
+# meanwhile (docs/results.md): an estimate that packs a 1.7B LLM's catch-ups at any padding and leaves small models'
+# to the doubling rule.
 PACK_COST_MACS = 5_000_000
 # Chunks of at most this many tokens run as fixed-shape calls when the runner has ``steps``; longer ones (prompts)
 # take the ragged call.
@@ -204,10 +199,8 @@ class ModelRunner:
         """Feed ``chunks[i]`` to slot ``slots[i]`` (default: slot i) in one forward call.
 
         An empty chunk holds its row: the row rides along (so a call over the active prefix keeps its cheap views)
-        but writes nothing and its returned logits/hidden are meaningless. ``packed``: None chooses -- pack when
-        padding would at least double the tokens computed or its pad tokens cost more than packing (catch-ups with
-        mixed gaps; compiled, whenever chunks differ in length) and the packed mask stays small, pad otherwise
-        (decode steps, where every chunk is one token). Returns logits (b, V) and hidden (b, H) at each row's last
+        but writes nothing and its returned logits/hidden are meaningless. ``packed``: None chooses by cost (the
+        body's rule; decode steps pad). Returns logits (b, V) and hidden (b, H) at each row's last
         fed token; ``every``: (b, Q, V), (b, Q, H). ``decide`` = (row ids, step indices, a
         :class:`~citer.decoding.decide.Decision`): a decode step that runs compiled or fixed-shape also returns the
         next step's tokens (b,) and hard flags (b,) from the same graph; otherwise, or when the router cannot be

@@ -62,7 +62,8 @@ def counter_uniform(
         and row_ids.numel() <= _INT_ROWS
         and not torch.compiler.is_compiling()  # a traced step keeps to tensor ops: no read back
     ):
-        # A few rows on the CPU (the router's coin at small batch): Python ints beat ~20 tensor ops, same bits.
+        # A few rows on the CPU (the router's coin at small batch): Python ints beat the tensor ops' overhead, same
+        # bits.
         hs = [
             _mix32_int(_mix32_int(h ^ (r & _M32)) ^ (s & _M32))
             for r, s in zip(row_ids.tolist(), steps.tolist(), strict=True)
@@ -70,7 +71,7 @@ def counter_uniform(
         return (torch.tensor(hs, dtype=torch.float64) + 0.5) / 4294967296.0
     if width is None and row_ids.device.type == "cpu" and not torch.compiler.is_compiling():
         # More rows on the CPU: the same hash in numpy's uint64 (wrapping multiplies keep the same low 32 bits),
-        # a few microseconds an op where a tensor op costs several.
+        # cheaper per op than tensor ops.
         hn = _mix32_np(np.uint64(h) ^ (row_ids.numpy().astype(np.uint64) & _M32_NP))
         hn = _mix32_np(hn ^ (steps.numpy().astype(np.uint64) & _M32_NP))
         return torch.from_numpy((hn.astype(np.float64) + 0.5) / 4294967296.0)

@@ -3,34 +3,28 @@
 A :class:`DecodeSession` holds both models' KV pools (:class:`~citer.decoding.kv_pool.KVPool`, a slot per row), the
 SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`DecodeSession.step`:
 
-1. admits waiting requests (one SLM prefill call over the newcomers, while fewer than ``max_rows`` rows are in the
-   SLM's batch: a row waiting for the LLM has left it, so a newcomer takes its place (:meth:`DecodeSession.room`);
-   with ``engine.llm_prefill == "admit"`` one LLM call over their prompts too);
-2. routes every row that is not already waiting for the LLM: the router reads its hidden state, the SLM proposes a
-   token; rows scoring below tau wait for the LLM instead;
+1. admits waiting requests in one SLM prefill call, while fewer than ``max_rows`` rows are in the SLM's batch (a row
+   waiting for the LLM has left it: :meth:`DecodeSession.room`); with ``llm_prefill="admit"`` one LLM call over
+   their prompts too;
+2. routes every row not already waiting for the LLM: the router reads its hidden state, the SLM proposes a token;
+   rows scoring below tau wait for the LLM instead;
 3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when the engine's call
-   rule says so (:mod:`citer.decoding.call_rule`: at once, by fixed counts, or from its measured step times) or
-   nothing else can advance. A waiting row does not advance (its next token is the LLM's), so sharing one LLM weight
-   read among several rows changes no row's tokens, only when they arrive (up to float rounding: where a call's size
-   picks the linears' kernel, as float32 on AMD CPUs at real shapes does (:mod:`citer.decoding.cpu_linear`), a
-   regrouped call may round a near tie otherwise);
+   rule says so (:mod:`citer.decoding.call_rule`) or nothing else can advance. A waiting row does not advance, so
+   sharing one LLM call among several rows changes no row's tokens, only when they arrive (up to float rounding
+   where a call's size picks the linears' kernel, :mod:`citer.decoding.cpu_linear`);
 4. emits one token for every row that advanced, retires rows at EOS or their token budget (their slots are reused),
    and feeds the new tokens to the SLM in one call; held rows ride along in it without writing.
 
-The LLM's catch-up call has two halves, launch (the forward) and finish (tokens, checks). With ``engine.overlap`` a
-step that calls the LLM while other rows advance launches the catch-up first, feeds those rows to the SLM next, and
-only then reads the LLM's tokens: the host never waits for the LLM before the SLM's work is queued, and on CUDA the
-catch-up runs on a stream of its own (:class:`SideStream`), so the two models' kernels may run at once. The rows the
-LLM wrote for are fed to the SLM at the next step, beside everyone else's tokens (one SLM call per step either way);
-until then they sit out the decision. No row's tokens change, only when they arrive: each LLM-written token costs its
-row one step, and a step costs the longer of the two calls instead of their sum where the device can overlap them.
+The LLM's catch-up has two halves, launch (the forward) and finish (tokens, checks). With ``engine.overlap`` a step
+that calls the LLM while other rows advance launches the catch-up first (on CUDA on a stream of its own,
+:class:`SideStream`), feeds those rows to the SLM next, and only then reads the LLM's tokens: a step costs the longer
+of the two calls rather than their sum where the device overlaps them. The rows the LLM wrote for reach the SLM at the
+next step: the same tokens, each LLM-written one a step later for its row.
 
 A row's random draws (router noise, sampling) are keyed by its ``row_id`` and its own token index, never by the step
-or by its neighbours, so a row's tokens do not depend on what else is in the batch.
-
-With verification on (``engine.verify``, :mod:`citer.decoding.verify`), an LLM call also checks the row's unverified
-SLM tokens, may cut the row and rewind both caches, and a row may call the LLM to check (window, final); the SLM's
-tokens are held back as provisional until checked, so :meth:`DecodeSession.step` returns final tokens only.
+or its neighbours, so a row's tokens do not depend on what else is in the batch. With verification on
+(:mod:`citer.decoding.verify`) an LLM call also checks the row's provisional SLM tokens and may cut the row and rewind
+both caches, and a row may call the LLM only to check; :meth:`DecodeSession.step` returns final tokens only.
 Shapes: b = active rows (slots 0..b-1), k = rows in an LLM call, Q = its longest chunk, V = vocab, H = SLM hidden.
 """
 
@@ -48,7 +42,6 @@ import torch
 from citer.decoding.choice import (
     TopLogprobs,
     choose_token_tensor,
-    choose_tokens,
     read_to_host,
     token_logprobs,
 )
@@ -72,9 +65,8 @@ class SideStream:
     @classmethod
     def for_engine(cls, engine: Any) -> SideStream:
         """A stream of its own where the engine overlaps and its LLM is on CUDA with eager steps. Captured steps
-        (``forward="graphs"``) stay in program order: on the first GPU run (H200, docs/gpu.md) an overlapped
-        session replaying both models' graphs on two streams parted from the sequential tokens at step 38, and a
-        batch-32 warm-up did not finish in 215 s; eager steps on two streams kept every token."""
+        (``forward="graphs"``) stay in program order: replaying both models' graphs on two streams parted from the
+        sequential tokens on a GPU, where eager steps on two streams kept every token (docs/gpu.md)."""
         llm = engine.llm
         if not getattr(engine, "overlap", False) or llm is None:
             return cls()
@@ -119,7 +111,6 @@ class DecodeSession(RowQueue):
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int = 0,
-        capacity: int = 0,
     ) -> None:
         self.e = engine
         self.max_rows = max_rows
@@ -129,8 +120,6 @@ class DecodeSession(RowQueue):
         # while another session holds them.
         self.slm_pool, self.llm_pool = engine.pools_for(self)
         self.closed = False  # set when the caller is done: the engine may lend the pools to the next session
-        if capacity:
-            self.reserve(capacity)
         # Where an overlapped catch-up runs.
         self.side = SideStream.for_engine(engine)
         self.rows: list[Row] = []  # slot -> row: active rows in slot order
@@ -397,7 +386,9 @@ class DecodeSession(RowQueue):
                     r.llm_seen = len(r.seq)
                 rid = torch.tensor([r.row_id for r in rows], dtype=torch.long)
                 steps = torch.tensor([r.n_out for r in rows], dtype=torch.long)
-                toks = choose_tokens(call.logits, [r.sampling for r in rows], rid, steps, e.vocab_size)
+                toks = choose_token_tensor(
+                    call.logits, [r.sampling for r in rows], rid, steps, e.vocab_size
+                ).tolist()
                 self._llm_wrote.update(slots)
                 lps = token_logprobs(call.logits, toks, [r.logprobs for r in rows], e.vocab_size)
                 for s, lp in zip(slots, lps, strict=True):
@@ -426,9 +417,9 @@ class DecodeSession(RowQueue):
         dev = logits.device
         flat = logits[torch.tensor(owner, device=dev), torch.tensor(col, device=dev)]  # (N, V)
         rid = torch.tensor([rows[i].row_id for i in owner], dtype=torch.long)
-        choice = choose_tokens(
+        choice = choose_token_tensor(
             flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), e.vocab_size
-        )
+        ).tolist()
         logp = torch.log_softmax(cut_logits(flat, e.vocab_size).float(), dim=-1)  # (N, V)
         cuts = first_cuts(logp, proposed, choice, owner, e.verify.rho, len(rows))
         out: dict[int, int] = {}

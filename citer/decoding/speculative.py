@@ -64,17 +64,6 @@ def assistant_setup(slm: Any, llm: Any, draft_tokens: int) -> Iterator[None]:
         slm.generation_config = gen_cfg
 
 
-@contextlib.contextmanager
-def _metered(slm: Any, llm: Any, draft_tokens: int, meter: list[CostMeter]) -> Iterator[None]:
-    """Every forward call charged to ``meter[0]``, and :func:`assistant_setup`, for the block."""
-
-    def charge(which: str, new: int, seen: int) -> None:
-        meter[0].forward(which, [0], [new], [seen + new])  # type: ignore[arg-type]
-
-    with forward_calls(slm, llm, charge), assistant_setup(slm, llm, draft_tokens):
-        yield
-
-
 @torch.no_grad()
 def speculative_generate(
     slm: Any,
@@ -95,11 +84,15 @@ def speculative_generate(
     dev = input_device(llm)
     cut = LogitsProcessorList([VocabCut(vocab_size or min(embedding_rows(slm), embedding_rows(llm)))])
     costs = (ModelCost.from_model(slm), ModelCost.from_model(llm))
-    meter: list[CostMeter] = []
+    meter: CostMeter  # the current prompt's: every forward call is charged to it
     out = []
-    with _metered(slm, llm, draft_tokens, meter):
+
+    def charge(which: str, new: int, seen: int) -> None:
+        meter.forward(which, [0], [new], [seen + new])  # type: ignore[arg-type]
+
+    with forward_calls(slm, llm, charge), assistant_setup(slm, llm, draft_tokens):
         for p in progress(prompts, desc="speculative", total=len(prompts), unit="prompt"):
-            meter[:] = [CostMeter(costs[0], costs[1], 1, gpu)]
+            meter = CostMeter(costs[0], costs[1], 1, gpu)
             ids = torch.tensor([list(p)], dtype=torch.long, device=dev)  # (1, T)
             t0 = time.perf_counter()
             gen = llm.generate(
@@ -115,7 +108,7 @@ def speculative_generate(
             wall = time.perf_counter() - t0
             toks = gen[0, ids.shape[1] :].tolist()
             toks = toks[: toks.index(eos_token_id) + 1] if eos_token_id in toks else toks
-            stats, batch = meter[0].finish(0.0)
+            stats, batch = meter.finish(0.0)
             weights = batch.slm_calls * costs[0].weight_bytes + batch.llm_calls * costs[1].weight_bytes
             out.append(
                 SpeculativeOutput(

@@ -1,33 +1,26 @@
 """Fixed-shape steps over a slot pool, captured per bucket: the session's decode steps and LLM catch-ups.
 
-Decode steps (the SLM's, or one model decoding alone) and LLM catch-ups of up to ``static_q`` tokens run here when the
-engine asks for fixed-shape steps (``RoutedEngine(forward="graphs")`` and the modes of
-:data:`~citer.decoding.runner.FORWARDS` beside it); their forward is compiled once per model and
-call kind. Rows and tokens are bucketed to powers of two; with
-``StepMode.graphs`` each bucket's call (forward and decision) is captured as a CUDA graph (``torch.cuda.CUDAGraph``, one memory pool
-per model's steps, so two models' graphs can replay at once on two streams) over fixed input buffers; a replay stages
-the step's indices (one host-to-device copy from page-locked memory), replays, and copies out what the session keeps.
-Off CUDA the same buffers and buckets are replayed by calling the step, so a CPU test runs this path whole. The pools
-are the engine's (:meth:`~citer.decoding.engine.RoutedEngine.reserve`), kept across sessions; when one moves (it
-grew) its captures are made again, and the RoPE tables are sized for the model's whole context up front so they
-never move.
+Decode steps and LLM catch-ups of up to :data:`~citer.decoding.runner.STATIC_Q` tokens run here when the engine asks
+for fixed-shape steps (``forward="graphs"`` and its siblings in :data:`~citer.decoding.runner.FORWARDS`). Rows and
+tokens are bucketed to powers of two; with ``StepMode.graphs`` each bucket's call (forward and decision) is captured
+as a CUDA graph over fixed input buffers (one memory pool per model's steps, so two models' graphs can replay at once
+on two streams); a replay stages the step's indices from page-locked memory, replays, and copies out what the session
+keeps. Off CUDA the same buffers and buckets are replayed by calling the step, so a CPU test runs this path whole.
+The pools are the engine's (:meth:`~citer.decoding.engine.RoutedEngine.reserve`), kept across sessions; when one
+moves (it grew) its captures are made again. Pad rows and pad tokens repeat a real position and write to the trash
+column, so they change no real row's logits. A router the graph cannot hold (one that reads the host) is found by
+tracing its decision once before any capture; it then decides eagerly after the step, with a warning.
 
-Pad rows and pad tokens repeat a real position and write to the trash column, so they change no real row's logits.
-A router the graph cannot hold (one that reads the host) is found by tracing its decision once
-(``torch.compile(fullgraph=True)``) before any capture; it then decides eagerly after the step, with a warning.
 Compiling (:class:`CompiledPieces`): a call is ``B`` rows of ``Q`` tokens over the whole slot pool (``R`` slots,
-``K = capacity + 1`` columns, the last a trash column that pad tokens write to and no query attends). ``B``, ``Q`` and
-``R`` are symbols of the compiled graph (``mark_dynamic``, sizes treated obliviously so that 1 is not special; nothing
-in the traced bodies merges a symbolic size with another dimension, which would guard on it being 1); only ``K`` is
-static. So a model compiles its pieces once per call kind, whatever the batch, as nano-vllm and vLLM compile once and
-capture per batch size. Each model compiles code objects of its own (:func:`~citer.decoding.compiled.own_code`), so
-the SLM and the LLM share neither graphs nor the recompile limit, and a router or τ is never a constant of a forward
-graph: the step's decision (:func:`~citer.decoding.decide.decide`) is traced apart. A model compiles one decoder layer
-and the head, called layer by layer (regional compilation: a compile costs one layer's trace whatever the depth; a
-captured step replays without the Python loop). Everything a step reads from outside is marked a static address once
-(:func:`mark_static`): weights, norms, RoPE tables, the pools, the input buffers, so a CUDA graph never copies one at
-replay. A compile that fails, or a model that compiles more than :data:`RECOMPILE_LIMIT` graphs of one piece, falls
-back to eager steps with one warning.
+``K = capacity + 1`` columns, the last the trash column). ``B``, ``Q`` and ``R`` are symbols of the compiled graph (sizes
+treated obliviously, so 1 is not special); only ``K`` is static, so a model compiles once per call kind, whatever the
+batch, and captures per bucket (as vLLM does). Each model compiles code objects of its own
+(:func:`~citer.decoding.compiled.own_code`): the SLM and the LLM share neither graphs nor the recompile limit, and a
+router or τ is never a constant of a forward graph (the decision, :func:`~citer.decoding.decide.decide`, is traced
+apart). A model compiles one decoder layer and the head, called layer by layer (regional compilation: a compile costs
+one layer's trace whatever the depth; a captured step replays without the Python loop). Everything a step reads from
+outside is marked a static address once (:func:`mark_static`), so a CUDA graph never copies it at replay. A failed
+compile, or more than :data:`RECOMPILE_LIMIT` graphs of one piece, falls back to eager steps with one warning.
 Shapes: B = rows (bucket), Q = tokens per row (bucket), R = pool slots, K = capacity + 1, H = hidden, V = vocab,
 kv/D = heads/head_dim.
 """
@@ -70,8 +63,8 @@ class StepMode:
 @dataclass
 class StepStats:
     """What a model's fixed-shape steps cost to prepare, in this process: compiles of its forward (the seconds of the
-    calls that compiled, tracing included, and of the backend alone), traces of decisions, captures (and their seconds), re-captures after a pool moved, and eager
-    fallbacks."""
+    calls that compiled, tracing included, and of the backend alone), traces of decisions, captures (and their
+    seconds), re-captures after a pool moved, and eager fallbacks."""
 
     compiles: int = 0
     compile_s: float = 0.0
@@ -196,7 +189,7 @@ class CompiledPieces:
             if mode.backend == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
-                # The C++ wrapper calls the kernels without a Python frame each: measured faster on the CPU step.
+                # The C++ wrapper calls the kernels without a Python frame each (docs/results.md).
                 cpu = {} if self.lean.embed.is_cuda else {"cpp_wrapper": True}
                 out = compile_fx(gm, example_inputs, config_patches=cpu)
             elif callable(mode.backend):

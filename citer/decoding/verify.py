@@ -65,12 +65,6 @@ class Verification:
             return False
         return bool(self.window and unverified >= self.window) or (self.final and finishing)
 
-    @classmethod
-    def plain(cls, engine_kwargs: Mapping[str, object] | None) -> bool:
-        """Whether engine keyword arguments (some or all of :meth:`engine_kwargs`' keys) ask for no verification."""
-        off = cls.from_tags({}).engine_kwargs()
-        return {**off, **dict(engine_kwargs or {})} == off
-
     def engine_kwargs(self) -> dict[str, float | int | bool]:
         """The :class:`~citer.decoding.engine.RoutedEngine` keyword arguments that rebuild this setting."""
         return {"verify_rho": self.rho, "verify_window": self.window, "verify_final": self.final}

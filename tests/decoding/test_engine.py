@@ -219,3 +219,59 @@ def test_padded_embeddings_pair_and_a_too_large_vocabulary_is_refused(pair):
         eng.generate_batch([[1, V + 2]], 2)
     with pytest.raises(EngineInputError, match=r"embeds 97 tokens, fewer than the tokenizer's 102"):
         RoutedEngine(slm, padded, AlwaysLLM(), vocab_size=V + 5)
+
+
+def test_positions_score_with_the_engines_own_forward(pair, monkeypatch):
+    """Teacher-forced passes take the forward the engine was built with: ``forward="hf"`` scores with HF's modules
+    (the oracle), never the lean forward."""
+    from citer.decoding.lean import LeanDecoder
+
+    slm, llm = pair
+    lean_calls = []
+    lean_hidden = LeanDecoder.hidden
+
+    def spy(self, *args, **kwargs):
+        lean_calls.append(self)
+        return lean_hidden(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeanDecoder, "hidden", spy)
+    seqs, rows, pos = [PROMPTS[0], PROMPTS[2]], [0, 1, 1], [4, 0, 10]
+    ids = torch.tensor([PROMPTS[0] + [0] * 6, PROMPTS[2]])
+    eng = RoutedEngine(slm, llm, AlwaysLLM(), forward="hf")
+    for which, model in (("slm", slm), ("llm", llm)):
+        logits, hidden = eng.positions(which, seqs, rows, pos)
+        with torch.no_grad():
+            want_logits, want_hidden = model(ids).logits, model.get_decoder()(ids).last_hidden_state
+        assert torch.allclose(logits, want_logits[rows, pos], atol=1e-5)
+        assert torch.allclose(hidden, want_hidden[rows, pos], atol=1e-5)
+    assert lean_calls == []
+    RoutedEngine(slm, llm, AlwaysLLM()).positions("slm", seqs, rows, pos)
+    assert lean_calls  # the default engine's pass is the lean forward's
+
+
+class FlakyRouter:
+    """Sends every row to the LLM, or fails while ``fail`` is set (a router that breaks mid-generation)."""
+
+    fail = True
+
+    def __call__(self, hidden):
+        if self.fail:
+            raise RuntimeError("router down")
+        return torch.zeros(hidden.shape[0])
+
+
+def test_a_failed_generate_batch_leaves_the_engine_its_pools(pair):
+    """After a call that failed mid-decode, the next takes the engine's own pools again, emptied, even while the
+    failure (its traceback, and so the dead session) is still held."""
+    slm, llm = pair
+    want = RoutedEngine(slm, llm, AlwaysLLM(), tau=0.5).generate_batch(PROMPTS, 6)
+    router = FlakyRouter()
+    eng = RoutedEngine(slm, llm, router, tau=0.5)
+    with pytest.raises(RuntimeError, match="router down") as failed:
+        eng.generate_batch(PROMPTS, 6)
+    router.fail = False
+    sess = eng.session()
+    assert eng._pools is not None and sess.slm_pool is eng._pools[0] and sess.llm_pool is eng._pools[1]
+    sess.closed = True
+    assert eng.generate_batch(PROMPTS, 6).tokens == want.tokens
+    assert failed.value is not None

@@ -226,6 +226,55 @@ def test_a_second_live_session_decodes_on_contexts_of_its_own(answering_pair, gg
     assert [out[(id(s), k)] for s, k in keys] == want
 
 
+class _Flaky:
+    """Sends every row to the LLM, or fails while ``fail`` is set (a router that breaks mid-generation)."""
+
+    fail = True
+
+    def __call__(self, hidden):
+        if self.fail:
+            raise RuntimeError("router down")
+        return torch.zeros(hidden.shape[0])
+
+
+def test_a_failed_call_leaves_the_engine_its_contexts(answering_pair, gguf_cache):
+    """After a call that failed mid-decode the engine lends its own contexts again, emptied, even while the failure
+    (and so the dead session) is still held."""
+    p = answering_pair
+    prompts = _prompts(p.tok, 3)
+    router = _Flaky()
+    eng = _engine(p, router, gguf_cache)
+    with pytest.raises(RuntimeError, match="router down") as failed:
+        eng.generate_batch(prompts, 6)
+    router.fail = False
+    sess = eng.session()
+    assert sess.slm is eng.slm and sess.llm is eng.llm and failed.value is not None
+    sess.closed = True
+    torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok))
+    assert eng.generate_batch(prompts, 6).tokens == torch_eng.generate_batch(prompts, 6).tokens
+
+
+def test_max_rows_and_vocab_size_are_refused_as_the_torch_engine_refuses_them(answering_pair, gguf_cache):
+    from citer.decoding.llama_cpp_engine import LlamaCppEngine
+    from citer.models.to_gguf import gguf_for
+
+    p = answering_pair
+    router = RandomRouter(0.3, seed=4)
+    eng = _engine(p, router, gguf_cache)
+    torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok))
+    for bad in (0, True, 1.5):
+        for e in (eng, torch_eng):
+            with pytest.raises(EngineInputError, match=r"max_rows must be an integer >= 1 or None"):
+                e.session(max_rows=bad)
+    files = (gguf_for(p.slm, "F32"), gguf_for(p.llm, "F32"))
+    with pytest.raises(EngineInputError, match=r"embeds \d+ tokens, fewer than the tokenizer's"):
+        LlamaCppEngine(*files, router, 0.5, vocab_size=max(eng.slm.vocab_size, eng.llm.vocab_size) + 1)
+    for build in (LlamaCppEngine, RoutedEngine):
+        models = files if build is LlamaCppEngine else (p.slm, p.llm)
+        with pytest.raises(EngineInputError, match="vocab_size must be a positive integer"):
+            build(*models, router, 0.5, vocab_size=0)
+
+
 def test_teacher_forced_scores_are_the_torch_engines(answering_pair, gguf_cache, monkeypatch):
     import citer.decoding.llama_cpp_engine as lce
     from citer.decoding.scoring import routed_loglikelihood_batch

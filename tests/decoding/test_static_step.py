@@ -55,10 +55,9 @@ def _mlp_router(hidden: int):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, router, temperature):
     """With fixed-shape steps, the router's score, the token choice and the hard flag run inside the SLM step's
-    call (``static_decide``), so a step after the first calls neither ``score`` nor the eager choice; the tokens and
-    the routing are the ragged eager engine's. A step after a row was admitted decides eagerly for that step."""
-    from citer.decoding import session as session_mod
-
+    call (``static_decide``), so a step after the first does not route eagerly (the engine's ``route``, which the
+    eager decision calls beside its token choice); the tokens and the routing are the ragged eager engine's. A step
+    after a row was admitted decides eagerly for that step."""
     slm, llm = pair
 
     def make():
@@ -67,14 +66,14 @@ def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, 
     ref = RoutedEngine(slm, llm, make(), tau=0.5).generate_batch(PROMPTS, 16, temperature=temperature, seed=5)
     assert any(any(r) for r in ref.from_llm) and not all(all(r) for r in ref.from_llm)
     eager_calls: list[int] = []
-    choose = session_mod.choose_token_tensor
+    eng = RoutedEngine(slm, llm, make(), tau=0.5, forward="fixed")
+    route = eng.route
 
     def spy(*a, **kw):
         eager_calls.append(1)
-        return choose(*a, **kw)
+        return route(*a, **kw)
 
-    monkeypatch.setattr(session_mod, "choose_token_tensor", spy)
-    eng = RoutedEngine(slm, llm, make(), tau=0.5, forward="fixed")
+    monkeypatch.setattr(eng, "route", spy)
     got = eng.generate_batch(PROMPTS, 16, temperature=temperature, seed=5)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
     assert len(eager_calls) == 1  # the first step only: its rows came from the prefill, not a decode step
@@ -83,7 +82,7 @@ def test_the_slm_step_decides_the_next_step_in_its_own_graph(pair, monkeypatch, 
     ref = RoutedEngine(slm, llm, make(), tau=0.5).generate_batch(
         PROMPTS, 16, temperature=temperature, seed=5, max_rows=2
     )
-    monkeypatch.setattr(session_mod, "choose_token_tensor", spy)
+    monkeypatch.setattr(eng, "route", spy)
     eager_calls.clear()
     got = eng.generate_batch(PROMPTS, 16, temperature=temperature, seed=5, max_rows=2)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
@@ -122,7 +121,7 @@ def test_a_router_the_graph_cannot_hold_decides_eagerly_with_the_same_tokens(pai
     with pytest.warns(UserWarning, match="cannot run inside the step's graph"):
         got = eng.generate_batch(PROMPTS, 12)
     assert got.tokens == ref.tokens and got.from_llm == ref.from_llm
-    assert eng.static_for("slm")._untraceable  # remembered: later steps do not trace it again
+    assert eng.slm_runner.static._untraceable  # remembered: later steps do not trace it again
 
 
 def test_unknown_forward_is_refused(pair):
@@ -202,7 +201,7 @@ def test_a_session_steps_both_models_through_the_engines_fixed_shape_steps(pair,
     eng = RoutedEngine(*pair, RandomRouter(0.3, seed=0), forward="fixed")
     res = eng.generate_batch(PROMPTS, 8)
     assert any(any(r) for r in res.from_llm)
-    steps = {"slm": eng.static_for("slm"), "llm": eng.static_for("llm")}
+    steps = {"slm": eng.slm_runner.static, "llm": eng.llm_runner.static}
     assert all(s is not None for s in steps.values())
     assert {id(s) for s in used} == {id(s) for s in steps.values()}
 
@@ -231,10 +230,10 @@ def test_every_tensor_a_captured_step_reads_from_outside_is_a_static_address(pai
         return t.untyped_storage().data_ptr()
 
     outside: set[int] = set()
-    for m, which in zip(pair, ("slm", "llm"), strict=True):
+    for m, runner in zip(pair, (eng.slm_runner, eng.llm_runner), strict=True):
         listed = {ptr(t) for t in lean_decoder(m).static_tensors()}
         assert {ptr(p) for p in m.parameters()} <= listed  # the exposed list misses no weight
-        outside |= listed | {ptr(eng.static_for(which)._in)}
+        outside |= listed | {ptr(runner.static._in)}
     for cache in eng._pools:
         outside |= {ptr(t) for t in (*cache.keys, *cache.values)}
     from_outside = [t for t in seen if ptr(t) in outside]

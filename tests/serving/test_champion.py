@@ -67,7 +67,7 @@ def test_engine_from_champion(tiny_pair_dirs, tmp_path, monkeypatch):
     assert set(load_champion(proj).engine.forward_paths.values()) == {"lean+compiled"}
     params.engine.forward = "graphs"
     got = load_champion(proj).engine
-    assert got.forward == "graphs" and got.static_for("slm") is not None and got.static_for("llm") is not None
+    assert got.forward == "graphs" and got.slm_runner.static is not None and got.llm_runner.static is not None
     params.engine.forward = "eager"
     # engine.overlap too
     assert not engine.overlap
