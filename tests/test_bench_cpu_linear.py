@@ -52,3 +52,15 @@ def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):
         and "| 2 | routed |" in body
     )
     assert "int8 weights, bf16 activations, 8 rows" in body
+    # the kernel's own table and engine columns, each ratio as the report has it
+    if cpu_linear.f32_available():
+        mid1, mid8 = rep["rows"][2], rep["rows"][3]
+        assert (f"| mid (1024 × 256) | {mid1['kernel_gb_s']:.1f} | {mid1['packed_ms'] / mid1['kernel_ms']:.2f}× | "
+                f"{mid8['packed_ms'] / mid8['kernel_ms']:.2f}× |") in body  # fmt: skip
+        e = rep["engine_rows"][-1]
+        assert (
+            f"| 2 | routed | {e['kernel_s']:.2f} s | {e['torch_s']:.2f} s | {e['packed_s']:.2f} s | " in body
+        )
+        assert "the kernel's row 0 bit for bit the same alone and beside the others: 4/4 calls" in body
+    else:
+        assert "packed ÷ kernel" not in body

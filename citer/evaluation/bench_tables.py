@@ -198,12 +198,30 @@ def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Bloc
               *(f"{cells[(shape, n)]['int8_bf16_ms'] / cells[(shape, n)]['packed_ms']:.2f}×" for n in q8)]
              for shape, xs in by.items()],
         )  # fmt: skip
+    kc = [c for c in counts if any("kernel_ms" in x for x in r["rows"] if x["rows"] == c)]
+    if kc:  # citer's AVX2 kernel beside the packed weight (reports since it was timed)
+        cells = {(x["shape"], x["rows"]): x for x in r["rows"]}
+        md += "\n\n" + table(
+            ["weight (out × in)", "kernel GB/s, 1 row", *(f"packed ÷ kernel, {_rows(n)}" for n in kc)],
+            [[f"{shape} ({xs[0]['out']} × {xs[0]['in']})",
+              f"{cells[(shape, 1)]['kernel_gb_s']:.1f}" if "kernel_gb_s" in cells.get((shape, 1), {}) else "–",
+              *(f"{cells[(shape, n)]['packed_ms'] / cells[(shape, n)]['kernel_ms']:.2f}×"
+                if "kernel_ms" in cells.get((shape, n), {}) else "–" for n in kc)]
+             for shape, xs in by.items()],
+        )  # fmt: skip
+        k_rows = [x for x in r["rows"] if "kernel" in x["row_invariant"]]
+        note += (f"; the kernel's row 0 bit for bit the same alone and beside the others: "
+                 f"{sum(x['row_invariant']['kernel'] for x in k_rows)}/{len(k_rows)} calls")  # fmt: skip
     if r.get("engine_rows"):
         es = r["engine_settings"]
+        with_kernel = all("kernel_s" in x for x in r["engine_rows"])
         md += "\n\n" + table(
-            ["batch", "engine (citer route's)", "torch's linear", "packed", "torch ÷ packed", "same tokens"],
-            [[str(x["batch"]), x["engine"], f"{x['torch_s']:.2f} s", f"{x['packed_s']:.2f} s",
-              f"{x['torch_over_packed']:.2f}×", "yes" if x["same_tokens"] else "no"] for x in r["engine_rows"]],
+            ["batch", "engine (citer route's)", *(["kernel"] if with_kernel else []), "torch's linear", "packed",
+             *(["packed ÷ kernel"] if with_kernel else []), "torch ÷ packed", "same tokens"],
+            [[str(x["batch"]), x["engine"], *([f"{x['kernel_s']:.2f} s"] if with_kernel else []),
+              f"{x['torch_s']:.2f} s", f"{x['packed_s']:.2f} s",
+              *([f"{x['packed_over_kernel']:.2f}×"] if with_kernel else []), f"{x['torch_over_packed']:.2f}×",
+              "yes" if x["same_tokens"] else "no"] for x in r["engine_rows"]],
         )  # fmt: skip
         note += (f"; engines: {es['pair']} shapes in float32, prompt {es['prompt_len']}, {es['new_tokens']} new tokens, "
                  f"routed by a random router at f = {es['f']}, the packed path on and off in turn")  # fmt: skip
