@@ -200,6 +200,17 @@ def spread_router(hidden_size: int):
     return r
 
 
+class FlakyRouter:
+    """Sends every row to the LLM, or fails while ``fail`` is set (a router that breaks mid-generation)."""
+
+    fail = True
+
+    def __call__(self, hidden):
+        if self.fail:
+            raise RuntimeError("router down")
+        return torch.zeros(hidden.shape[0])
+
+
 def spawned_workers() -> list[int]:
     """This process's live multiprocessing workers."""
     import psutil

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import decoding_pair, make_qwen2
+from conftest import FlakyRouter, decoding_pair, make_qwen2
 from torch import nn
 
 from citer.decoding.baselines import AlwaysLLM, AlwaysSLM, ConfidenceRouter, RandomRouter
@@ -247,17 +247,6 @@ def test_positions_score_with_the_engines_own_forward(pair, monkeypatch):
     assert lean_calls == []
     RoutedEngine(slm, llm, AlwaysLLM()).positions("slm", seqs, rows, pos)
     assert lean_calls  # the default engine's pass is the lean forward's
-
-
-class FlakyRouter:
-    """Sends every row to the LLM, or fails while ``fail`` is set (a router that breaks mid-generation)."""
-
-    fail = True
-
-    def __call__(self, hidden):
-        if self.fail:
-            raise RuntimeError("router down")
-        return torch.zeros(hidden.shape[0])
 
 
 def test_a_failed_generate_batch_leaves_the_engine_its_pools(pair):

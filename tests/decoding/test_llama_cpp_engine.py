@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import answering_rows
+from conftest import FlakyRouter, answering_rows
 
 from citer.config import SweepParams
 from citer.config.serving import EngineParams
@@ -226,23 +226,12 @@ def test_a_second_live_session_decodes_on_contexts_of_its_own(answering_pair, gg
     assert [out[(id(s), k)] for s, k in keys] == want
 
 
-class _Flaky:
-    """Sends every row to the LLM, or fails while ``fail`` is set (a router that breaks mid-generation)."""
-
-    fail = True
-
-    def __call__(self, hidden):
-        if self.fail:
-            raise RuntimeError("router down")
-        return torch.zeros(hidden.shape[0])
-
-
 def test_a_failed_call_leaves_the_engine_its_contexts(answering_pair, gguf_cache):
     """After a call that failed mid-decode the engine lends its own contexts again, emptied, even while the failure
     (and so the dead session) is still held."""
     p = answering_pair
     prompts = _prompts(p.tok, 3)
-    router = _Flaky()
+    router = FlakyRouter()
     eng = _engine(p, router, gguf_cache)
     with pytest.raises(RuntimeError, match="router down") as failed:
         eng.generate_batch(prompts, 6)
