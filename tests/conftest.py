@@ -23,6 +23,9 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 # Tiny models on 2 shared cores: one thread avoids oversubscription (measured 5-15x faster here).
 torch.set_num_threads(1)
+# The commands the tests start share the cores with the other test workers: the shared machine citer.ops.openmp's
+# default is not for, so their waiting threads sleep (tests/ops/test_openmp.py starts its own without it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -59,6 +59,8 @@ def test_the_policy_is_set_unless_the_environment_names_one():
 
 def test_a_peer_runs_without_the_policy_this_process_added(monkeypatch):
     monkeypatch.setattr(openmp, "_ADDED", dict(openmp.WAIT_ENV))
+    for k in openmp.WAIT_KEYS:
+        monkeypatch.delenv(k, raising=False)
     for k, v in openmp.WAIT_ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
