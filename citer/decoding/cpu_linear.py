@@ -24,8 +24,9 @@ float32 on an AMD CPU: torch's ``F.linear`` is MKL's SGEMM, which on AMD runs a 
 few rows (several times one row's time for 2 to 32 rows: docs/results.md). oneDNN's linear on the packed weight is no
 slower up to 2,048 rows, and a row's products do not depend on the rows beside it (MKL's do). For up to
 :data:`F32_MAX_ROWS` rows (decode steps, short catch-ups) the AVX2 kernel in ``cpu_linear_f32.cpp`` is faster still: it
-streams eight weight rows at once and reads the weight from memory once per call (oneDNN's packed layout reads it at
-about 20 GB/s on a Zen 3 EPYC, the kernel at about 25, the machine's best read ~30: docs/results.md); it is a
+streams eight weight rows at once for one row and, for more, works in tiles of four weight rows by three input rows
+held in registers; it reads the weight from memory once per call (oneDNN's packed layout reads it at about 20 GB/s on
+a Zen 3 EPYC, the kernel at about 25, the machine's best read ~30: docs/results.md); it is a
 ``citer::linear_f32`` operator built like the bf16 one (into one extension with the decode step's other ops,
 :mod:`citer.decoding.cpu_step`), and a row's sums run in one order whatever the call holds. Both
 sum in another order than ``F.linear``: outputs differ from it in the last bits, and a row's outputs in a call of up to
@@ -55,10 +56,11 @@ PACKED_MAX_ROWS = 512
 # float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py
 # measured (docs/results.md).
 FP32_PACKED_MIN = 1 << 17
-# Rows (B x Q) up to which a float32 call on such a weight takes the AVX2 kernel: on a Zen 3 EPYC it beat the packed
-# weight up to 8 rows and matched it at 12 and 16 (docs/results.md); 16 keeps a decode step of up to 16 rows on one
-# kernel, so such a step's row computes the same sums whatever the batch.
-F32_MAX_ROWS = 16
+# Rows (B x Q) up to which a float32 call on such a weight takes the AVX2 kernel: on a Zen 3 EPYC its register tiles
+# beat the packed weight up to 48 rows and matched it at 64 (docs/results.md); a decode step of up to 48 rows (the
+# batches of 32 the benches run among them) stays on one kernel, so such a step's row computes the same sums whatever
+# the batch.
+F32_MAX_ROWS = 48
 # name -> (extension, sources, compiler flags) of the kernels built at first use
 _KERNELS = {
     "bf16": (

@@ -21,10 +21,8 @@ inline float hsum(__m256 v) {
 }
 
 // One input row x (K,) against NR weight rows from w (nrows of them real): out[r] their dot products, summed over
-// 8-column chunks in order, the last K % 8 columns masked. Meanwhile the n_next rows from `next` (a later block's)
-// are prefetched into L2, a cache line at a time.
-inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int64_t ldw, float out[NR],
-                  const float* next, int64_t n_next) {
+// 8-column chunks in order, the last K % 8 columns masked.
+inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int64_t ldw, float out[NR]) {
   __m256 acc[NR];
   const float* rows[NR];
   for (int r = 0; r < NR; ++r) {
@@ -34,8 +32,6 @@ inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int6
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
-    if (n_next && (k & 15) == 0)
-      for (int64_t r = 0; r < n_next; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T1);
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(rows[r] + k), acc[r]);
   }
   if (K8 < K) {
@@ -44,6 +40,55 @@ inline void block(const float* x, int64_t K, const float* w, int64_t nrows, int6
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(xv, _mm256_maskload_ps(rows[r] + K8, mask), acc[r]);
   }
   for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+// MR input rows (x, ldx apart) against NW weight rows, all MR * NW accumulators in registers (12 of AVX2's 16 at
+// 3 x 4): each weight vector loaded serves MR rows, so passes over a cached block load a quarter of the weight vectors
+// the one-row block does. Every output's sum runs in block()'s order (8-column chunks in turn, the tail masked, then
+// hsum), so a row's outputs are the same bits whichever path or rows beside it computed them. Meanwhile the n_next
+// rows from `next` (a later block's) are prefetched into L2, a cache line at a time.
+template <int MR, int NW>
+inline void tile(const float* x, int64_t ldx, int64_t K, const float* w, int64_t nrows, int64_t ldw, float* y,
+                 int64_t ldy, const float* bias, const float* next, int64_t n_next) {
+  __m256 acc[MR][NW];
+  const float* rows[NW];
+  for (int j = 0; j < NW; ++j) rows[j] = w + (j < nrows ? j : 0) * ldw;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NW; ++j) acc[i][j] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    if (n_next && (k & 15) == 0)
+      for (int64_t r = 0; r < n_next; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T1);
+    __m256 wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = _mm256_loadu_ps(rows[j] + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NW; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (K8 < K) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K - K8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 wv[NW];
+    for (int j = 0; j < NW; ++j) wv[j] = _mm256_maskload_ps(rows[j] + K8, mask);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_maskload_ps(x + i * ldx + K8, mask);
+      for (int j = 0; j < NW; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NW && j < nrows; ++j) {
+      const float s = hsum(acc[i][j]);
+      y[i * ldy + j] = bias ? s + bias[j] : s;
+    }
+}
+
+constexpr int TILE_ROWS = 3, TILE_W = 4;
+
+inline void tile_rows(int64_t mr, const float* x, int64_t ldx, int64_t K, const float* w, int64_t nrows, int64_t ldw,
+                      float* y, int64_t ldy, const float* bias, const float* next, int64_t n_next) {
+  if (mr == 1) tile<1, TILE_W>(x, ldx, K, w, nrows, ldw, y, ldy, bias, next, n_next);
+  else if (mr == 2) tile<2, TILE_W>(x, ldx, K, w, nrows, ldw, y, ldy, bias, next, n_next);
+  else tile<TILE_ROWS, TILE_W>(x, ldx, K, w, nrows, ldw, y, ldy, bias, next, n_next);
 }
 
 }  // namespace
@@ -73,12 +118,25 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * NR, nrows = std::min<int64_t>(NR, N - n);
       const int64_t next_rows = blk + 1 < b1 ? std::min<int64_t>(NR, N - n - NR) : 0;
-      for (int64_t m = 0; m < M; ++m) {  // the block's weight rows are read from memory once, then from cache
-        // Passes after the first read the block from cache: they prefetch the next block's rows, a share each, so
-        // its read from memory overlaps their products (at 8 rows ~15% faster on a Zen 3: docs/results.md).
-        const int64_t r0 = m ? (m - 1) * next_rows / (M - 1) : 0, r1 = m ? m * next_rows / (M - 1) : 0;
-        block(xp + m * K, K, wp + n * ldw, nrows, ldw, out, r1 > r0 ? wp + (n + NR + r0) * ldw : nullptr, r1 - r0);
-        for (int64_t r = 0; r < nrows; ++r) yp[m * N + n + r] = bp ? out[r] + bp[n + r] : out[r];
+      const float* next = wp + (n + NR) * ldw;
+      if (M == 1) {
+        block(xp, K, wp + n * ldw, nrows, ldw, out);
+        for (int64_t r = 0; r < nrows; ++r) yp[n + r] = bp ? out[r] + bp[n + r] : out[r];
+        continue;
+      }
+      // Several rows: the block in tiles of TILE_W weight rows by up to TILE_ROWS input rows. The first tile of each
+      // weight quarter reads it from memory (or L2), the others from cache; every tile prefetches a share of the next
+      // block's rows into L2, so that read overlaps these products (docs/results.md).
+      const int64_t groups = (M + TILE_ROWS - 1) / TILE_ROWS, parts = (nrows + TILE_W - 1) / TILE_W;
+      const int64_t tiles = groups * parts;
+      int64_t t = 0;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t pn = n + p * TILE_W, prows = std::min<int64_t>(TILE_W, N - pn);
+        for (int64_t m = 0; m < M; m += TILE_ROWS, ++t) {
+          const int64_t r0 = t * next_rows / tiles, r1 = (t + 1) * next_rows / tiles;
+          tile_rows(std::min<int64_t>(TILE_ROWS, M - m), xp + m * K, K, K, wp + pn * ldw, prows, ldw, yp + m * N + pn,
+                    N, bp ? bp + pn : nullptr, r1 > r0 ? next + r0 * ldw : nullptr, r1 - r0);
+        }
       }
     }
   });

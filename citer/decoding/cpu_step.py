@@ -15,6 +15,7 @@ Shapes: B = rows, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = k
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,14 @@ def layer_for(
     if L.q_norm is not None or lean.head_dim % 8:
         return None
     one_row = L.wqkv.new_empty((1, L.wqkv.shape[1]))
-    return decode_layer if cpu_linear.float32_path(one_row, L.wqkv) == "kernel" else None
+    if cpu_linear.float32_path(one_row, L.wqkv) != "kernel":
+        return None
+    weights = (L.wqkv, L.wo, L.wgu, L.wd)
+    rows = L.wqkv.new_empty((ids.shape[0], max(w.shape[1] for w in weights)))
+    if all(cpu_linear.float32_path(rows[:, : w.shape[1]], w) == "kernel" for w in weights):
+        # every linear on the kernel: called directly, without cpu_linear's checks at each of a step's calls
+        return functools.partial(decode_layer, linear=torch.ops.citer.linear_f32)
+    return decode_layer
 
 
 def decode_layer(
@@ -57,15 +65,17 @@ def decode_layer(
     vb: torch.Tensor | None,
     call: PoolCall | None,
     attention: str,
+    linear: Callable[..., torch.Tensor] = cpu_linear.linear,
 ) -> torch.Tensor:
     """:func:`~citer.decoding.lean.decoder_layer` for one new token a row: x (B, 1, H) -> (B, 1, H); cos, sin (B, 1,
     1, D); mask (B, 1, 1, K) bool or None (every column); the new K/V go to kb, vb (R, kv, C, D) at the call's
-    (rows, cols)."""
+    (rows, cols). ``linear`` runs the layer's products (``cpu_linear.linear``, or the kernel where
+    :func:`layer_for` found it takes every one)."""
     assert kb is not None and vb is not None and call is not None and call.rows is not None
     assert call.cols is not None
     b = x.shape[0]
     ops = torch.ops.citer
-    qkv = cpu_linear.linear(ops.rms_norm_f32(x, L.ln1, shape.eps), L.wqkv, L.bqkv)  # (B, 1, (nh + 2 kv) D)
+    qkv = linear(ops.rms_norm_f32(x, L.ln1, shape.eps), L.wqkv, L.bqkv)  # (B, 1, (nh + 2 kv) D)
     o = ops.decode_attention_f32(
         qkv.view(b, -1),
         cos.view(b, -1),
@@ -80,6 +90,6 @@ def decode_layer(
         shape.n_kv,
         shape.scale,
     )  # (B, nh D)
-    x = x + cpu_linear.linear(o.view(b, 1, -1), L.wo, L.bo)
-    gu = cpu_linear.linear(ops.rms_norm_f32(x, L.ln2, shape.eps), L.wgu, L.bgu)  # (B, 1, 2 I)
-    return x + cpu_linear.linear(ops.silu_mul_f32(gu), L.wd, L.bd)
+    x = x + linear(o.view(b, 1, -1), L.wo, L.bo)
+    gu = linear(ops.rms_norm_f32(x, L.ln2, shape.eps), L.wgu, L.bgu)  # (B, 1, 2 I)
+    return x + linear(ops.silu_mul_f32(gu), L.wd, L.bd)

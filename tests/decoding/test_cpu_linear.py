@@ -167,6 +167,7 @@ needs_f32_kernel = pytest.mark.skipif(
         (3, 1029, 128, True),
         (cpu_linear.F32_MAX_ROWS, 515, 301, True),
         (2, 13, 10091, False),
+        (8, 517, 203, True),
     ],
 )
 def test_float32_few_rows_take_the_kernel(rows, n, k, bias):

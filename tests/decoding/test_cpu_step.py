@@ -78,14 +78,15 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.usefixtures("fp32_kernels")
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_decode_steps_through_the_step_ops_equal_hf(family, monkeypatch):
+@pytest.mark.parametrize(("family", "hidden"), [("llama", 256), ("qwen2", 256), ("llama", 512)])
+def test_decode_steps_through_the_step_ops_equal_hf(family, hidden, monkeypatch):
     """Rows of different lengths in named slots, one held every other step: every step runs the step ops, and each
-    returned logit row equals HF's full forward at that position."""
-    model = build(family)
+    returned logit row equals HF's full forward at that position. At hidden 256 the output projection is below the
+    kernel's weights (cpu_linear chooses each product); at 512 every product is the kernel's, called directly."""
+    model = build(family, hidden=hidden)
     calls = []
     layer = cpu_step.decode_layer
-    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a: calls.append(1) or layer(*a))
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append(1) or layer(*a, **k))
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     seqs = [list(p) for p in prompts]
     slots = [2, 0, 1]  # rows fed out of slot order: attended in place, a run at a time
@@ -117,7 +118,7 @@ def test_rows_of_one_length_in_the_slot_prefix_equal_hf(prompts, monkeypatch):
     model = build("llama")
     masks = []
     layer = cpu_step.decode_layer
-    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a: masks.append(a[3]) or layer(*a))
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: masks.append(a[3]) or layer(*a, **k))
     seqs = [list(p) for p in prompts]
     pool = KVPool(model, len(seqs), 32)
     runner = ModelRunner(model)
@@ -176,8 +177,13 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
             inp = prepare(pool, chunks, list(range(len(chunks))), packed, lean=True, in_place=True)
             return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call)
 
-    big = build("llama", layers=1)
+    big = build("llama", layers=1)  # its output projection is below the kernel's weights: cpu_linear chooses
     assert layer(big, [[7], [8]]) is cpu_step.decode_layer
+    bigger = build("llama", hidden=512, layers=1)  # every product on the kernel: called directly
+    direct = layer(bigger, [[7], [8]])
+    assert direct.func is cpu_step.decode_layer and direct.keywords == {"linear": torch.ops.citer.linear_f32}
+    many = [[7]] * (cpu_linear.F32_MAX_ROWS + 1)  # rows the packed weight takes
+    assert layer(bigger, many) is cpu_step.decode_layer
     assert layer(big, [[7, 8], [9]]) is None  # a catch-up: more than one token a row
     assert layer(big, [[7, 8], [9]], packed=True) is None
     assert layer(build("qwen3", layers=1), [[7]]) is None  # per-head norms
