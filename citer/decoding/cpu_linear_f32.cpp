@@ -118,7 +118,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * NR, nrows = std::min<int64_t>(NR, N - n);
       const int64_t next_rows = blk + 1 < b1 ? std::min<int64_t>(NR, N - n - NR) : 0;
-      const float* next = wp + (n + NR) * ldw;
+      const float* next = next_rows ? wp + (n + NR) * ldw : nullptr;  // no pointer past the weight's end
       if (M == 1) {
         block(xp, K, wp + n * ldw, nrows, ldw, out);
         for (int64_t r = 0; r < nrows; ++r) yp[n + r] = bp ? out[r] + bp[n + r] : out[r];
