@@ -1,16 +1,22 @@
-"""How near its bytes the SLM's float32 decode step runs on this CPU, against llama.cpp's: ``python bench/slm_step.py``.
+"""How near its bytes the SLM's decode step runs on this CPU, against llama.cpp's: ``python bench/slm_step.py``.
 
 Issue #46 asks the SLM's step to take at most 1.5x its bytes time at batch 1 (2x at batch 8). Per batch, one process,
-the pair's SLM alone at its real shape with random weights (seed 1), timed in turn after a warm-up each:
+the pair's SLM alone at its real shape with random weights (seed 1) in ``--dtype`` (float32, the precision that wins
+on an AVX2 EPYC; bf16 on an AVX512-BF16/AMX Xeon), timed in turn after a warm-up each:
 
-- ``torch kernel`` / ``torch kernel, torch ops`` / ``torch packed`` / ``torch F.linear``: the engine ``citer route``
-  builds (``route_engine`` on the params' ``engine:`` block, the SLM alone) with ``citer.decoding.cpu_linear``'s
-  float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel for calls of up to ``F32_MAX_ROWS`` rows and
-  oneDNN's packed weight above, with the decode step's other ops in citer's C++ (``citer.decoding.cpu_step``; the
-  default on an AMD CPU) or in torch's ops; the packed weight for every call; and torch's ``F.linear``;
-- ``llama.cpp <type>``: the same weights written to GGUF (F32, then llama.cpp's quantizer for the others), one
-  sequence a row, the final norm's hidden state returned as the router needs it (``LlamaCppModel(hidden=True)``);
-  skipped where llama-cpp-python is not importable.
+- ``torch kernel`` / ``torch kernel, torch ops`` / ``torch packed`` / ``torch F.linear`` (float32): the engine
+  ``citer route`` builds (``route_engine`` on the params' ``engine:`` block, the SLM alone) with
+  ``citer.decoding.cpu_linear``'s float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel for calls of up to
+  ``F32_MAX_ROWS`` rows and oneDNN's packed weight above, with the decode step's other ops in citer's C++
+  (``citer.decoding.cpu_step``; the default on an AMD CPU) or in torch's ops; the packed weight for every call; and
+  torch's ``F.linear``;
+- ``torch kernel`` / ``torch kernel, torch ops`` / ``torch kernel, no AMX`` / ``torch F.linear`` (bf16): the same
+  engine with the bf16 kernel (its AMX tiles for 2-16 rows where the CPU has them) and the step's C++ ops (the
+  default), with torch's ops instead, without the AMX tiles (the vdpbf16ps blocks up to 4 rows, then oneDNN's packed
+  weight), and torch's ``F.linear`` for every product;
+- ``llama.cpp <type>``: the same weights written to GGUF (F32 or BF16 as ``--dtype``, then llama.cpp's quantizer for
+  the others), one sequence a row, the final norm's hidden state returned as the router needs it
+  (``LlamaCppModel(hidden=True)``); skipped where llama-cpp-python is not importable.
 
 ``step_ms``: (``generate`` of ``--new-tokens`` tokens - ``generate`` of 1) / (tokens - 1), the medians of ``--reps``;
 ``bytes_ms``: the weights' bytes (torch: every parameter but an untied input embedding, as the cost meter counts
@@ -20,7 +26,8 @@ few hundred kB, left out; the faster of two measurements, before and after the t
 ``compute_ms``, the step's multiply-adds (a weight element per row: batch x the float32 weights) at the kernel's
 rate on a weight that stays in cache at that many rows (``kernel_macs_per_s``: no memory traffic, so the fastest its
 products run here; the best of samples taken beside every rep, ``kernel_macs_samples``, since these shared cores'
-speed drifts within a run), and ``x_roof`` = step / max(bytes, compute): a step can beat neither.
+speed drifts within a run), and ``x_roof`` = step / max(bytes, compute): a step can beat neither (float32 only: the
+AMX tiles' products are far below the bytes time at these rows).
 
 Writes ``reports/bench_slm_step_<cpu>.json`` (``--out``), stamped in ``reports/provenance.json``. Say whether the
 machine was quiet: ``others_cpu_share`` is recorded.
@@ -47,7 +54,16 @@ set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs
 import torch  # noqa: E402
 from cpu_linear import MODES  # noqa: E402
 from roofline import engine_block  # noqa: E402
-from speed_report import PAIRS, SPECS, build_model, cpu_times, others_cpu_share, read_bandwidth, write_report  # noqa: E402
+from speed_report import (  # noqa: E402
+    DTYPES,
+    PAIRS,
+    SPECS,
+    build_model,
+    cpu_times,
+    others_cpu_share,
+    read_bandwidth,
+    write_report,  # noqa: E402
+)
 
 from citer.decoding import cpu_linear  # noqa: E402
 from citer.decoding.baselines import AlwaysSLM  # noqa: E402
@@ -65,6 +81,32 @@ TORCH_MODES = {
     "torch packed": (*MODES["packed"], True),
     "torch F.linear": (*MODES["torch"], True),
 }
+# bf16: a decoder's name -> (cpu_linear's bf16 paths on, the AMX tiles, the step's C++ ops)
+BF16_MODES = {
+    "torch kernel": (True, True, True),
+    "torch kernel, torch ops": (True, True, False),
+    "torch kernel, no AMX": (True, False, True),
+    "torch F.linear": (False, False, False),
+}
+
+
+def set_mode(dtype: str, label: str) -> None:
+    """Switch ``cpu_linear``'s paths to the decoder ``label`` of ``dtype``'s modes."""
+    if dtype == "fp32":
+        cpu_linear.use_float32_packed(*TORCH_MODES[label])
+        return
+    on, amx, step_ops = BF16_MODES[label]
+    cpu_linear.use_bf16(on)
+    cpu_linear.use_amx(amx)
+    cpu_linear.use_step_ops(step_ops)
+
+
+def reset_modes() -> None:
+    """Every path back to its default."""
+    cpu_linear.use_float32_packed(True)
+    cpu_linear.use_bf16(True)
+    cpu_linear.use_amx(True)
+    cpu_linear.use_step_ops(True)
 
 
 def llama_cpp_decode(model: LlamaCppModel, prompts: list[list[int]], n: int) -> None:
@@ -98,18 +140,20 @@ def kernel_macs_per_s(rows: int, reps: int = 200) -> float | None:
 def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     spec = PAIRS[args.pair][0]
     vocab = SPECS[spec]["vocab"]
-    slm = build_model(spec, "cpu", torch.float32, seed=1)
+    slm = build_model(spec, "cpu", DTYPES[args.dtype], seed=1)
+    modes = TORCH_MODES if args.dtype == "fp32" else BF16_MODES
+    gguf_type = "F32" if args.dtype == "fp32" else "BF16"
     engine = route_engine(slm, None, AlwaysSLM(), 0.5, engine_block(Path(args.params)), vocab_size=vocab)
     files: dict[str, Path] = {}
     why_not = missing() if args.llama_cpp_types else "no --llama-cpp-types"
     if why_not is None:
-        f32 = scratch / "slm-f32.gguf"
-        write_gguf(slm, f32, "F32")
+        full = scratch / f"slm-{gguf_type.lower()}.gguf"
+        write_gguf(slm, full, gguf_type)
         for t in args.llama_cpp_types.split(","):
-            files[t] = f32 if t == "F32" else scratch / f"slm-{t.lower()}.gguf"
-            if t != "F32":
-                quantize_gguf(f32, files[t], t)
-    weight_bytes = {m: ModelCost.from_model(slm).weight_bytes for m in TORCH_MODES}
+            files[t] = full if t == gguf_type else scratch / f"slm-{t.lower()}.gguf"
+            if t != gguf_type:
+                quantize_gguf(full, files[t], t)
+    weight_bytes = {m: ModelCost.from_model(slm).weight_bytes for m in modes}
     weight_bytes |= {f"llama.cpp {t}": p.stat().st_size for t, p in files.items()}
     rows = []
     macs: dict[int, list[float]] = {}
@@ -118,10 +162,10 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         prompts = torch.randint(3, vocab, (b, args.prompt_len), generator=gen).tolist()
         runs: dict[str, Any] = {}
         macs[b] = []
-        for label, mode in TORCH_MODES.items():
+        for label in modes:
 
-            def torch_run(n: int, mode: tuple[bool, ...] = mode, prompts: list[list[int]] = prompts) -> None:
-                cpu_linear.use_float32_packed(*mode)
+            def torch_run(n: int, label: str = label, prompts: list[list[int]] = prompts) -> None:
+                set_mode(args.dtype, label)
                 engine.generate_batch(prompts, n)
 
             runs[label] = torch_run
@@ -139,14 +183,14 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                         t = time.perf_counter()
                         run(n)
                         walls[k][n].append(time.perf_counter() - t)
-                cpu_linear.use_float32_packed(True)  # the kernel's own rate, whichever mode ran last
-                rate = kernel_macs_per_s(b, reps=50)  # the roof, sampled beside each rep (module docstring)
+                reset_modes()  # the kernel's own rate, whichever mode ran last
+                rate = kernel_macs_per_s(b, reps=50) if args.dtype == "fp32" else None  # the roof (docstring)
                 if rate is not None:
                     macs[b].append(rate)
         finally:
             for m in models.values():
                 m.close()
-            cpu_linear.use_float32_packed(True)
+            reset_modes()
         for k, w in walls.items():
             step = (statistics.median(w[args.new_tokens]) - statistics.median(w[1])) / (args.new_tokens - 1)
             rows.append({"batch": b, "decoder": k, "step_ms": step * 1e3, "weight_mb": weight_bytes[k] / 1e6,
@@ -166,10 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--llama-cpp-types", default="F32,Q8_0,Q4_0", help="comma-separated; empty: torch only")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--llama-cpp-types", default=None,
+                    help="comma-separated; empty: torch only (default: F32 or BF16 as --dtype, Q8_0, Q4_0)")  # fmt: skip
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_slm_step.json"))
     args = ap.parse_args(argv)
+    if args.llama_cpp_types is None:
+        args.llama_cpp_types = ("F32" if args.dtype == "fp32" else "BF16") + ",Q8_0,Q4_0"
     torch.manual_seed(0)
     t0 = cpu_times()
     batches = [int(x) for x in args.batches.split(",")]
@@ -191,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "slm_step", "cpu": cpu_kind(), "threads": torch.get_num_threads(), "openmp": wait_env(),
         "torch": torch.__version__,
-        "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": "fp32", "prompt_len": args.prompt_len,
+        "pair": args.pair, "slm": PAIRS[args.pair][0], "dtype": args.dtype, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "reps": args.reps, "f32_max_rows": cpu_linear.F32_MAX_ROWS,
+        "bf16_amx": cpu_linear.amx() if args.dtype == "bf16" else None,
         "read_bytes_per_s": read, "kernel_macs_per_s": {str(b): r for b, r in macs.items()},
         "read_passes": [r["best"] for r in reads],
         "others_cpu_share": others_cpu_share(t0, cpu_times()), **got,

@@ -1,5 +1,5 @@
-"""bench/slm_step.py at tiny shapes: a row per batch and decoder, each ratio by its definition, the float32 path left
-as the bench found it; with llama.cpp importable, its files' rows beside torch's."""
+"""bench/slm_step.py at tiny shapes, in float32 and bf16: a row per batch and decoder, each ratio by its definition,
+cpu_linear's paths left as the bench found them; with llama.cpp importable, its files' rows beside torch's."""
 
 from __future__ import annotations
 
@@ -12,26 +12,28 @@ from citer.decoding import cpu_linear
 from citer.decoding.llama_cpp_runner import missing
 
 
-@pytest.mark.parametrize("types", ["", "F32,Q8_0"])
-def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, types):
+@pytest.mark.parametrize(("dtype", "types"), [("fp32", ""), ("fp32", "F32,Q8_0"), ("bf16", "BF16")])
+def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, dtype, types):
     if types and missing():
         pytest.skip(missing())
     bench = bench_module("slm_step")
     out = tmp_path / "bench_slm_step.json"
     args = ["--pair", "tiny", "--batches", "1,2", "--prompt-len", "4", "--new-tokens", "3", "--reps", "1",
-            "--llama-cpp-types", types, "--out", str(out)]  # fmt: skip
-    before = cpu_linear._fp32_packed()
+            "--dtype", dtype, "--llama-cpp-types", types, "--out", str(out)]  # fmt: skip
+    before = (cpu_linear._fp32_packed(), cpu_linear._enabled(), cpu_linear.amx(), cpu_linear.step_ops_on())
     assert bench.main(args) == 0
     rep = json.loads(out.read_text())
-    decoders = ["torch kernel", "torch kernel, torch ops", "torch packed", "torch F.linear"] + [
-        f"llama.cpp {t}" for t in types.split(",") if t
-    ]
+    assert rep["dtype"] == dtype
+    torch_rows = ["torch kernel", "torch kernel, torch ops"] + (
+        ["torch packed", "torch F.linear"] if dtype == "fp32" else ["torch kernel, no AMX", "torch F.linear"]
+    )
+    decoders = torch_rows + [f"llama.cpp {t}" for t in types.split(",") if t]
     assert [(r["batch"], r["decoder"]) for r in rep["rows"]] == [(b, d) for b in (1, 2) for d in decoders]
     best = rep["read_bytes_per_s"]["best"]
     assert len(rep["read_passes"]) == 2 and best == max(rep["read_passes"])  # before and after the timed runs
     for b, rate in rep["kernel_macs_per_s"].items():  # the best of the samples beside each rep
         samples = rep["kernel_macs_samples"][b]
-        assert len(samples) == (1 if cpu_linear.f32_available() else 0)  # one rep
+        assert len(samples) == (1 if cpu_linear.f32_available() and dtype == "fp32" else 0)  # one rep
         assert rate == (max(samples) if samples else None)
     for r in rep["rows"]:
         assert r["bytes_ms"] == pytest.approx(r["weight_mb"] * 1e6 / best * 1e3)
@@ -46,4 +48,9 @@ def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, types):
     torch_mb = {r["weight_mb"] for r in rep["rows"] if r["decoder"].startswith("torch")}
     assert len(torch_mb) == 1  # one model's bytes whatever the linear
     assert (rep["llama_cpp_missing"] is None) == bool(types)
-    assert cpu_linear._fp32_packed() == before
+    assert (
+        cpu_linear._fp32_packed(),
+        cpu_linear._enabled(),
+        cpu_linear.amx(),
+        cpu_linear.step_ops_on(),
+    ) == before

@@ -1,11 +1,18 @@
 // bf16 x bf16 -> bf16 linear for a few rows (decode steps) on x86-64 CPUs with AVX512-BF16: each row of the weight is
-// read once per call whatever the number of input rows, and the products are summed in fp32 by vdpbf16ps. Built at
-// first use by citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the
-// build or the instruction set is missing.
+// read once per call whatever the number of input rows, and the products are summed in fp32. One row (and, where the
+// CPU has no AMX, up to four) by vdpbf16ps; 2 to 16 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
+// which read the weight in place as the tiles' left operand, so no copy of it is made. Built at first use by
+// citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
+// instruction set is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -23,9 +30,12 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-// MB input rows against 4 weight rows (nrows of them real); out[i][r] their dot products.
+// MB input rows against 4 weight rows (nrows of them real); out[i][r] their dot products. Meanwhile the 4 rows from
+// `next` (the thread's next block, or nullptr) are prefetched a cache line a row per step, so their read from memory
+// overlaps these products (docs/results.md).
 template <int MB>
-inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows, int64_t ldw, float out[4][4]) {
+inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows, int64_t ldw, float out[4][4],
+                  const uint16_t* next) {
   __m512 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -33,6 +43,8 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows
   for (int r = 0; r < 4; ++r) rows[r] = w + (r < nrows ? r : 0) * ldw;
   const int64_t K32 = K & ~int64_t(31);
   for (int64_t k = 0; k < K32; k += 32) {
+    if (next)
+      for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T0);
     __m512bh wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512((const void*)(rows[r] + k));
     for (int i = 0; i < MB; ++i) {
@@ -51,6 +63,104 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows
   }
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < 4; ++r) out[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+
+// Blocks b0..b1-1 of 4 weight rows against all M input rows: y's columns 4 b0 .. 4 b1 (clipped to N).
+void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
+            uint16_t* yp, int64_t N, int64_t b0, int64_t b1) {
+  float out[4][4];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t n = blk * 4, nrows = std::min<int64_t>(4, N - n);
+    // the next block's rows, where this thread computes it and it is whole (no pointer past the weight's end)
+    const uint16_t* next = blk + 1 < b1 && n + 8 <= N ? wp + (n + 4) * ldw : nullptr;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mb = std::min<int64_t>(4, M - m);
+      const uint16_t* xm = xp + m * K;
+      const uint16_t* wn = wp + n * ldw;
+      const uint16_t* ahead = m == 0 ? next : nullptr;  // later passes read this block from cache
+      switch (mb) {
+        case 4: block<4>(xm, K, wn, nrows, ldw, out, ahead); break;
+        case 3: block<3>(xm, K, wn, nrows, ldw, out, ahead); break;
+        case 2: block<2>(xm, K, wn, nrows, ldw, out, ahead); break;
+        default: block<1>(xm, K, wn, nrows, ldw, out, ahead);
+      }
+      for (int64_t i = 0; i < mb; ++i)
+        for (int64_t r = 0; r < nrows; ++r) {
+          float v = out[i][r];
+          if (bp) v += from_bf16(bp[n + r]);
+          yp[(m + i) * N + n + r] = to_bf16(v);
+        }
+    }
+  }
+}
+
+// -- AMX ------------------------------------------------------------------------------------------------------------
+// A tile's shape, as _tile_loadconfig reads it (palette 1).
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// The CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tiles' state (asked once).
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+constexpr int64_t AMX_MAX_ROWS = 16;  // input rows: the right tile's 16 columns of float32 pairs
+
+// Groups g0..g1-1 of 32 weight rows against M <= 16 input rows. The weight is the left operand, read in place (16
+// rows by 32 columns a tile, ldw apart); xv is x in the right operand's layout (pairs of columns: xv[k/2][m][2]). C
+// tiles 0/1 hold 16 weight rows x M sums each, in float32 in the same order for every M, so a row's outputs do not
+// depend on the rows beside it. Every step prefetches a line of each of the next group's 32 rows.
+void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
+                uint16_t* yp, int64_t N, int64_t g0, int64_t g1) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t : {0, 1, 4}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = (uint16_t)(M * 4);  // C: 16 weight rows x M; B (4): 16 column pairs x M
+  }
+  for (int t : {2, 3}) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;  // A: 16 weight rows x 32 columns
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float c[2][16][16];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * 32;
+    const uint16_t* w0 = wp + n0 * ldw;
+    const uint16_t* w1 = w0 + 16 * ldw;
+    const uint16_t* next = g + 1 < g1 ? w0 + 32 * ldw : nullptr;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < K; k += 32) {
+      if (next)
+        for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T0);
+      _tile_loadd(4, xv + k * M, M * 4);
+      _tile_loadd(2, w0 + k, ldw * 2);
+      _tile_loadd(3, w1 + k, ldw * 2);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < 16; ++r) {
+        const int64_t n = n0 + h * 16 + r;
+        const float b = bp ? from_bf16(bp[n]) : 0.0f;
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = to_bf16(bp ? c[h][r][m] + b : c[h][r][m]);
+      }
+  }
+  _tile_release();
 }
 
 }  // namespace
@@ -74,31 +184,48 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   }
   uint16_t* yp = (uint16_t*)y.data_ptr();
   const int64_t nblocks = (N + 3) / 4;
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
-    float out[4][4];
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n = blk * 4, nrows = std::min<int64_t>(4, N - n);
-      for (int64_t m = 0; m < M; m += 4) {
-        const int64_t mb = std::min<int64_t>(4, M - m);
-        const uint16_t* xm = xp + m * K;
-        const uint16_t* wn = wp + n * ldw;
-        switch (mb) {
-          case 4: block<4>(xm, K, wn, nrows, ldw, out); break;
-          case 3: block<3>(xm, K, wn, nrows, ldw, out); break;
-          case 2: block<2>(xm, K, wn, nrows, ldw, out); break;
-          default: block<1>(xm, K, wn, nrows, ldw, out);
-        }
-        for (int64_t i = 0; i < mb; ++i)
-          for (int64_t r = 0; r < nrows; ++r) {
-            float v = out[i][r];
-            if (bp) v += from_bf16(bp[n + r]);
-            yp[(m + i) * N + n + r] = to_bf16(v);
-          }
-      }
-    }
-  });
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) { blocks(xp, M, K, wp, ldw, bp, yp, N, b0, b1); });
   return y;
 }
 
-TORCH_LIBRARY(citer, m) { m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor"); }
-TORCH_LIBRARY_IMPL(citer, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+bool bf16_amx() { return amx_usable(); }
+
+// linear_bf16 for 2..16 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
+// groups of 32 on the tiles, the last N % 32 rows (and every row where AMX cannot serve) as linear_bf16's blocks.
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16_amx: bfloat16 only");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1), "linear_bf16_amx: shapes");
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
+  if (!amx_usable() || M > AMX_MAX_ROWS || M == 0 || K % 32) return linear_bf16(x, w, bias);
+  x = x.contiguous();
+  const int64_t N = w.size(0), ldw = w.stride(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* wp = (const uint16_t*)w.data_ptr();
+  const uint16_t* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    bp = (const uint16_t*)b.data_ptr();
+  }
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  std::vector<uint16_t> xv(K * M);  // x's columns in pairs, a pair per row: xv[k/2][m][2]
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xv[(k / 2) * M * 2 + m * 2 + (k & 1)] = xp[m * K + k];
+  const int64_t groups = N / 32;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) { amx_groups(xv.data(), M, K, wp, ldw, bp, yp, N, g0, g1); });
+  blocks(xp, M, K, wp, ldw, bp, yp, N, groups * 8, (N + 3) / 4);  // the last N % 32 rows
+  return y;
+}
+
+TORCH_LIBRARY(citer, m) {
+  m.def("linear_bf16(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_bf16_amx(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("bf16_amx() -> bool", &bf16_amx);
+}
+TORCH_LIBRARY_IMPL(citer, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_bf16_amx", &linear_bf16_amx);
+}

@@ -1,13 +1,17 @@
-"""Linears on the CPU: for bf16 a small AVX512-BF16 kernel for a few rows and oneDNN's prepacked weights for more;
+"""Linears on the CPU: for bf16 a small AVX512-BF16/AMX kernel for a few rows and oneDNN's prepacked weights for more;
 for float32 on AMD CPUs a small AVX2 kernel for a few rows and oneDNN's prepacked weights for more.
 
 A decode step's linears are matrix-vector products, bound by reading the weight once. On the Xeons this project runs on
 (AVX512-BF16, AMX), torch's bf16 linear streams a weight at well under the memory's rate for one to four rows and costs
 tens of microseconds a call before any work; the kernel in ``cpu_linear.cpp`` reads each weight row once per call
-whatever the rows (up to :data:`MAX_ROWS`), sums in fp32 with ``vdpbf16ps`` and costs a few microseconds a call
-(measurements: docs/results.md). It is a ``citer::linear_bf16`` operator, so a compiled forward calls it like any other.
+whatever the rows, sums in fp32 and costs a few microseconds a call (measurements: docs/results.md). One row runs
+blocks of four weight rows by ``vdpbf16ps`` (``citer::linear_bf16``), each block prefetching the thread's next; 2 to
+:data:`AMX_MAX_ROWS` rows, on a CPU with AMX (:func:`amx`), run its tiles with the weight read in place as their left
+operand (``citer::linear_bf16_amx``: no copy of the weight; a row's outputs do not depend on the rows beside it); on a
+CPU without AMX (an AVX512-BF16 EPYC) the blocks take up to :data:`MAX_ROWS` rows. Both are operators, so a compiled
+forward calls them like any other.
 
-Calls of up to :data:`PACKED_MAX_ROWS` rows (batched steps, catch-ups, short prefills) run oneDNN's linear on a copy of
+Bigger calls of up to :data:`PACKED_MAX_ROWS` rows (batched steps, catch-ups, short prefills) run oneDNN's linear on a copy of
 the weight laid out once in its blocked format (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing
 does for a compiled CPU model): torch's ``F.linear`` lays the plain weight out again at every call, which at a few to a
 few hundred rows is a large part of the call. The copy is made at a weight's first such call and kept while the weight
@@ -50,7 +54,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from citer.ops.cpu import host_cpu
 
-MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel
+MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel's vdpbf16ps blocks where the CPU has no AMX
+# Rows up to which a call takes the kernel's AMX tiles where the CPU has them (one row keeps the vdpbf16ps blocks,
+# faster there: docs/results.md); the tiles' right operand holds 16 rows.
+AMX_MAX_ROWS = 16
 # Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
 PACKED_MAX_ROWS = 512
 # float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py
@@ -65,8 +72,17 @@ F32_MAX_ROWS = 48
 _KERNELS = {
     "bf16": (
         "citer_cpu_linear",
-        [Path(__file__).with_name("cpu_linear.cpp")],
-        ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+        [Path(__file__).with_name("cpu_linear.cpp"), Path(__file__).with_name("cpu_step_bf16.cpp")],
+        [
+            "-O3",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512bf16",
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-fopenmp",
+        ],
     ),
     "f32": (
         "citer_cpu_linear_f32",
@@ -79,12 +95,24 @@ _lock = threading.Lock()
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version when packed, the packed copy)
 
 
-def _enabled() -> bool:
-    """The switch and the CPU: both paths need AVX512-BF16 and neither runs with ``CITER_CPU_LINEAR=0``."""
+def _bf16_cpu() -> bool:
+    """The switch and the CPU: both bf16 paths need AVX512-BF16 and neither runs with ``CITER_CPU_LINEAR=0``."""
     got = _state.get("cpu")
     if got is None:
         got = _state["cpu"] = os.environ.get("CITER_CPU_LINEAR", "1") != "0" and host_cpu().has("avx512_bf16")
     return got
+
+
+def _enabled() -> bool:
+    """Whether bf16 calls may take the kernel or the packed weight: :func:`_bf16_cpu`, and :func:`use_bf16` did not
+    turn them off."""
+    return _bf16_cpu() and _state.get("bf16_on", True)
+
+
+def use_bf16(on: bool) -> None:
+    """Let bf16 calls take the kernel and the packed weight (the default where :func:`_enabled`'s checks hold) or
+    only ``F.linear``, for this process: what ``bench/slm_step.py`` times in turn. A kernel already built is kept."""
+    _state["bf16_on"] = on
 
 
 def _fp32_packed() -> bool:
@@ -108,17 +136,25 @@ def use_float32_packed(on: bool, kernel: bool = True, step_ops: bool = True) -> 
     _state.pop("fp32", None)
     _state["fp32"] = on and _fp32_packed()
     _state["f32_kernel"] = kernel
-    _state["f32_step"] = step_ops
+    _state["step_ops"] = step_ops
+
+
+def use_step_ops(on: bool) -> None:
+    """Let the decode step's C++ ops serve (the default) or not, in either dtype: what ``bench/slm_step.py`` times in
+    turn."""
+    _state["step_ops"] = on
 
 
 def step_ops_on() -> bool:
-    """Whether the decode step's C++ ops may serve (not switched off by :func:`use_float32_packed`)."""
-    return _state.get("f32_step", True)
+    """Whether the decode step's C++ ops may serve (not switched off by :func:`use_float32_packed` or
+    :func:`use_step_ops`)."""
+    return _state.get("step_ops", True)
 
 
 def available() -> bool:
-    """True when the bf16 kernel is built and loaded (building it on the first call that asks)."""
-    return _built("bf16", _enabled)
+    """True when the bf16 kernel may serve this process's bf16 calls (:func:`_enabled`) and is built and loaded
+    (building it on the first call that asks)."""
+    return _enabled() and _built("bf16", _bf16_cpu)
 
 
 def f32_available() -> bool:
@@ -150,6 +186,9 @@ def _built(kind: str, cpu_ok: Callable[[], bool]) -> bool:
                 load(name, [str(p) for p in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                      verbose=False)  # fmt: skip
                 _register_fake(f"citer::linear_{kind}")
+                if kind == "bf16":
+                    _register_fake("citer::linear_bf16_amx")
+                    _state["amx"] = bool(torch.ops.citer.bf16_amx())
             except Exception as err:  # no compiler, no ninja, an old assembler: the other linears serve
                 warnings.warn(
                     f"the {kind} CPU linear kernel could not be built ({err}); using torch's", stacklevel=3
@@ -157,6 +196,33 @@ def _built(kind: str, cpu_ok: Callable[[], bool]) -> bool:
                 ok = False
         _state[key] = ok
         return ok
+
+
+def amx() -> bool:
+    """Whether bf16 calls of 2 to :data:`AMX_MAX_ROWS` rows may take the kernel's AMX tiles: the kernel is built, the
+    CPU has AMX and Linux grants the process its state (asked once, in C++, when the kernel loads), and
+    :func:`use_amx` did not turn it off."""
+    return available() and _state.get("amx", False) and _state.get("amx_on", True)
+
+
+def use_amx(on: bool) -> None:
+    """Let bf16 calls of 2 to :data:`AMX_MAX_ROWS` rows take the AMX tiles (the default where the CPU has them) or not
+    (the vdpbf16ps blocks up to :data:`MAX_ROWS` rows, then the packed weight): what ``bench/slm_step.py`` times in
+    turn."""
+    _state["amx_on"] = on
+
+
+def bf16_kernel(x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The kernel op a bf16 call with input ``x`` (..., K) takes on this CPU (``citer::linear_bf16`` or
+    ``citer::linear_bf16_amx``), or None (the packed weight or ``F.linear``); the kernel must be available."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows == 1:
+        return torch.ops.citer.linear_bf16
+    if 2 <= rows <= AMX_MAX_ROWS and x.shape[-1] % 32 == 0 and amx():
+        return torch.ops.citer.linear_bf16_amx
+    if rows <= MAX_ROWS:
+        return torch.ops.citer.linear_bf16
+    return None
 
 
 def _register_fake(op: str) -> None:
@@ -212,8 +278,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return F.linear(x, w, b)
     if x.dtype is torch.bfloat16 and _enabled():
         rows = x.numel() // max(x.shape[-1], 1)
-        if rows <= MAX_ROWS and not _needs_grad(x, w, b) and available():
-            return torch.ops.citer.linear_bf16(x, w, b)
+        kernel = bf16_kernel(x) if rows <= AMX_MAX_ROWS and not _needs_grad(x, w, b) and available() else None
+        if kernel is not None:
+            return kernel(x, w, b)
         if rows <= PACKED_MAX_ROWS and _eager_inference(w, x, b) and torch.backends.mkldnn.is_available():
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), b, "none", [], "")
     elif x.dtype is torch.float32:

@@ -1,15 +1,18 @@
-"""A float32 decode step's layer on an AMD CPU in a few C++ calls: :func:`decode_layer`.
+"""A decode step's layer on the CPU in a few C++ calls: :func:`decode_layer`.
 
-Once the linears stream their weights (``cpu_linear``'s AVX2 kernel), a small model's eager decode step on a CPU is
-bound by its op count: the norms, RoPE, the KV write, the attention and the MLP's gate take ~20 torch ops a layer at a
-few microseconds each. ``cpu_step_f32.cpp`` (built into the float32 kernel's extension) does them in three ops: the
-RMS norm, one token a row's attention (RoPE on its query and key, the key and value written to the pool, the row's
-columns attended) and silu(gate) * up. Each row is computed alone, so a row's outputs do not depend on the rows beside
-it; they differ from torch's ops in the last bits (other summation orders, another exp).
+Once the linears stream their weights (``cpu_linear``'s kernels), a small model's eager decode step on a CPU is bound
+by its op count: the norms, RoPE, the KV write, the attention and the MLP's gate take ~20 torch ops a layer at a few
+microseconds each. The step ops do them in three: the RMS norm, one token a row's attention (RoPE on its query and
+key, the key and value written to the pool, the row's columns attended) and silu(gate) * up; in float32
+``cpu_step_f32.cpp`` (AVX2, built into the float32 kernel's extension), in bf16 ``cpu_step_bf16.cpp`` (AVX-512, built
+into the bf16 kernel's), which rounds to bf16 where the lean forward's torch ops do. Each row is computed alone, so a
+row's outputs do not depend on the rows beside it; they differ from torch's ops in the last bits (other summation
+orders, another exp).
 
-:func:`layer_for` says which calls take it: float32 decode steps (one new token a row, over a pool, not packed) of a
-model whose one-row linears take the AVX2 kernel (a real-size model on an AMD CPU; the pipeline's tiny models keep
-torch's ops bit for bit), whose heads are a multiple of 8 wide and have no per-head norms (Qwen3 keeps torch's).
+:func:`layer_for` says which calls take it: decode steps (one new token a row, over a pool, not packed) of a model
+whose fused q/k/v weight has at least :data:`MIN_WEIGHT` elements (the pipeline's tiny models keep torch's ops bit for
+bit), whose heads have no per-head norms (Qwen3 keeps torch's), in float32 where its one-row linears take the AVX2
+kernel (an AMD CPU; heads a multiple of 8 wide) and in bf16 where the AVX512-BF16 kernel serves.
 Shapes: B = rows, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +28,38 @@ import torch
 from citer.decoding import cpu_linear
 from citer.decoding.kv_pool import PoolCall
 from citer.decoding.layers import HeadShape, LayerWeights
+
+# Elements of a layer's fused q/k/v weight from which its decode steps take the step ops (float32's kernel takes no
+# smaller weight either): below, a step's op count is not what bounds it, and torch's ops keep their bits.
+MIN_WEIGHT = cpu_linear.FP32_PACKED_MIN
+
+
+@dataclass(frozen=True)
+class StepOps:
+    """The step ops of one dtype (``torch.ops.citer``'s, looked up once)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+@functools.cache
+def step_ops(dtype: torch.dtype) -> StepOps:
+    """The step ops for ``dtype`` (float32 or bfloat16); their extension must be loaded."""
+    ops = torch.ops.citer
+    name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+    return StepOps(
+        getattr(ops, f"rms_norm_{name}"),
+        getattr(ops, f"decode_attention_{name}"),
+        getattr(ops, f"silu_mul_{name}"),
+    )
+
+
+def _kernel(w: torch.Tensor, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The few-row kernel op ``linear(x, w)`` runs in ``w``'s dtype, or None (another path)."""
+    if w.dtype is torch.float32:
+        return torch.ops.citer.linear_f32 if cpu_linear.float32_path(x, w) == "kernel" else None
+    return cpu_linear.bf16_kernel(x)
 
 
 def layer_for(
@@ -39,19 +75,22 @@ def layer_for(
     if mask is not None and mask.dtype != torch.bool:
         return None
     L = lean.layers[0]
-    if L.wqkv.dtype is not torch.float32 or L.wqkv.numel() < cpu_linear.FP32_PACKED_MIN:
-        return None
-    if L.q_norm is not None or lean.head_dim % 8:
+    if L.wqkv.numel() < MIN_WEIGHT or L.q_norm is not None or L.wqkv.device.type != "cpu":
         return None
     one_row = L.wqkv.new_empty((1, L.wqkv.shape[1]))
-    if cpu_linear.float32_path(one_row, L.wqkv) != "kernel":
+    if L.wqkv.dtype is torch.float32:
+        if lean.head_dim % 8 or cpu_linear.float32_path(one_row, L.wqkv) != "kernel":
+            return None
+    elif L.wqkv.dtype is not torch.bfloat16 or not cpu_linear.available():
         return None
+    ops = step_ops(L.wqkv.dtype)
     weights = (L.wqkv, L.wo, L.wgu, L.wd)
     rows = L.wqkv.new_empty((ids.shape[0], max(w.shape[1] for w in weights)))
-    if all(cpu_linear.float32_path(rows[:, : w.shape[1]], w) == "kernel" for w in weights):
-        # every linear on the kernel: called directly, without cpu_linear's checks at each of a step's calls
-        return functools.partial(decode_layer, linear=torch.ops.citer.linear_f32)
-    return decode_layer
+    kernels = {_kernel(w, rows[:, : w.shape[1]]) for w in weights}
+    if len(kernels) == 1 and None not in kernels:
+        # every linear on one kernel: called directly, without cpu_linear's checks at each of a step's calls
+        return functools.partial(decode_layer, ops=ops, linear=kernels.pop())
+    return functools.partial(decode_layer, ops=ops)
 
 
 def decode_layer(
@@ -65,18 +104,18 @@ def decode_layer(
     vb: torch.Tensor | None,
     call: PoolCall | None,
     attention: str,
+    ops: StepOps,
     linear: Callable[..., torch.Tensor] = cpu_linear.linear,
 ) -> torch.Tensor:
     """:func:`~citer.decoding.lean.decoder_layer` for one new token a row: x (B, 1, H) -> (B, 1, H); cos, sin (B, 1,
     1, D); mask (B, 1, 1, K) bool or None (every column); the new K/V go to kb, vb (R, kv, C, D) at the call's
-    (rows, cols). ``linear`` runs the layer's products (``cpu_linear.linear``, or the kernel where
-    :func:`layer_for` found it takes every one)."""
+    (rows, cols). ``ops``: the step ops of x's dtype; ``linear`` runs the layer's products (``cpu_linear.linear``, or
+    the kernel where :func:`layer_for` found it takes every one)."""
     assert kb is not None and vb is not None and call is not None and call.rows is not None
     assert call.cols is not None
     b = x.shape[0]
-    ops = torch.ops.citer
-    qkv = linear(ops.rms_norm_f32(x, L.ln1, shape.eps), L.wqkv, L.bqkv)  # (B, 1, (nh + 2 kv) D)
-    o = ops.decode_attention_f32(
+    qkv = linear(ops.rms_norm(x, L.ln1, shape.eps), L.wqkv, L.bqkv)  # (B, 1, (nh + 2 kv) D)
+    o = ops.attention(
         qkv.view(b, -1),
         cos.view(b, -1),
         sin.view(b, -1),
@@ -91,5 +130,5 @@ def decode_layer(
         shape.scale,
     )  # (B, nh D)
     x = x + linear(o.view(b, 1, -1), L.wo, L.bo)
-    gu = linear(ops.rms_norm_f32(x, L.ln2, shape.eps), L.wgu, L.bgu)  # (B, 1, 2 I)
-    return x + linear(ops.silu_mul_f32(gu), L.wd, L.bd)
+    gu = linear(ops.rms_norm(x, L.ln2, shape.eps), L.wgu, L.bgu)  # (B, 1, 2 I)
+    return x + linear(ops.silu_mul(gu), L.wd, L.bd)

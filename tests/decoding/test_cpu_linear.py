@@ -1,5 +1,6 @@
 """The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
-one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; more rows
+one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; on an AMX CPU
+2 to 16 rows on its tiles (a row's outputs independent of the rows beside it); more rows
 take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
 float32 on an AMD CPU (the gate, then the path switched on wherever the test runs), over a weight of at least
 FP32_PACKED_MIN elements, takes oneDNN's packed weight (torch's linear up to float32 rounding, a row's products
@@ -44,10 +45,63 @@ def test_the_kernel_computes_the_linear(shape, n, bias):
     assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call
 
 
+needs_amx = pytest.mark.skipif(not cpu_linear.amx(), reason="no AMX here (or Linux refused its state)")
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "bias"),
+    [(2, 960, 576, False), (5, 1000, 576, True), (16, 77, 64, True), (8, 33, 2048, False), (3, 31, 32, True)],
+)
+def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_the_others(rows, n, k, bias):
+    """Weights of 32-row groups and a tail (n % 32 rows: the vdpbf16ps blocks), up to 16 rows."""
+    torch.manual_seed(6)
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    got = torch.ops.citer.linear_bf16_amx(x, w, b)
+    assert got.shape == (rows, n) and _close(got, x, w, b) < 1e-2
+    assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call for 2-16 rows
+    for i in range(
+        rows
+    ):  # alone (beside a copy of itself: one row takes the other kernel) and beside the others
+        pair = torch.ops.citer.linear_bf16_amx(x[i : i + 1].expand(2, k).contiguous(), w, b)
+        assert torch.equal(pair[0], got[i]) and torch.equal(pair[1], got[i])
+
+
+@needs_amx
+def test_calls_the_amx_tiles_cannot_take_are_the_blocks_exactly():
+    torch.manual_seed(7)
+    for x in (torch.randn(4, 100).bfloat16(), torch.randn(17, 64).bfloat16()):  # K % 32, more than 16 rows
+        w = torch.randn(64, x.shape[-1]).bfloat16()
+        assert torch.equal(
+            torch.ops.citer.linear_bf16_amx(x, w, None), torch.ops.citer.linear_bf16(x, w, None)
+        )
+    x = torch.randn(3, 100).bfloat16()  # cpu_linear sends such a call to the blocks (up to MAX_ROWS) itself
+    w = torch.randn(64, 100).bfloat16()
+    assert torch.equal(cpu_linear.linear(x, w), torch.ops.citer.linear_bf16(x, w, None))
+    cpu_linear.use_amx(False)
+    try:
+        x = torch.randn(8, 64).bfloat16()
+        assert (
+            cpu_linear.bf16_kernel(x) is None and cpu_linear.bf16_kernel(x[:4]) is torch.ops.citer.linear_bf16
+        )
+    finally:
+        cpu_linear.use_amx(True)
+    assert cpu_linear.bf16_kernel(x) is torch.ops.citer.linear_bf16_amx
+
+
+@needs_amx
+def test_a_compiled_graph_calls_the_amx_tiles():
+    torch.manual_seed(8)
+    x, w = torch.randn(6, 576).bfloat16(), torch.randn(300, 576).bfloat16()
+    fn = torch.compile(lambda x, w: cpu_linear.linear(x, w) * 2, fullgraph=True, backend="aot_eager")
+    assert torch.equal(fn(x, w), torch.ops.citer.linear_bf16_amx(x, w, None) * 2)
+
+
 @needs_kernel
 def test_a_compiled_graph_calls_the_kernel():
     torch.manual_seed(1)
-    x, w = torch.randn(2, 576).bfloat16(), torch.randn(300, 576).bfloat16()
+    x, w = torch.randn(1, 576).bfloat16(), torch.randn(300, 576).bfloat16()
     fn = torch.compile(lambda x, w: cpu_linear.linear(x, w) * 2, fullgraph=True, backend="aot_eager")
     assert torch.equal(fn(x, w), torch.ops.citer.linear_bf16(x, w, None) * 2)
 
@@ -56,13 +110,13 @@ def test_other_calls_are_torchs_linear_exactly():
     torch.manual_seed(2)
     w32, x32 = torch.randn(64, 96), torch.randn(2, 96)
     assert torch.equal(cpu_linear.linear(x32, w32), F.linear(x32, w32))  # float32
-    x, w = torch.randn(cpu_linear.MAX_ROWS + 1, 96).bfloat16(), torch.randn(64, 96).bfloat16()
+    x, w = torch.randn(cpu_linear.AMX_MAX_ROWS + 1, 96).bfloat16(), torch.randn(64, 96).bfloat16()
     assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))  # more rows than the kernel takes
 
 
 @needs_bf16
 @pytest.mark.parametrize(
-    ("shape", "bias"), [((5, 576), False), ((3, 7, 96), True), ((cpu_linear.PACKED_MAX_ROWS, 64), True)]
+    ("shape", "bias"), [((17, 576), False), ((3, 7, 96), True), ((cpu_linear.PACKED_MAX_ROWS, 64), True)]
 )
 def test_more_rows_take_the_packed_weight_with_torchs_products(shape, bias):
     torch.manual_seed(3)
@@ -77,7 +131,7 @@ def test_more_rows_take_the_packed_weight_with_torchs_products(shape, bias):
 @needs_bf16
 def test_a_weight_changed_in_place_is_packed_again():
     torch.manual_seed(4)
-    x, w = torch.randn(8, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    x, w = torch.randn(20, 64).bfloat16(), torch.randn(32, 64).bfloat16()
     first = cpu_linear.linear(x, w)
     w.mul_(2)
     assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))

@@ -178,19 +178,26 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
             return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call)
 
     big = build("llama", layers=1)  # its output projection is below the kernel's weights: cpu_linear chooses
-    assert layer(big, [[7], [8]]) is cpu_step.decode_layer
+    chosen = layer(big, [[7], [8]])
+    assert chosen.func is cpu_step.decode_layer and chosen.keywords == {
+        "ops": cpu_step.step_ops(torch.float32)
+    }
     bigger = build("llama", hidden=512, layers=1)  # every product on the kernel: called directly
     direct = layer(bigger, [[7], [8]])
-    assert direct.func is cpu_step.decode_layer and direct.keywords == {"linear": torch.ops.citer.linear_f32}
+    f32 = cpu_step.step_ops(torch.float32)
+    assert direct.func is cpu_step.decode_layer and direct.keywords == {
+        "ops": f32,
+        "linear": torch.ops.citer.linear_f32,
+    }
     many = [[7]] * (cpu_linear.F32_MAX_ROWS + 1)  # rows the packed weight takes
-    assert layer(bigger, many) is cpu_step.decode_layer
+    assert layer(bigger, many).keywords == {"ops": f32}
     assert layer(big, [[7, 8], [9]]) is None  # a catch-up: more than one token a row
     assert layer(big, [[7, 8], [9]], packed=True) is None
     assert layer(build("qwen3", layers=1), [[7]]) is None  # per-head norms
     small = build("llama", hidden=64, layers=1)  # below the kernel's weights: torch's ops
     assert layer(small, [[7]]) is None
     state = cpu_linear._state
-    monkeypatch.setattr(cpu_linear, "_state", {**state, "f32_step": False})  # switched off (the benches)
+    monkeypatch.setattr(cpu_linear, "_state", {**state, "step_ops": False})  # switched off (the benches)
     assert layer(big, [[7]]) is None
     monkeypatch.setattr(cpu_linear, "_state", {**state, "fp32": False})  # off the AMD gate
     assert layer(big, [[7]]) is None
@@ -202,3 +209,126 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
         inp = prepare(pool, [[7]], [0], False, lean=True, in_place=True)
     with torch.enable_grad():  # no backward through the ops
         assert cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call) is None
+
+
+# -- bf16 (cpu_step_bf16.cpp, built into the AVX512-BF16 kernel's extension) -----------------------------------------
+needs_bf16_kernel = pytest.mark.skipif(
+    not cpu_linear.available(), reason="no AVX512-BF16 or no compiler here"
+)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("width", [576, 577, 5])
+def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
+    from citer.decoding.layers import rms_norm
+
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 1, width).bfloat16(), (torch.rand(width) + 0.5).bfloat16()
+    got, ref = torch.ops.citer.rms_norm_bf16(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    assert got.dtype is torch.bfloat16
+    # the statistics sum in another order: a value may round to the neighbouring bf16, no further
+    assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2**-7).all()
+    assert (got == ref).float().mean() > 0.95
+    gu = (torch.randn(3, 1, 2 * width) * 4).bfloat16()
+    g, u = gu.chunk(2, dim=-1)
+    got, ref = torch.ops.citer.silu_mul_bf16(gu), F.silu(g) * u
+    assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2**-6 + 1e-30).all()
+    assert (got == ref).float().mean() > 0.95
+
+
+@needs_bf16_kernel
+def test_a_bf16_rows_attention_is_the_same_alone_and_beside_others_and_its_key_is_ropes():
+    from citer.decoding.layers import rotate
+
+    torch.manual_seed(3)
+    nh, kv, d, cap = 4, 2, 64, 40
+    kb, vb = torch.randn(5, kv, cap + 1, d).bfloat16(), torch.randn(5, kv, cap + 1, d).bfloat16()
+    qkv = torch.randn(3, (nh + 2 * kv) * d).bfloat16()
+    cos, sin = torch.randn(3, d).bfloat16(), torch.randn(3, d).bfloat16()
+    rows, cols = torch.tensor([4, 0, 2]), torch.tensor([17, 30, 9])
+    mask = torch.arange(31)[None] <= cols[:, None]  # (3, K)
+
+    def run(i: slice, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.ops.citer.decode_attention_bf16(
+            qkv[i], cos[i], sin[i], k, v, rows[i], cols[i], mask[i], 31, nh, kv, 0.125
+        )
+
+    kt, vt = kb.clone(), vb.clone()
+    together = run(slice(None), kt, vt)  # (3, nh D)
+    for i in range(3):
+        k1, v1 = kb.clone(), vb.clone()
+        assert torch.equal(run(slice(i, i + 1), k1, v1)[0], together[i])
+    # the written value is the projection's, the key torch's bf16 rotation bit for bit
+    q_new = rotate(qkv[:, : nh * d].view(3, nh, d), cos[:, None], sin[:, None])
+    k_new = rotate(qkv[:, nh * d : (nh + kv) * d].view(3, kv, d), cos[:, None], sin[:, None])
+    v_new = qkv[:, (nh + kv) * d :].view(3, kv, d)
+    for i in range(3):
+        assert torch.equal(kt[rows[i], :, cols[i]], k_new[i])
+        assert torch.equal(vt[rows[i], :, cols[i]], v_new[i])
+        # the attention: torch's in float32 over the same bf16 keys and values, rounded once
+        k, v = kt[rows[i], :, :31].float(), vt[rows[i], :, :31].float()
+        ref = F.scaled_dot_product_attention(
+            q_new[i].float()[None, :, None],
+            k[None],
+            v[None],
+            attn_mask=mask[i][None, None, None],
+            scale=0.125,
+            enable_gqa=True,
+        )[0, :, 0].reshape(-1)
+        torch.testing.assert_close(together[i].float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("n_rows", [3, 6])
+def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, monkeypatch):
+    """Rows in named slots, one held every other step, in bf16: every step runs the step ops, and the logits stay
+    within bf16's rounding of the same steps through torch's ops; the products' kernel is bound directly where it
+    takes every one (one row: the vdpbf16ps blocks; 2 to 16 on an AMX CPU: the tiles; without AMX, 3 rows the blocks
+    and 6 beyond them)."""
+    model = build("llama").bfloat16()
+    calls = []
+    layer = cpu_step.decode_layer
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append(k) or layer(*a, **k))
+    prompts = [[5 + r, 6, 7 + r, 8][: 2 + r % 3] for r in range(n_rows)]
+    slots = list(reversed(range(n_rows)))  # out of slot order: attended in place, a run at a time
+
+    def decode(step_ops: bool) -> list[torch.Tensor]:
+        cpu_linear.use_step_ops(step_ops)
+        try:
+            pool, runner = KVPool(model, n_rows, 32), ModelRunner(model)
+            out = []
+            with torch.inference_mode():
+                runner.feed(pool, [prompts[slots.index(s)] for s in range(n_rows)])
+                for step in range(5):
+                    chunks = [[30 + 3 * step + r] for r in range(n_rows)]
+                    if step % 2:
+                        chunks[1] = []
+                    calls.clear()
+                    logits, _ = runner.feed(pool, chunks, slots=slots)
+                    assert len(calls) == (model.config.num_hidden_layers if step_ops else 0)
+                    out.append(logits.float())
+            return out
+        finally:
+            cpu_linear.use_step_ops(True)
+
+    got, ref = decode(True), decode(False)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+    def chosen(rows: int):
+        with torch.inference_mode():
+            pool, runner = KVPool(model, rows, 32), ModelRunner(model)
+            runner.feed(pool, [[5, 6]] * rows)
+            inp = prepare(pool, [[7]] * rows, list(range(rows)), False, lean=True, in_place=True)
+            return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call).keywords
+
+    bf16, ops = cpu_step.step_ops(torch.bfloat16), torch.ops.citer
+    assert chosen(1) == {"ops": bf16, "linear": ops.linear_bf16}
+    if cpu_linear.amx():  # 2 to 16 rows on the AMX tiles
+        assert chosen(n_rows) == {"ops": bf16, "linear": ops.linear_bf16_amx}
+    cpu_linear.use_amx(False)
+    try:  # the vdpbf16ps blocks up to MAX_ROWS, then cpu_linear chooses (the packed weight)
+        want = {"ops": bf16, "linear": ops.linear_bf16} if n_rows <= cpu_linear.MAX_ROWS else {"ops": bf16}
+        assert chosen(n_rows) == want
+    finally:
+        cpu_linear.use_amx(True)

@@ -202,8 +202,10 @@ def test_a_session_admits_steps_and_cancels_rows_as_serve_drives_it(answering_pa
     for i in sorted({0, 1, 2, 3, 4} - {victim}):
         assert [e.token for e in got[i]] == alone[i] == [e.token for e in ref[i]]
         assert got[i][-1].done and not any(e.done for e in got[i][:-1])
-        for a, b in zip(got[i], ref[i], strict=True):  # log-probs of the model that wrote each token
-            assert a.from_llm == b.from_llm and math.isclose(a.logprob, b.logprob, abs_tol=2e-3)
+        # log-probs of the model that wrote each token; llama.cpp keeps its KV cache in F16 (its default), so they
+        # differ from torch's float32 in the third decimal (2.6e-3 seen on an AMX Xeon's AVX-512 kernels)
+        for a, b in zip(got[i], ref[i], strict=True):
+            assert a.from_llm == b.from_llm and math.isclose(a.logprob, b.logprob, abs_tol=5e-3)
             assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
     assert len(got.get(victim, [])) < len(alone[victim])  # cancelled after two steps
     assert max(live) > 2  # rows waiting for the LLM left the SLM's batch to admitted ones
