@@ -312,9 +312,8 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, monkey
             cpu_linear.use_step_ops(True)
 
     got, ref = decode(True), decode(False)
-    for a, b in zip(
-        got, ref, strict=True
-    ):  # logits up to ~1, bf16's step there 2^-7; a RoPE sign flipped: 0.067 off
+    # logits up to ~1, bf16's step there 2^-7; a RoPE sign flipped put them 0.067 off
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=0.025, rtol=0.01)
 
     def chosen(rows: int):
