@@ -165,27 +165,52 @@ void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, in
 
 }  // namespace
 
-// y (..., N) = x (..., K) @ w (N, K)^T (+ bias (N,)); x contiguous, w rows contiguous, all bfloat16.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bfloat16 only");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1), "linear_bf16: shapes");
-  x = x.contiguous();
-  const int64_t K = x.size(-1), N = w.size(0), M = x.numel() / K, ldw = w.stride(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
-  const uint16_t* xp = (const uint16_t*)x.data_ptr();
-  const uint16_t* wp = (const uint16_t*)w.data_ptr();
-  const uint16_t* bp = nullptr;
-  torch::Tensor b;
+namespace {
+
+// One call's operands as the kernels read them, checked, and its output y (..., N).
+struct Operands {
+  torch::Tensor x, b, y;
+  int64_t K, N, M, ldw;
+  const uint16_t* xp;
+  const uint16_t* wp;
+  const uint16_t* bp;
+  uint16_t* yp;
+};
+
+Operands operands(const torch::Tensor& x_in, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                  const char* op) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, op, ": bfloat16 only");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x_in.size(-1) == w.size(1) && x_in.size(-1) > 0, op, ": shapes");
+  Operands o;
+  o.x = x_in.contiguous();
+  o.K = o.x.size(-1);
+  o.N = w.size(0);
+  o.M = o.x.numel() / o.K;
+  o.ldw = w.stride(0);
+  auto sizes = o.x.sizes().vec();
+  sizes.back() = o.N;
+  o.y = torch::empty(sizes, o.x.options());
+  o.xp = (const uint16_t*)o.x.data_ptr();
+  o.wp = (const uint16_t*)w.data_ptr();
+  o.bp = nullptr;
   if (bias.has_value()) {
-    b = bias->contiguous();
-    bp = (const uint16_t*)b.data_ptr();
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->numel() == o.N, op, ": bias");
+    o.b = bias->contiguous();
+    o.bp = (const uint16_t*)o.b.data_ptr();
   }
-  uint16_t* yp = (uint16_t*)y.data_ptr();
-  const int64_t nblocks = (N + 3) / 4;
-  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) { blocks(xp, M, K, wp, ldw, bp, yp, N, b0, b1); });
-  return y;
+  o.yp = (uint16_t*)o.y.data_ptr();
+  return o;
+}
+
+}  // namespace
+
+// y (..., N) = x (..., K) @ w (N, K)^T (+ bias (N,)); w rows contiguous, all bfloat16.
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const Operands o = operands(x, w, bias, "linear_bf16");
+  at::parallel_for(0, (o.N + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
+    blocks(o.xp, o.M, o.K, o.wp, o.ldw, o.bp, o.yp, o.N, b0, b1);
+  });
+  return o.y;
 }
 
 bool bf16_amx() { return amx_usable(); }
@@ -193,31 +218,18 @@ bool bf16_amx() { return amx_usable(); }
 // linear_bf16 for 2..16 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
 // groups of 32 on the tiles, the last N % 32 rows (and every row where AMX cannot serve) as linear_bf16's blocks.
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16_amx: bfloat16 only");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && x.size(-1) == w.size(1), "linear_bf16_amx: shapes");
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
   if (!amx_usable() || M > AMX_MAX_ROWS || M == 0 || K % 32) return linear_bf16(x, w, bias);
-  x = x.contiguous();
-  const int64_t N = w.size(0), ldw = w.stride(0);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
-  const uint16_t* xp = (const uint16_t*)x.data_ptr();
-  const uint16_t* wp = (const uint16_t*)w.data_ptr();
-  const uint16_t* bp = nullptr;
-  torch::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    bp = (const uint16_t*)b.data_ptr();
-  }
-  uint16_t* yp = (uint16_t*)y.data_ptr();
+  const Operands o = operands(x, w, bias, "linear_bf16_amx");
   std::vector<uint16_t> xv(K * M);  // x's columns in pairs, a pair per row: xv[k/2][m][2]
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xv[(k / 2) * M * 2 + m * 2 + (k & 1)] = xp[m * K + k];
-  const int64_t groups = N / 32;
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) { amx_groups(xv.data(), M, K, wp, ldw, bp, yp, N, g0, g1); });
-  blocks(xp, M, K, wp, ldw, bp, yp, N, groups * 8, (N + 3) / 4);  // the last N % 32 rows
-  return y;
+    for (int64_t k = 0; k < K; ++k) xv[(k / 2) * M * 2 + m * 2 + (k & 1)] = o.xp[m * K + k];
+  const int64_t groups = o.N / 32;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    amx_groups(xv.data(), M, K, o.wp, o.ldw, o.bp, o.yp, o.N, g0, g1);
+  });
+  blocks(o.xp, M, K, o.wp, o.ldw, o.bp, o.yp, o.N, groups * 8, (o.N + 3) / 4);  // the last N % 32 rows
+  return o.y;
 }
 
 TORCH_LIBRARY(citer, m) {

@@ -136,20 +136,25 @@ def test_rows_of_one_length_in_the_slot_prefix_equal_hf(prompts, monkeypatch):
         torch.testing.assert_close(torch.stack(got[r]), ref, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.usefixtures("fp32_kernels")
-def test_a_rows_attention_is_the_same_alone_and_beside_others():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_rows_attention_is_the_same_alone_and_beside_others_and_its_key_is_ropes(dtype, request):
+    from citer.decoding.layers import rotate
+
+    if dtype is torch.float32:
+        request.getfixturevalue("fp32_kernels")
+    elif not cpu_linear.available():
+        pytest.skip("no AVX512-BF16 or no compiler here")
+    attention = cpu_step.step_ops(dtype).attention
     torch.manual_seed(3)
     nh, kv, d, cap = 4, 2, 64, 40
-    kb, vb = torch.randn(5, kv, cap + 1, d), torch.randn(5, kv, cap + 1, d)
-    qkv = torch.randn(3, (nh + 2 * kv) * d)
-    cos, sin = torch.randn(3, d), torch.randn(3, d)
+    kb, vb = torch.randn(5, kv, cap + 1, d).to(dtype), torch.randn(5, kv, cap + 1, d).to(dtype)
+    qkv = torch.randn(3, (nh + 2 * kv) * d).to(dtype)
+    cos, sin = torch.randn(3, d).to(dtype), torch.randn(3, d).to(dtype)
     rows, cols = torch.tensor([4, 0, 2]), torch.tensor([17, 30, 9])
     mask = torch.arange(31)[None] <= cols[:, None]  # (3, K)
 
     def run(i: slice, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.citer.decode_attention_f32(
-            qkv[i], cos[i], sin[i], k, v, rows[i], cols[i], mask[i], 31, nh, kv, 0.125
-        )
+        return attention(qkv[i], cos[i], sin[i], k, v, rows[i], cols[i], mask[i], 31, nh, kv, 0.125)
 
     kt, vt = kb.clone(), vb.clone()
     together = run(slice(None), kt, vt)  # (3, nh D)
@@ -157,14 +162,23 @@ def test_a_rows_attention_is_the_same_alone_and_beside_others():
         k1, v1 = kb.clone(), vb.clone()
         assert torch.equal(run(slice(i, i + 1), k1, v1)[0], together[i])
         assert torch.equal(k1[rows[i], :, cols[i]], kt[rows[i], :, cols[i]])
-    # The written value is the projection's; the key its rotation (checked against the lean forward's rotate)
-    from citer.decoding.layers import rotate
-
-    v_new = qkv[:, (nh + kv) * d :].view(3, kv, d)
+    # The written value is the projection's, the key the lean forward's rotation (bf16: bit for bit, each op rounded
+    # where torch's rounds), and the output torch's attention in float32 over the same keys and values
+    q_new = rotate(qkv[:, : nh * d].view(3, nh, d), cos[:, None], sin[:, None])
     k_new = rotate(qkv[:, nh * d : (nh + kv) * d].view(3, kv, d), cos[:, None], sin[:, None])
+    v_new = qkv[:, (nh + kv) * d :].view(3, kv, d)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype is torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     for i in range(3):
         assert torch.equal(vt[rows[i], :, cols[i]], v_new[i])
+        if dtype is torch.bfloat16:
+            assert torch.equal(kt[rows[i], :, cols[i]], k_new[i])
         torch.testing.assert_close(kt[rows[i], :, cols[i]], k_new[i])
+        k, v = kt[rows[i], :, :31].float(), vt[rows[i], :, :31].float()
+        ref = F.scaled_dot_product_attention(
+            q_new[i].float()[None, :, None], k[None], v[None], attn_mask=mask[i][None, None, None], scale=0.125,
+            enable_gqa=True,
+        )[0, :, 0].reshape(-1)  # fmt: skip
+        torch.testing.assert_close(together[i].float(), ref, **tol)
 
 
 @pytest.mark.usefixtures("fp32_kernels")
@@ -234,48 +248,6 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
     got, ref = torch.ops.citer.silu_mul_bf16(gu), F.silu(g) * u
     assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2**-6 + 1e-30).all()
     assert (got == ref).float().mean() > 0.95
-
-
-@needs_bf16_kernel
-def test_a_bf16_rows_attention_is_the_same_alone_and_beside_others_and_its_key_is_ropes():
-    from citer.decoding.layers import rotate
-
-    torch.manual_seed(3)
-    nh, kv, d, cap = 4, 2, 64, 40
-    kb, vb = torch.randn(5, kv, cap + 1, d).bfloat16(), torch.randn(5, kv, cap + 1, d).bfloat16()
-    qkv = torch.randn(3, (nh + 2 * kv) * d).bfloat16()
-    cos, sin = torch.randn(3, d).bfloat16(), torch.randn(3, d).bfloat16()
-    rows, cols = torch.tensor([4, 0, 2]), torch.tensor([17, 30, 9])
-    mask = torch.arange(31)[None] <= cols[:, None]  # (3, K)
-
-    def run(i: slice, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.citer.decode_attention_bf16(
-            qkv[i], cos[i], sin[i], k, v, rows[i], cols[i], mask[i], 31, nh, kv, 0.125
-        )
-
-    kt, vt = kb.clone(), vb.clone()
-    together = run(slice(None), kt, vt)  # (3, nh D)
-    for i in range(3):
-        k1, v1 = kb.clone(), vb.clone()
-        assert torch.equal(run(slice(i, i + 1), k1, v1)[0], together[i])
-    # the written value is the projection's, the key torch's bf16 rotation bit for bit
-    q_new = rotate(qkv[:, : nh * d].view(3, nh, d), cos[:, None], sin[:, None])
-    k_new = rotate(qkv[:, nh * d : (nh + kv) * d].view(3, kv, d), cos[:, None], sin[:, None])
-    v_new = qkv[:, (nh + kv) * d :].view(3, kv, d)
-    for i in range(3):
-        assert torch.equal(kt[rows[i], :, cols[i]], k_new[i])
-        assert torch.equal(vt[rows[i], :, cols[i]], v_new[i])
-        # the attention: torch's in float32 over the same bf16 keys and values, rounded once
-        k, v = kt[rows[i], :, :31].float(), vt[rows[i], :, :31].float()
-        ref = F.scaled_dot_product_attention(
-            q_new[i].float()[None, :, None],
-            k[None],
-            v[None],
-            attn_mask=mask[i][None, None, None],
-            scale=0.125,
-            enable_gqa=True,
-        )[0, :, 0].reshape(-1)
-        torch.testing.assert_close(together[i].float(), ref, atol=1e-2, rtol=1e-2)
 
 
 @needs_bf16_kernel
