@@ -62,7 +62,7 @@ from speed_report import (  # noqa: E402
     cpu_times,
     others_cpu_share,
     read_bandwidth,
-    write_report,  # noqa: E402
+    write_report,
 )
 
 from citer.decoding import cpu_linear  # noqa: E402
@@ -81,6 +81,8 @@ TORCH_MODES = {
     "torch packed": (*MODES["packed"], True),
     "torch F.linear": (*MODES["torch"], True),
 }
+# --dtype -> the GGUF type llama.cpp reads the same weights in (its quantizer's source)
+GGUF_TYPE = {"fp32": "F32", "bf16": "BF16"}
 # bf16: a decoder's name -> (cpu_linear's bf16 paths on, the AMX tiles, the step's C++ ops)
 BF16_MODES = {
     "torch kernel": (True, True, True),
@@ -142,7 +144,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     vocab = SPECS[spec]["vocab"]
     slm = build_model(spec, "cpu", DTYPES[args.dtype], seed=1)
     modes = TORCH_MODES if args.dtype == "fp32" else BF16_MODES
-    gguf_type = "F32" if args.dtype == "fp32" else "BF16"
+    gguf_type = GGUF_TYPE[args.dtype]
     engine = route_engine(slm, None, AlwaysSLM(), 0.5, engine_block(Path(args.params)), vocab_size=vocab)
     files: dict[str, Path] = {}
     why_not = missing() if args.llama_cpp_types else "no --llama-cpp-types"
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench_slm_step.json"))
     args = ap.parse_args(argv)
     if args.llama_cpp_types is None:
-        args.llama_cpp_types = ("F32" if args.dtype == "fp32" else "BF16") + ",Q8_0,Q4_0"
+        args.llama_cpp_types = GGUF_TYPE[args.dtype] + ",Q8_0,Q4_0"
     torch.manual_seed(0)
     t0 = cpu_times()
     batches = [int(x) for x in args.batches.split(",")]
