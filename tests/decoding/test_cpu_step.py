@@ -251,13 +251,14 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases through the kernels
 @pytest.mark.parametrize("n_rows", [3, 6])
-def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, monkeypatch):
+def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family, monkeypatch):
     """Rows in named slots, one held every other step, in bf16: every step runs the step ops, and the logits stay
     within bf16's rounding of the same steps through torch's ops; the products' kernel is bound directly where it
     takes every one (one row: the vdpbf16ps blocks; 2 to 16 on an AMX CPU: the tiles; without AMX, 3 rows the blocks
     and 6 beyond them)."""
-    model = build("llama").bfloat16()
+    model = build(family).bfloat16()
     calls = []
     layer = cpu_step.decode_layer
     monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append(k) or layer(*a, **k))
