@@ -14,6 +14,8 @@ on an AVX2 EPYC; bf16 on an AVX512-BF16/AMX Xeon), timed in turn after a warm-up
   engine with the bf16 kernel (its AMX tiles for 2-16 rows where the CPU has them) and the step's C++ ops (the
   default), with torch's ops instead, without the AMX tiles (the vdpbf16ps blocks up to 4 rows, then oneDNN's packed
   weight), and torch's ``F.linear`` for every product;
+- ``torch kernel, 4 KiB pages`` (both dtypes): the default decoder over a second copy of the SLM whose weights keep
+  torch's allocations, where the default moves them onto huge pages (``citer.decoding.huge_pages``);
 - ``llama.cpp <type>``: the same weights written to GGUF (F32 or BF16 as ``--dtype``, then llama.cpp's quantizer for
   the others), one sequence a row, the final norm's hidden state returned as the router needs it
   (``LlamaCppModel(hidden=True)``); skipped where llama-cpp-python is not importable.
@@ -68,6 +70,7 @@ from speed_report import (  # noqa: E402
 from citer.decoding import cpu_linear  # noqa: E402
 from citer.decoding.baselines import AlwaysSLM  # noqa: E402
 from citer.decoding.cost import ModelCost  # noqa: E402
+from citer.decoding.lean import lean_decoder  # noqa: E402
 from citer.decoding.llama_cpp_runner import LlamaCppModel, missing  # noqa: E402
 from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
 from citer.serving.champion import route_engine  # noqa: E402
@@ -80,6 +83,7 @@ TORCH_MODES = {
     "torch kernel, torch ops": (*MODES["kernel"], False),
     "torch packed": (*MODES["packed"], True),
     "torch F.linear": (*MODES["torch"], True),
+    "torch kernel, 4 KiB pages": (*MODES["kernel"], True),
 }
 # --dtype -> the GGUF type llama.cpp reads the same weights in (its quantizer's source)
 GGUF_TYPE = {"fp32": "F32", "bf16": "BF16"}
@@ -89,7 +93,10 @@ BF16_MODES = {
     "torch kernel, torch ops": (True, True, False),
     "torch kernel, no AMX": (True, False, True),
     "torch F.linear": (False, False, False),
+    "torch kernel, 4 KiB pages": (True, True, True),
 }
+# the decoder whose SLM copy keeps torch's allocations (4 KiB pages) instead of the huge-page arena
+SMALL_PAGES = "torch kernel, 4 KiB pages"
 
 
 def set_mode(dtype: str, label: str) -> None:
@@ -146,6 +153,13 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     modes = TORCH_MODES if args.dtype == "fp32" else BF16_MODES
     gguf_type = GGUF_TYPE[args.dtype]
     engine = route_engine(slm, None, AlwaysSLM(), 0.5, engine_block(Path(args.params)), vocab_size=vocab)
+    slm_small_pages = build_model(spec, "cpu", DTYPES[args.dtype], seed=1)  # the same weights, another copy
+    lean_decoder(slm_small_pages, rehome=False)  # built now, so the engine's first call finds it
+    engines = {m: engine for m in modes} | {
+        SMALL_PAGES: route_engine(
+            slm_small_pages, None, AlwaysSLM(), 0.5, engine_block(Path(args.params)), vocab_size=vocab
+        )
+    }
     files: dict[str, Path] = {}
     why_not = missing() if args.llama_cpp_types else "no --llama-cpp-types"
     if why_not is None:
@@ -168,7 +182,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
             def torch_run(n: int, label: str = label, prompts: list[list[int]] = prompts) -> None:
                 set_mode(args.dtype, label)
-                engine.generate_batch(prompts, n)
+                engines[label].generate_batch(prompts, n)
 
             runs[label] = torch_run
         models = {t: LlamaCppModel(p, rows=b, row_tokens=args.prompt_len + args.new_tokens + 8, hidden=True)

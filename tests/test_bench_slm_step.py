@@ -24,9 +24,10 @@ def test_the_report_holds_a_step_per_batch_and_decoder(tmp_path, dtype, types):
     assert bench.main(args) == 0
     rep = json.loads(out.read_text())
     assert rep["dtype"] == dtype
-    torch_rows = ["torch kernel", "torch kernel, torch ops"] + (
+    other_rows = (
         ["torch packed", "torch F.linear"] if dtype == "fp32" else ["torch kernel, no AMX", "torch F.linear"]
     )
+    torch_rows = ["torch kernel", "torch kernel, torch ops", *other_rows, "torch kernel, 4 KiB pages"]
     decoders = torch_rows + [f"llama.cpp {t}" for t in types.split(",") if t]
     assert [(r["batch"], r["decoder"]) for r in rep["rows"]] == [(b, d) for b in (1, 2) for d in decoders]
     best = rep["read_bytes_per_s"]["best"]

@@ -2,8 +2,9 @@
 
 The HF modules spend most of a small decode step in Python (attention-interface lookup, config reads, output
 dataclasses, one RoPE module call per layer), not in the matrix products. This module reads the weights of the HF
-model it is given -- no copy: q/k/v and gate/up are fused into one matrix each and the HF parameters become views of
-it, so both paths read the same memory -- and runs the same arithmetic in a handful of tensor ops per layer
+model it is given -- q/k/v and gate/up are fused into one matrix each and the HF parameters become views of it, and a
+large CPU model's weights move onto huge pages (:mod:`~citer.decoding.huge_pages`) with the HF parameters pointed
+there, so both paths read the same memory, never two copies -- and runs the same arithmetic in a handful of tensor ops per layer
 (gpt-fast's ``model.py`` shape). K/V go to the layer's pool buffers where the call's
 :class:`~citer.decoding.kv_pool.PoolCall` says (:func:`~citer.decoding.kv_pool.write_and_read`), padded, packed or
 without a pool.
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from citer.decoding import huge_pages
 from citer.decoding.cpu_linear import linear
 from citer.decoding.kv_pool import PoolCall, write_and_read
 from citer.decoding.layers import (
@@ -64,18 +66,18 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 class LeanDecoder:
     """The decoder of one HF causal LM as plain tensor ops; see the module docstring."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, rehome: bool = True) -> None:
         # The fused matrices become the HF parameters' storage, so they are made in the parameters' own mode: an
         # inference tensor inside a normal parameter breaks a later autograd or no_grad use of the HF model, and a
         # normal one inside an inference parameter breaks inference-mode use.
         infer = model.get_input_embeddings().weight.is_inference()
         with torch.inference_mode(infer), torch.no_grad():
-            self._build(model)
+            self._build(model, rehome)
         self._source = _fingerprint(model)
         dec = model.get_decoder()
         self._embed_mod, self._head_mod = dec.embed_tokens, model.get_output_embeddings()
 
-    def _build(self, model: nn.Module) -> None:
+    def _build(self, model: nn.Module, rehome: bool) -> None:
         cfg = model.config.get_text_config(decoder=True)
         dec = model.get_decoder()
         attn0 = dec.layers[0].self_attn
@@ -115,6 +117,24 @@ class LeanDecoder:
                     bd=m.down_proj.bias,
                 )
             )
+        if rehome and huge_pages.wanted(p.data for p in model.parameters()):
+            self._rehome(model)
+
+    def _rehome(self, model: nn.Module) -> None:
+        """Moves the model's weights into a huge-page :class:`~citer.decoding.huge_pages.Arena`, a layer at a time:
+        this view's tensors and the HF parameters over the same storages are pointed at the copies together, so each
+        old storage is freed before the next is copied."""
+        moved = huge_pages.Arena(p.data for p in model.parameters())
+        dec = model.get_decoder()
+        for i, layer in enumerate(dec.layers):
+            L = self.layers[i]
+            self.layers[i] = LayerWeights(**{k: None if t is None else moved(t) for k, t in vars(L).items()})
+            for p in layer.parameters():
+                p.data = moved(p.data)
+        self.embed, self.norm, self.head = moved(self.embed), moved(self.norm), moved(self.head)
+        # the rest (embeddings, final norm, head): some of them are the tensors above
+        for p in model.parameters():
+            p.data = moved(p.data)
 
     @property
     def layer_macs(self) -> int:
@@ -313,13 +333,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
 _DECODERS: weakref.WeakKeyDictionary[nn.Module, LeanDecoder] = weakref.WeakKeyDictionary()
 
 
-def lean_decoder(model: nn.Module) -> LeanDecoder | None:
+def lean_decoder(model: nn.Module, rehome: bool = True) -> LeanDecoder | None:
     """The model's lean decoder, built on first use and rebuilt if its weights moved; None where it does not apply
-    (:func:`unsupported_reason` says why). One per model: building it fuses the model's matrices in place."""
+    (:func:`unsupported_reason` says why). One per model: building it fuses the model's matrices in place and, with
+    ``rehome``, moves a large CPU model's weights onto huge pages (:mod:`citer.decoding.huge_pages`)."""
     got = _DECODERS.get(model)
     if got is not None and not got.stale(model) and not model.training:
         return got
     if unsupported_reason(model) is not None:
         return None
-    dec = _DECODERS[model] = LeanDecoder(model)
+    dec = _DECODERS[model] = LeanDecoder(model, rehome)
     return dec
