@@ -31,11 +31,12 @@ inline float from_bf16(uint16_t h) {
 }
 
 // MB input rows against 4 weight rows (nrows of them real); out[i][r] their dot products. Meanwhile the 4 rows from
-// `next` (the thread's next block, or nullptr) are prefetched a cache line a row per step, so their read from memory
-// overlaps these products (docs/results.md).
+// `next` (the thread's next block, or nullptr) are prefetched into L1 and the 4 from `far` (its block PREFETCH_FAR
+// ahead, or nullptr) into L2, a cache line a row per step each, so their reads from memory overlap these products
+// (docs/results.md).
 template <int MB>
 inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows, int64_t ldw, float out[4][4],
-                  const uint16_t* next) {
+                  const uint16_t* next, const uint16_t* far) {
   __m512 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int r = 0; r < 4; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -45,6 +46,8 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows
   for (int64_t k = 0; k < K32; k += 32) {
     if (next)
       for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T0);
+    if (far)
+      for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(far + r * ldw + k), _MM_HINT_T1);
     __m512bh wv[4];
     for (int r = 0; r < 4; ++r) wv[r] = (__m512bh)_mm512_loadu_si512((const void*)(rows[r] + k));
     for (int i = 0; i < MB; ++i) {
@@ -66,24 +69,30 @@ inline void block(const uint16_t* x, int64_t K, const uint16_t* w, int64_t nrows
 }
 
 
+constexpr int64_t PREFETCH_FAR = 3;  // blocks ahead the L2 prefetch reads (docs/results.md)
+
 // Blocks b0..b1-1 of 4 weight rows against all M input rows: y's columns 4 b0 .. 4 b1 (clipped to N).
 void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
             uint16_t* yp, int64_t N, int64_t b0, int64_t b1) {
   float out[4][4];
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t n = blk * 4, nrows = std::min<int64_t>(4, N - n);
-    // the next block's rows, where this thread computes it and it is whole (no pointer past the weight's end)
+    // the next block's rows and those PREFETCH_FAR blocks ahead, where this thread computes them and they are whole
+    // (no pointer past the weight's end)
     const uint16_t* next = blk + 1 < b1 && n + 8 <= N ? wp + (n + 4) * ldw : nullptr;
+    const int64_t nf = n + 4 * PREFETCH_FAR;
+    const uint16_t* far = blk + PREFETCH_FAR < b1 && nf + 4 <= N ? wp + nf * ldw : nullptr;
     for (int64_t m = 0; m < M; m += 4) {
       const int64_t mb = std::min<int64_t>(4, M - m);
       const uint16_t* xm = xp + m * K;
       const uint16_t* wn = wp + n * ldw;
       const uint16_t* ahead = m == 0 ? next : nullptr;  // later passes read this block from cache
+      const uint16_t* ahead_far = m == 0 ? far : nullptr;
       switch (mb) {
-        case 4: block<4>(xm, K, wn, nrows, ldw, out, ahead); break;
-        case 3: block<3>(xm, K, wn, nrows, ldw, out, ahead); break;
-        case 2: block<2>(xm, K, wn, nrows, ldw, out, ahead); break;
-        default: block<1>(xm, K, wn, nrows, ldw, out, ahead);
+        case 4: block<4>(xm, K, wn, nrows, ldw, out, ahead, ahead_far); break;
+        case 3: block<3>(xm, K, wn, nrows, ldw, out, ahead, ahead_far); break;
+        case 2: block<2>(xm, K, wn, nrows, ldw, out, ahead, ahead_far); break;
+        default: block<1>(xm, K, wn, nrows, ldw, out, ahead, ahead_far);
       }
       for (int64_t i = 0; i < mb; ++i)
         for (int64_t r = 0; r < nrows; ++r) {
