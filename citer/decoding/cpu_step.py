@@ -1,4 +1,4 @@
-"""A decode step's layer on the CPU in a few C++ calls: :func:`decode_layer`.
+"""A decode step's layer on the CPU in a few C++ calls (:func:`decode_layer`), or all its layers in one.
 
 Once the linears stream their weights (``cpu_linear``'s kernels), a small model's eager decode step on a CPU is bound
 by its op count: the norms, RoPE, the KV write, the attention and the MLP's gate take ~20 torch ops a layer at a few
@@ -9,16 +9,21 @@ into the bf16 kernel's), which rounds to bf16 where the lean forward's torch ops
 row's outputs do not depend on the rows beside it; they differ from torch's ops in the last bits (other summation
 orders, another exp).
 
-:func:`layer_for` says which calls take it: decode steps (one new token a row, over a pool, not packed) of a model
-whose fused q/k/v weight has at least :data:`MIN_WEIGHT` elements (the pipeline's tiny models keep torch's ops bit for
-bit), whose heads have no per-head norms (Qwen3 keeps torch's), in float32 where its one-row linears take the AVX2
-kernel (an AMD CPU; heads a multiple of 8 wide) and in bf16 where the AVX512-BF16 kernel serves.
+In bf16, where one kernel takes every product of the step, the whole stack of layers runs in one C++ call
+(:func:`decode_stack`, ``citer::decode_layers_bf16``: the same ops in the same order, so the same bits), saving the
+Python and dispatch around a step's ~300 op calls.
+
+:func:`layer_for` and :func:`stack_for` say which calls take them: decode steps (one new token a row, over a pool,
+not packed) of a model whose fused q/k/v weight has at least :data:`MIN_WEIGHT` elements (the pipeline's tiny models
+keep torch's ops bit for bit), whose heads have no per-head norms (Qwen3 keeps torch's), in float32 where its one-row
+linears take the AVX2 kernel (an AMD CPU; heads a multiple of 8 wide) and in bf16 where the AVX512-BF16 kernel serves.
 Shapes: B = rows, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,10 +67,11 @@ def _kernel(w: torch.Tensor, x: torch.Tensor) -> Callable[..., torch.Tensor] | N
     return cpu_linear.bf16_kernel(x)
 
 
-def layer_for(
+def _plan(
     lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
-) -> Callable[..., torch.Tensor] | None:
-    """:func:`decode_layer` where this call may take it (module docstring), else None (the lean forward's own)."""
+) -> tuple[StepOps, Callable[..., torch.Tensor] | None] | None:
+    """(the step ops, the one kernel every product takes or None) where this call may take the step ops (module
+    docstring), else None."""
     if not cpu_linear.step_ops_on() or ids.shape[1] != 1 or pool is None or call is None:
         return None
     if torch.is_grad_enabled():  # the ops have no backward (and write the pool without bumping its version)
@@ -83,14 +89,88 @@ def layer_for(
             return None
     elif L.wqkv.dtype is not torch.bfloat16 or not cpu_linear.available():
         return None
-    ops = step_ops(L.wqkv.dtype)
     weights = (L.wqkv, L.wo, L.wgu, L.wd)
     rows = L.wqkv.new_empty((ids.shape[0], max(w.shape[1] for w in weights)))
     kernels = {_kernel(w, rows[:, : w.shape[1]]) for w in weights}
-    if len(kernels) == 1 and None not in kernels:
+    return step_ops(L.wqkv.dtype), (kernels.pop() if len(kernels) == 1 else None)
+
+
+def layer_for(
+    lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
+) -> Callable[..., torch.Tensor] | None:
+    """:func:`decode_layer` where this call may take it (module docstring), else None (the lean forward's own)."""
+    plan = _plan(lean, ids, mask, pool, call)
+    if plan is None:
+        return None
+    ops, kernel = plan
+    if kernel is not None:
         # every linear on one kernel: called directly, without cpu_linear's checks at each of a step's calls
-        return functools.partial(decode_layer, ops=ops, linear=kernels.pop())
+        return functools.partial(decode_layer, ops=ops, linear=kernel)
     return functools.partial(decode_layer, ops=ops)
+
+
+def stack_for(
+    lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
+) -> Callable[..., torch.Tensor] | None:
+    """:func:`decode_stack` where this call may take the step ops in bf16 with every product on one kernel, else
+    None (:func:`layer_for`'s layers, or the lean forward's own)."""
+    plan = _plan(lean, ids, mask, pool, call)
+    if plan is None or plan[1] is None or lean.layers[0].wqkv.dtype is not torch.bfloat16:
+        return None
+    return functools.partial(decode_stack, lean=lean, tiles=plan[1] is torch.ops.citer.linear_bf16_amx)
+
+
+_STACK_WEIGHTS: weakref.WeakKeyDictionary[Any, list[torch.Tensor | None]] = weakref.WeakKeyDictionary()
+
+
+def _stack_weights(lean: Any) -> list[torch.Tensor | None]:
+    """The lean decoder's layer weights as ``decode_layers_bf16`` takes them, 10 a layer (built once: they are
+    static)."""
+    got = _STACK_WEIGHTS.get(lean)
+    if got is None:
+        got = _STACK_WEIGHTS[lean] = [
+            t
+            for L in lean.layers
+            for t in (L.ln1, L.wqkv, L.bqkv, L.wo, L.bo, L.ln2, L.wgu, L.bgu, L.wd, L.bd)
+        ]
+    return got
+
+
+def decode_stack(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor | None,
+    pool: Any,
+    call: PoolCall,
+    lean: Any,
+    tiles: bool,
+) -> torch.Tensor:
+    """Every layer of a bf16 decode step in one C++ call (``citer::decode_layers_bf16``): :func:`decode_layer` with
+    the bf16 step ops and one kernel, layer after layer, the same ops in the same order (so the same bits) without a
+    Python call around each of a step's ~300 ops. x (B, 1, H); cos, sin (B, 1, 1, D); mask (B, 1, 1, K) bool or None;
+    ``tiles``: the products on the AMX tiles' op (2-16 rows), else the one-row blocks'."""
+    assert call.rows is not None and call.cols is not None
+    b = x.shape[0]
+    kv = [pool.buffers(i, x) for i in range(len(lean.layers))]
+    shape = lean.shape
+    return torch.ops.citer.decode_layers_bf16(
+        x,
+        cos.view(b, -1),
+        sin.view(b, -1),
+        None if mask is None else mask.reshape(b, call.kv_len),
+        _stack_weights(lean),
+        [k for k, _ in kv],
+        [v for _, v in kv],
+        call.rows.reshape(b),
+        call.cols.reshape(b),
+        call.kv_len,
+        shape.n_heads,
+        shape.n_kv,
+        shape.scale,
+        shape.eps,
+        tiles,
+    )
 
 
 def decode_layer(

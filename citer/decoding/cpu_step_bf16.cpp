@@ -262,7 +262,43 @@ torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch:
   return out;
 }
 
+// cpu_linear.cpp's kernels (one extension)
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+// Every layer of a decode step, one new token a row (citer.decoding.cpu_step.decode_layer's ops in its order, so the
+// same bits, without a Python call around each): x (b, 1, H); cos, sin (b, D); weights 10 a layer (ln1, wqkv, bqkv,
+// wo, bo, ln2, wgu, bgu, wd, bd; biases may be None); kbufs/vbufs a layer's KV buffers each; the products on the
+// AMX tiles' op where `tiles`, else the one-row blocks'. -> x after the last layer (b, 1, H).
+torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                 c10::optional<torch::Tensor> mask,
+                                 const c10::List<c10::optional<torch::Tensor>>& weights, at::TensorList kbufs,
+                                 at::TensorList vbufs, torch::Tensor rows, torch::Tensor cols, int64_t kv_len,
+                                 int64_t n_heads, int64_t n_kv, double scale, double eps, bool tiles) {
+  const int64_t n_layers = (int64_t)kbufs.size(), b = x.size(0);
+  TORCH_CHECK((int64_t)weights.size() == 10 * n_layers && (int64_t)vbufs.size() == n_layers,
+              "decode_layers_bf16: 10 weights and a K and a V buffer a layer");
+  auto linear = tiles ? &linear_bf16_amx : &linear_bf16;
+  auto w = [&](int64_t i) -> c10::optional<torch::Tensor> { return weights.get(i); };
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const int64_t o = 10 * l;
+    TORCH_CHECK(w(o) && w(o + 1) && w(o + 3) && w(o + 5) && w(o + 6) && w(o + 8), "decode_layers_bf16: layer ", l,
+                " lacks a norm or a matrix");
+    auto qkv = linear(rms_norm_bf16(x, *w(o), eps), *w(o + 1), w(o + 2));  // (b, 1, (nh + 2 kv) D)
+    auto att = decode_attention_bf16(qkv.view({b, -1}), cos, sin, kbufs[l], vbufs[l], rows, cols, mask, kv_len,
+                                     n_heads, n_kv, scale);  // (b, nh D)
+    x = x + linear(att.view({b, 1, -1}), *w(o + 3), w(o + 4));
+    auto gu = linear(rms_norm_bf16(x, *w(o + 5), eps), *w(o + 6), w(o + 7));  // (b, 1, 2 I)
+    x = x + linear(silu_mul_bf16(gu), *w(o + 8), w(o + 9));
+  }
+  return x;
+}
+
 TORCH_LIBRARY_FRAGMENT(citer, m) {
+  m.def(
+      "decode_layers_bf16(Tensor x, Tensor cos, Tensor sin, Tensor? mask, Tensor?[] weights, Tensor(a!)[] kbufs, "
+      "Tensor(b!)[] vbufs, Tensor rows, Tensor cols, int kv_len, int n_heads, int n_kv, float scale, float eps, "
+      "bool tiles) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
   m.def(
@@ -273,4 +309,5 @@ TORCH_LIBRARY_IMPL(citer, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
   m.impl("decode_attention_bf16", &decode_attention_bf16);
+  m.impl("decode_layers_bf16", &decode_layers_bf16);
 }

@@ -194,6 +194,7 @@ class LeanDecoder:
         n_pos: int,
         attention: str = "sdpa",
         layer: Callable[..., torch.Tensor] | None = None,
+        stack: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The model's one body: ids, pos (B, T), every position < ``n_pos``; mask (B, 1, T, K) bool (True = attend)
         or additive float, None = causal over T; ``pool.buffers(i, like)`` gives layer i's K/V buffers, which
@@ -201,9 +202,12 @@ class LeanDecoder:
         a full-sequence pass). Returns the last layer's output after the final norm, (B, T, H). The ragged calls
         (eager, or traced whole by :mod:`citer.decoding.compiled`) and the fixed-shape steps
         (:mod:`citer.decoding.static_step`, whose ``layer`` may be :func:`decoder_layer` compiled) run it alike;
-        ``attention``: :func:`decoder_layer`'s."""
+        ``attention``: :func:`decoder_layer`'s; ``stack(x, cos, sin, mask, pool, call)``, where given, runs every layer
+        in one call (:func:`citer.decoding.cpu_step.decode_stack`)."""
         x = F.embedding(ids, self.embed)  # (B, T, H)
         cos, sin = self.rope(pos, n_pos, x.dtype)
+        if stack is not None:
+            return rms_norm(stack(x, cos, sin, mask, pool, call), self.norm, self.eps)
         run_layer = decoder_layer if layer is None else layer
         for i, L in enumerate(self.layers):
             kb, vb = pool.buffers(i, x) if pool is not None else (None, None)

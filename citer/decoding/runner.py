@@ -128,8 +128,11 @@ class ModelRunner:
         compiled = self.compiled
         if compiled is not None and not torch.compiler.is_compiling():
             return compiled(ids, pos, mask, pool, call, n_pos)
-        layer = None if torch.compiler.is_compiling() else cpu_step.layer_for(lean, ids, mask, pool, call)
-        return lean.hidden(ids, pos, mask, pool, call, n_pos, layer=layer)
+        if torch.compiler.is_compiling():
+            return lean.hidden(ids, pos, mask, pool, call, n_pos)
+        stack = cpu_step.stack_for(lean, ids, mask, pool, call)
+        layer = None if stack is not None else cpu_step.layer_for(lean, ids, mask, pool, call)
+        return lean.hidden(ids, pos, mask, pool, call, n_pos, layer=layer, stack=stack)
 
     def forward(
         self,

@@ -255,18 +255,27 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
 @pytest.mark.parametrize("n_rows", [3, 6])
 def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family, monkeypatch):
     """Rows in named slots, one held every other step, in bf16: every step runs the step ops, and the logits stay
-    within bf16's rounding of the same steps through torch's ops; the products' kernel is bound directly where it
-    takes every one (one row: the vdpbf16ps blocks; 2 to 16 on an AMX CPU: the tiles; without AMX, 3 rows the blocks
-    and 6 beyond them)."""
+    within bf16's rounding of the same steps through torch's ops; where one kernel takes every product (one row: the
+    vdpbf16ps blocks; 2 to 16 on an AMX CPU: the tiles; without AMX, 3 rows the blocks and 6 beyond them) the step's
+    layers run in one C++ call, bit for bit the layers called one at a time."""
     model = build(family).bfloat16()
     calls = []
-    layer = cpu_step.decode_layer
-    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append(k) or layer(*a, **k))
+    layer, stack = cpu_step.decode_layer, cpu_step.decode_stack
+    monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append("layer") or layer(*a, **k))
+    monkeypatch.setattr(cpu_step, "decode_stack", lambda *a, **k: calls.append("stack") or stack(*a, **k))
+    stack_for = cpu_step.stack_for
     prompts = [[5 + r, 6, 7 + r, 8][: 2 + r % 3] for r in range(n_rows)]
     slots = list(reversed(range(n_rows)))  # out of slot order: attended in place, a run at a time
+    one_kernel = cpu_linear.amx() or n_rows <= cpu_linear.MAX_ROWS
 
-    def decode(step_ops: bool) -> list[torch.Tensor]:
-        cpu_linear.use_step_ops(step_ops)
+    def decode(mode: str) -> list[torch.Tensor]:
+        cpu_linear.use_step_ops(mode != "torch ops")
+        monkeypatch.setattr(cpu_step, "stack_for", stack_for if mode == "stack" else lambda *a: None)
+        want = {
+            "stack": ["stack"] if one_kernel else ["layer"] * model.config.num_hidden_layers,
+            "layers": ["layer"] * model.config.num_hidden_layers,
+            "torch ops": [],
+        }[mode]
         try:
             pool, runner = KVPool(model, n_rows, 32), ModelRunner(model)
             out = []
@@ -278,15 +287,17 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
                         chunks[1] = []
                     calls.clear()
                     logits, _ = runner.feed(pool, chunks, slots=slots)
-                    assert len(calls) == (model.config.num_hidden_layers if step_ops else 0)
+                    assert calls == want
                     out.append(logits.float())
             return out
         finally:
             cpu_linear.use_step_ops(True)
+            monkeypatch.setattr(cpu_step, "stack_for", stack_for)
 
-    got, ref = decode(True), decode(False)
+    got, layers, ref = decode("stack"), decode("layers"), decode("torch ops")
     # logits up to ~1, bf16's step there 2^-7; a RoPE sign flipped put them 0.067 off
-    for a, b in zip(got, ref, strict=True):
+    for a, one_by_one, b in zip(got, layers, ref, strict=True):
+        assert torch.equal(a, one_by_one)
         torch.testing.assert_close(a, b, atol=0.025, rtol=0.01)
 
     def chosen(rows: int):
