@@ -13,7 +13,7 @@ In bf16, where one kernel takes every product of the step, the whole stack of la
 (:func:`decode_stack`, ``citer::decode_layers_bf16``: the same ops in the same order, so the same bits), saving the
 Python and dispatch around a step's ~300 op calls.
 
-:func:`layer_for` and :func:`stack_for` say which calls take them: decode steps (one new token a row, over a pool,
+:func:`step_for` says which calls take them: decode steps (one new token a row, over a pool,
 not packed) of a model whose fused q/k/v weight has at least :data:`MIN_WEIGHT` elements (the pipeline's tiny models
 keep torch's ops bit for bit), whose heads have no per-head norms (Qwen3 keeps torch's), in float32 where its one-row
 linears take the AVX2 kernel (an AMD CPU; heads a multiple of 8 wide) and in bf16 where the AVX512-BF16 kernel serves.
@@ -95,29 +95,29 @@ def _plan(
     return step_ops(L.wqkv.dtype), (kernels.pop() if len(kernels) == 1 else None)
 
 
-def layer_for(
-    lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
-) -> Callable[..., torch.Tensor] | None:
-    """:func:`decode_layer` where this call may take it (module docstring), else None (the lean forward's own)."""
+def step_for(
+    lean: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    pool: Any,
+    call: PoolCall | None,
+    stack: bool = True,
+) -> tuple[Callable[..., torch.Tensor] | None, Callable[..., torch.Tensor] | None]:
+    """(layer, stack) for this call, at most one of them set: :func:`decode_stack` where the call may take the step
+    ops in bf16 with every product on one kernel (and ``stack``), else :func:`decode_layer` where it may take the step
+    ops (module docstring), else neither (the lean forward's own layers)."""
     plan = _plan(lean, ids, mask, pool, call)
     if plan is None:
-        return None
+        return None, None
     ops, kernel = plan
-    if kernel is not None:
-        # every linear on one kernel: called directly, without cpu_linear's checks at each of a step's calls
-        return functools.partial(decode_layer, ops=ops, linear=kernel)
-    return functools.partial(decode_layer, ops=ops)
-
-
-def stack_for(
-    lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
-) -> Callable[..., torch.Tensor] | None:
-    """:func:`decode_stack` where this call may take the step ops in bf16 with every product on one kernel, else
-    None (:func:`layer_for`'s layers, or the lean forward's own)."""
-    plan = _plan(lean, ids, mask, pool, call)
-    if plan is None or plan[1] is None or lean.layers[0].wqkv.dtype is not torch.bfloat16:
-        return None
-    return functools.partial(decode_stack, lean=lean, tiles=plan[1] is torch.ops.citer.linear_bf16_amx)
+    if kernel is None:
+        return functools.partial(decode_layer, ops=ops), None
+    if stack and lean.layers[0].wqkv.dtype is torch.bfloat16:
+        return None, functools.partial(
+            decode_stack, lean=lean, tiles=kernel is torch.ops.citer.linear_bf16_amx
+        )
+    # every linear on one kernel: called directly, without cpu_linear's checks at each of a step's calls
+    return functools.partial(decode_layer, ops=ops, linear=kernel), None
 
 
 _STACK_WEIGHTS: weakref.WeakKeyDictionary[Any, list[torch.Tensor | None]] = weakref.WeakKeyDictionary()
@@ -190,7 +190,7 @@ def decode_layer(
     """:func:`~citer.decoding.lean.decoder_layer` for one new token a row: x (B, 1, H) -> (B, 1, H); cos, sin (B, 1,
     1, D); mask (B, 1, 1, K) bool or None (every column); the new K/V go to kb, vb (R, kv, C, D) at the call's
     (rows, cols). ``ops``: the step ops of x's dtype; ``linear`` runs the layer's products (``cpu_linear.linear``, or
-    the kernel where :func:`layer_for` found it takes every one)."""
+    the kernel where :func:`step_for` found it takes every one)."""
     assert kb is not None and vb is not None and call is not None and call.rows is not None
     assert call.cols is not None
     b = x.shape[0]

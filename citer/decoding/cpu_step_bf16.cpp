@@ -7,6 +7,7 @@
 // cpu_linear.cpp into one extension by citer/decoding/cpu_linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_step_args.h"
 #include <immintrin.h>
 
 #include <cmath>
@@ -178,43 +179,19 @@ torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch:
                                     torch::Tensor vbuf, torch::Tensor rows, torch::Tensor cols,
                                     c10::optional<torch::Tensor> mask, int64_t kv_len, int64_t n_heads, int64_t n_kv,
                                     double scale) {
-  for (auto* t : {&qkv, &cos, &sin, &kbuf, &vbuf}) check_bf16(*t, "qkv, cos, sin and the KV buffers");
-  TORCH_CHECK(kbuf.is_contiguous() && vbuf.is_contiguous() && kbuf.sizes() == vbuf.sizes() && kbuf.dim() == 4,
-              "decode_attention_bf16: the KV buffers must be contiguous (R, kv, C, D)");
-  const int64_t b = qkv.size(0), D = kbuf.size(3), C = kbuf.size(2), R = kbuf.size(0);
-  TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0 && kbuf.size(1) == n_kv && D % 2 == 0 && D > 0 && D <= 512,
-              "decode_attention_bf16: heads or head_dim");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (n_heads + 2 * n_kv) * D,
-              "decode_attention_bf16: qkv must be (b, (nh + 2 kv) D)");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == b && cos.size(1) == D,
-              "decode_attention_bf16: cos/sin must be (b, D)");
-  TORCH_CHECK(rows.numel() == b && cols.numel() == b && rows.scalar_type() == at::kLong && cols.scalar_type() == at::kLong,
-              "decode_attention_bf16: rows and cols must be b int64 indices");
-  TORCH_CHECK(kv_len > 0 && kv_len <= C, "decode_attention_bf16: kv_len");
-  torch::Tensor m;
-  const bool* mp = nullptr;
-  if (mask.has_value()) {
-    m = mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.numel() == b * kv_len, "decode_attention_bf16: mask must be (b, kv_len) bool");
-    mp = m.data_ptr<bool>();
-  }
-  qkv = qkv.contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  rows = rows.contiguous();
-  cols = cols.contiguous();
-  const uint16_t* in = (const uint16_t*)qkv.data_ptr();
-  const uint16_t* cp = (const uint16_t*)cos.data_ptr();
-  const uint16_t* sp = (const uint16_t*)sin.data_ptr();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* colp = cols.data_ptr<int64_t>();
+  const citer_step::AttentionCall a = citer_step::attention_call("decode_attention_bf16", at::kBFloat16, qkv, cos, sin,
+                                                                  kbuf, vbuf, rows, cols, mask, kv_len, n_heads, n_kv,
+                                                                  2, 512);
+  const int64_t b = a.b, D = a.D, C = a.C;
+  const int64_t* rp = a.rp;
+  const int64_t* colp = a.colp;
+  const bool* mp = a.mp;
+  const uint16_t* in = (const uint16_t*)a.qkv.data_ptr();
+  const uint16_t* cp = (const uint16_t*)a.cos.data_ptr();
+  const uint16_t* sp = (const uint16_t*)a.sin.data_ptr();
   uint16_t* kp = (uint16_t*)kbuf.data_ptr();
   uint16_t* vp = (uint16_t*)vbuf.data_ptr();
   const int64_t width = (n_heads + 2 * n_kv) * D, half = D / 2, group = n_heads / n_kv;
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < R && colp[i] >= 0 && colp[i] < C, "decode_attention_bf16: row ", i,
-                "'s slot or column");
-  }
   // x * cos + roll(x, D/2) * signed sin, each of the three ops rounded to bf16 as torch's are
   auto rotate = [&](const uint16_t* x, int64_t i, uint16_t* out) {
     const uint16_t* c = cp + i * D;
@@ -239,7 +216,7 @@ torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch:
       std::copy(x + (n_heads + n_kv + g) * D, x + (n_heads + n_kv + g + 1) * D, vp + at);
     }
   }
-  auto out = torch::empty({b, n_heads * D}, qkv.options());
+  auto out = torch::empty({b, n_heads * D}, a.qkv.options());
   uint16_t* op = (uint16_t*)out.data_ptr();
   const int64_t DV = (D + 15) / 16;
   // a task: one row's key-value head with its `group` query heads, so each key and value is read and widened once

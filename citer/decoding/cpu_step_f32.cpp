@@ -5,6 +5,7 @@
 // whatever the call holds. Built with cpu_linear_f32.cpp into one extension by citer/decoding/cpu_linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_step_args.h"
 #include <immintrin.h>
 
 #include <cmath>
@@ -121,40 +122,19 @@ torch::Tensor decode_attention_f32(torch::Tensor qkv, torch::Tensor cos, torch::
                                    torch::Tensor vbuf, torch::Tensor rows, torch::Tensor cols,
                                    c10::optional<torch::Tensor> mask, int64_t kv_len, int64_t n_heads, int64_t n_kv,
                                    double scale) {
-  for (auto* t : {&qkv, &cos, &sin, &kbuf, &vbuf}) check_f32(*t, "qkv, cos, sin and the KV buffers");
-  TORCH_CHECK(kbuf.is_contiguous() && vbuf.is_contiguous() && kbuf.sizes() == vbuf.sizes() && kbuf.dim() == 4,
-              "decode_attention_f32: the KV buffers must be contiguous (R, kv, C, D)");
-  const int64_t b = qkv.size(0), D = kbuf.size(3), C = kbuf.size(2), R = kbuf.size(0);
-  TORCH_CHECK(n_kv > 0 && n_heads % n_kv == 0 && kbuf.size(1) == n_kv && D % 8 == 0 && D > 0,
-              "decode_attention_f32: heads or head_dim");
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (n_heads + 2 * n_kv) * D, "decode_attention_f32: qkv must be (b, (nh + 2 kv) D)");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == b && cos.size(1) == D, "decode_attention_f32: cos/sin must be (b, D)");
-  TORCH_CHECK(rows.numel() == b && cols.numel() == b && rows.scalar_type() == at::kLong && cols.scalar_type() == at::kLong,
-              "decode_attention_f32: rows and cols must be b int64 indices");
-  TORCH_CHECK(kv_len > 0 && kv_len <= C, "decode_attention_f32: kv_len");
-  torch::Tensor m;
-  const bool* mp = nullptr;
-  if (mask.has_value()) {
-    m = mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.numel() == b * kv_len, "decode_attention_f32: mask must be (b, kv_len) bool");
-    mp = m.data_ptr<bool>();
-  }
-  qkv = qkv.contiguous();
-  cos = cos.contiguous();
-  sin = sin.contiguous();
-  rows = rows.contiguous();
-  cols = cols.contiguous();
-  const float* in = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* colp = cols.data_ptr<int64_t>();
+  const citer_step::AttentionCall a = citer_step::attention_call("decode_attention_f32", at::kFloat, qkv, cos, sin,
+                                                                  kbuf, vbuf, rows, cols, mask, kv_len, n_heads, n_kv,
+                                                                  8, std::numeric_limits<int64_t>::max());
+  const int64_t b = a.b, D = a.D, C = a.C;
+  const int64_t* rp = a.rp;
+  const int64_t* colp = a.colp;
+  const bool* mp = a.mp;
+  const float* in = a.qkv.data_ptr<float>();
+  const float* cp = a.cos.data_ptr<float>();
+  const float* sp = a.sin.data_ptr<float>();
   float* kp = kbuf.data_ptr<float>();
   float* vp = vbuf.data_ptr<float>();
   const int64_t width = (n_heads + 2 * n_kv) * D, half = D / 2, group = n_heads / n_kv;
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < R && colp[i] >= 0 && colp[i] < C, "decode_attention_f32: row ", i, "'s slot or column");
-  }
   auto rotate = [&](const float* x, int64_t i, float* out) {  // x * cos + roll(x, D/2) * signed sin
     const float* c = cp + i * D;
     const float* s = sp + i * D;
@@ -170,7 +150,7 @@ torch::Tensor decode_attention_f32(torch::Tensor qkv, torch::Tensor cos, torch::
       std::copy(x + (n_heads + n_kv + g) * D, x + (n_heads + n_kv + g + 1) * D, vp + at);
     }
   }
-  auto out = torch::empty({b, n_heads * D}, qkv.options());
+  auto out = torch::empty({b, n_heads * D}, a.qkv.options());
   float* op = out.data_ptr<float>();
   const int64_t K8 = (kv_len + 7) & ~int64_t(7);
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kv_len * D));

@@ -36,31 +36,39 @@ def available() -> bool:
         return False
 
 
-def wanted(tensors: Iterable[torch.Tensor]) -> bool:
-    """True where an :class:`Arena` should take these weights: on the CPU, at least :data:`MIN_BYTES` of storage, and
-    huge pages :func:`available`."""
-    storages = {t.untyped_storage().data_ptr(): t for t in tensors}
-    if not storages or any(t.device.type != "cpu" for t in storages.values()):
-        return False
-    total = sum(t.untyped_storage().nbytes() for t in storages.values())
-    return total >= MIN_BYTES and available()
+def cpu_storages(tensors: Iterable[torch.Tensor]) -> dict[int, int] | None:
+    """Each distinct storage under ``tensors`` (however many views share it), address -> bytes, in the order first
+    seen; None where one is off the CPU. Sizes only: holding the storages would keep each old one alive while an
+    :class:`Arena` copies the next."""
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "cpu":
+            return None
+        s = t.untyped_storage()
+        sizes.setdefault(s.data_ptr(), s.nbytes())
+    return sizes
+
+
+def wanted(sizes: dict[int, int] | None) -> bool:
+    """True where an :class:`Arena` should take the storages :func:`cpu_storages` found: all on the CPU, at least
+    :data:`MIN_BYTES` of them, and huge pages :func:`available`."""
+    return bool(sizes) and sum(sizes.values()) >= MIN_BYTES and available()
 
 
 class Arena:
-    """One anonymous mapping advised for huge pages, 2 MiB aligned, with room for the CPU storages under the tensors
-    it is sized for (each once, however many views share it; each 64-byte aligned). Calling it moves a tensor: its
+    """One anonymous mapping advised for huge pages, 2 MiB aligned, with room for the CPU storages it is sized for
+    (each 64-byte aligned). Calling it moves a tensor: its
     storage is copied in on first use, and the same view (shape, strides, offset) over the copy is returned; a tensor
     already in the arena is returned as it is. Copying storage by storage lets the caller drop each old storage as it
     goes, so moving a model needs little more memory than the model. The mapping lives as long as any view of it."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, sizes: dict[int, int]) -> None:
+        """``sizes``: :func:`cpu_storages` of the tensors it will move."""
         self._offsets: dict[int, int] = {}  # an old storage's address -> its copy's byte offset
         total = 0
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.data_ptr() not in self._offsets:
-                self._offsets[s.data_ptr()] = total
-                total += -(-s.nbytes() // ALIGN) * ALIGN
+        for address, nbytes in sizes.items():
+            self._offsets[address] = total
+            total += -(-nbytes // ALIGN) * ALIGN
         size = max(-(-total // PAGE) * PAGE, PAGE)
         mapping = mmap.mmap(-1, size + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         # advised before the first write, so the pages are huge when first touched

@@ -117,14 +117,17 @@ class LeanDecoder:
                     bd=m.down_proj.bias,
                 )
             )
-        if rehome and huge_pages.wanted(p.data for p in model.parameters()):
-            self._rehome(model)
+        if rehome:
+            sizes = huge_pages.cpu_storages(p.data for p in model.parameters())
+            if huge_pages.wanted(sizes):
+                assert sizes is not None
+                self._rehome(model, sizes)
 
-    def _rehome(self, model: nn.Module) -> None:
+    def _rehome(self, model: nn.Module, sizes: dict[int, int]) -> None:
         """Moves the model's weights into a huge-page :class:`~citer.decoding.huge_pages.Arena`, a layer at a time:
         this view's tensors and the HF parameters over the same storages are pointed at the copies together, so each
         old storage is freed before the next is copied."""
-        moved = huge_pages.Arena(p.data for p in model.parameters())
+        moved = huge_pages.Arena(sizes)
         dec = model.get_decoder()
         for i, layer in enumerate(dec.layers):
             L = self.layers[i]

@@ -130,8 +130,7 @@ class ModelRunner:
             return compiled(ids, pos, mask, pool, call, n_pos)
         if torch.compiler.is_compiling():
             return lean.hidden(ids, pos, mask, pool, call, n_pos)
-        stack = cpu_step.stack_for(lean, ids, mask, pool, call)
-        layer = None if stack is not None else cpu_step.layer_for(lean, ids, mask, pool, call)
+        layer, stack = cpu_step.step_for(lean, ids, mask, pool, call)
         return lean.hidden(ids, pos, mask, pool, call, n_pos, layer=layer, stack=stack)
 
     def forward(

@@ -5,6 +5,7 @@ decode steps of a model whose linears take the AVX2 kernel take them."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -189,7 +190,7 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
         with torch.inference_mode():
             runner.feed(pool, [[3, 4, 5]] * len(chunks))
             inp = prepare(pool, chunks, list(range(len(chunks))), packed, lean=True, in_place=True)
-            return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call)
+            return cpu_step.step_for(runner.lean, inp.ids, inp.mask, pool, inp.call)[0]
 
     big = build("llama", layers=1)  # its output projection is below the kernel's weights: cpu_linear chooses
     chosen = layer(big, [[7], [8]])
@@ -222,7 +223,7 @@ def test_only_float32_decode_steps_of_kernel_sized_models_take_the_step_ops(monk
         runner.feed(pool, [[3, 4, 5]])
         inp = prepare(pool, [[7]], [0], False, lean=True, in_place=True)
     with torch.enable_grad():  # no backward through the ops
-        assert cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call) is None
+        assert cpu_step.step_for(runner.lean, inp.ids, inp.mask, pool, inp.call) == (None, None)
 
 
 # -- bf16 (cpu_step_bf16.cpp, built into the AVX512-BF16 kernel's extension) -----------------------------------------
@@ -263,14 +264,14 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
     layer, stack = cpu_step.decode_layer, cpu_step.decode_stack
     monkeypatch.setattr(cpu_step, "decode_layer", lambda *a, **k: calls.append("layer") or layer(*a, **k))
     monkeypatch.setattr(cpu_step, "decode_stack", lambda *a, **k: calls.append("stack") or stack(*a, **k))
-    stack_for = cpu_step.stack_for
+    step_for = cpu_step.step_for
     prompts = [[5 + r, 6, 7 + r, 8][: 2 + r % 3] for r in range(n_rows)]
     slots = list(reversed(range(n_rows)))  # out of slot order: attended in place, a run at a time
     one_kernel = cpu_linear.amx() or n_rows <= cpu_linear.MAX_ROWS
 
     def decode(mode: str) -> list[torch.Tensor]:
         cpu_linear.use_step_ops(mode != "torch ops")
-        monkeypatch.setattr(cpu_step, "stack_for", stack_for if mode == "stack" else lambda *a: None)
+        monkeypatch.setattr(cpu_step, "step_for", functools.partial(step_for, stack=mode == "stack"))
         want = {
             "stack": ["stack"] if one_kernel else ["layer"] * model.config.num_hidden_layers,
             "layers": ["layer"] * model.config.num_hidden_layers,
@@ -292,7 +293,7 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
             return out
         finally:
             cpu_linear.use_step_ops(True)
-            monkeypatch.setattr(cpu_step, "stack_for", stack_for)
+            monkeypatch.setattr(cpu_step, "step_for", step_for)
 
     got, layers, ref = decode("stack"), decode("layers"), decode("torch ops")
     # logits up to ~1, bf16's step there 2^-7; a RoPE sign flipped put them 0.067 off
@@ -305,7 +306,9 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
             pool, runner = KVPool(model, rows, 32), ModelRunner(model)
             runner.feed(pool, [[5, 6]] * rows)
             inp = prepare(pool, [[7]] * rows, list(range(rows)), False, lean=True, in_place=True)
-            return cpu_step.layer_for(runner.lean, inp.ids, inp.mask, pool, inp.call).keywords
+            layer, stack = step_for(runner.lean, inp.ids, inp.mask, pool, inp.call, stack=False)
+            assert stack is None
+            return layer.keywords
 
     bf16, ops = cpu_step.step_ops(torch.bfloat16), torch.ops.citer
     assert chosen(1) == {"ops": bf16, "linear": ops.linear_bf16}
@@ -317,3 +320,48 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
         assert chosen(n_rows) == want
     finally:
         cpu_linear.use_amx(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_names_the_operand_at_fault(dtype, request):
+    """Both dtypes' attention ops check their operands alike (cpu_step_args.h): a bad call fails naming the op and
+    the operand, before reading anything out of bounds."""
+    if dtype is torch.float32:
+        request.getfixturevalue("fp32_kernels")
+        op, name = torch.ops.citer.decode_attention_f32, "decode_attention_f32"
+    else:
+        if not cpu_linear.available():
+            pytest.skip("no AVX512-BF16 or no compiler here")
+        op, name = torch.ops.citer.decode_attention_bf16, "decode_attention_bf16"
+    b, nh, kv, D, R, C = 2, 4, 2, 64, 3, 8
+    good = dict(
+        qkv=torch.randn(b, (nh + 2 * kv) * D).to(dtype),
+        cos=torch.ones(b, D, dtype=dtype),
+        sin=torch.zeros(b, D, dtype=dtype),
+        kbuf=torch.zeros(R, kv, C, D, dtype=dtype),
+        vbuf=torch.zeros(R, kv, C, D, dtype=dtype),
+        rows=torch.tensor([0, 2]),
+        cols=torch.tensor([1, 3]),
+        mask=torch.ones(b, 4, dtype=torch.bool),
+        kv_len=4,
+    )
+
+    def call(**bad):
+        a = good | bad
+        return op(a["qkv"], a["cos"], a["sin"], a["kbuf"], a["vbuf"], a["rows"], a["cols"], a["mask"], a["kv_len"],
+                  nh, kv, 0.125)  # fmt: skip
+
+    assert call().shape == (b, nh * D)
+    for bad, says in [
+        (dict(rows=torch.tensor([0, R])), "row 1's slot or column"),
+        (dict(cols=torch.tensor([C, 0])), "row 0's slot or column"),
+        (dict(kv_len=C + 1), "kv_len"),
+        (dict(qkv=good["qkv"][:, 1:]), "qkv must be"),
+        (dict(mask=torch.ones(b, 5, dtype=torch.bool)), "mask must be"),
+        (dict(cos=good["cos"][:1]), "cos/sin must be"),
+        (dict(rows=torch.tensor([0, 1], dtype=torch.int32)), "rows and cols must be"),
+        (dict(kbuf=torch.zeros(R, kv, D, C, dtype=dtype).transpose(2, 3)), "contiguous"),
+        (dict(qkv=good["qkv"].double()), "must be"),
+    ]:
+        with pytest.raises(RuntimeError, match=f"{name}: .*{says}"):
+            call(**bad)

@@ -18,7 +18,9 @@ def test_arena_moves_each_storage_once_keeping_views_and_values():
     base = torch.randn(6, 40)
     rows, cols = base[2:5], base.t()[3]  # two views of one storage
     other = torch.randn(7, dtype=torch.bfloat16)
-    arena = huge_pages.Arena([rows, cols, other])
+    sizes = huge_pages.cpu_storages([rows, cols, other])
+    assert sizes is not None and list(sizes.values()) == [6 * 40 * 4, 7 * 2]  # base once, then other
+    arena = huge_pages.Arena(sizes)
     new_rows, new_cols, new_other = arena(rows), arena(cols), arena(other)
     for old, new in ((rows, new_rows), (cols, new_cols), (other, new_other)):
         assert torch.equal(old, new) and new.stride() == old.stride() and new.dtype == old.dtype
@@ -42,8 +44,11 @@ def test_huge_pages_need_a_kernel_that_gives_them(tmp_path, monkeypatch):
     mode.write_text("always [madvise] never\n")
     assert huge_pages.available()
     half = torch.empty(huge_pages.MIN_BYTES // 8)  # float32: half of MIN_BYTES
-    assert not huge_pages.wanted([half, half[:10]])  # a storage counted once
-    assert huge_pages.wanted([half, torch.empty(huge_pages.MIN_BYTES // 8)])
+    assert not huge_pages.wanted(huge_pages.cpu_storages([half, half[:10]]))  # a storage counted once
+    assert huge_pages.wanted(huge_pages.cpu_storages([half, torch.empty(huge_pages.MIN_BYTES // 8)]))
+    assert not huge_pages.wanted(huge_pages.cpu_storages([]))
+    assert huge_pages.cpu_storages([half, torch.empty(3, device="meta")]) is None  # one off the CPU
+    assert not huge_pages.wanted(None)
 
 
 def _storages(model) -> set[int]:
