@@ -126,10 +126,42 @@ bool amx_usable() {
 
 constexpr int64_t AMX_MAX_ROWS = 16;  // input rows: the right tile's 16 columns of float32 pairs
 
+// Steps ahead (a step: 32 columns of a group's 32 weight rows, 2 KiB) whose weight lines the tiles prefetch: into L1
+// near, so a tile load finds its lines there (a tile register is not renamed, so the next step's loads wait for this
+// step's products and cannot run ahead to memory as vector loads do), and into L2 far, so more of the stream is in
+// flight than L1's fill buffers hold; a group's last steps reach into the next group's first (docs/results.md).
+constexpr int64_t TILE_PREFETCH_NEAR = 4, TILE_PREFETCH_FAR = 16;
+
+// Prefetches the lines of step `t` (counted from group 0, K / 32 steps a group) where its group is below g1.
+template <_mm_hint HINT>
+inline void prefetch_step(const uint16_t* wp, int64_t ldw, int64_t steps, int64_t t, int64_t g1) {
+  const int64_t g = t / steps;
+  if (g >= g1) return;
+  const uint16_t* w = wp + g * 32 * ldw + (t % steps) * 32;
+  for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(w + r * ldw), HINT);
+}
+
+// 16 weight rows x M sums (c[r][m], a row 16 floats) -> y[m][n0 + r] (bf16, bias added), rounded as to_bf16: a
+// column of c a vector.
+inline void store_sums(const float (*c)[16], int64_t M, const uint16_t* bp, uint16_t* yp, int64_t N, int64_t n0) {
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+  __m512 b = _mm512_setzero_ps();
+  if (bp)
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bp + n0))), 16));
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 v = _mm512_i32gather_ps(column, &c[0][m], 4);
+    if (bp) v = _mm512_add_ps(v, b);
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    _mm256_storeu_si256((__m256i*)(yp + m * N + n0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  }
+}
+
 // Groups g0..g1-1 of 32 weight rows against M <= 16 input rows. The weight is the left operand, read in place (16
 // rows by 32 columns a tile, ldw apart); xv is x in the right operand's layout (pairs of columns: xv[k/2][m][2]). C
 // tiles 0/1 hold 16 weight rows x M sums each, in float32 in the same order for every M, so a row's outputs do not
-// depend on the rows beside it. Every step prefetches a line of each of the next group's 32 rows.
+// depend on the rows beside it.
 void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
                 uint16_t* yp, int64_t N, int64_t g0, int64_t g1) {
   TileConfig cfg{};
@@ -144,16 +176,16 @@ void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, in
   }
   _tile_loadconfig(&cfg);
   alignas(64) float c[2][16][16];
+  const int64_t steps = K / 32;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * 32;
     const uint16_t* w0 = wp + n0 * ldw;
     const uint16_t* w1 = w0 + 16 * ldw;
-    const uint16_t* next = g + 1 < g1 ? w0 + 32 * ldw : nullptr;
     _tile_zero(0);
     _tile_zero(1);
-    for (int64_t k = 0; k < K; k += 32) {
-      if (next)
-        for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(next + r * ldw + k), _MM_HINT_T0);
+    for (int64_t k = 0, t = g * steps; k < K; k += 32, ++t) {
+      prefetch_step<_MM_HINT_T0>(wp, ldw, steps, t + TILE_PREFETCH_NEAR, g1);
+      prefetch_step<_MM_HINT_T1>(wp, ldw, steps, t + TILE_PREFETCH_FAR, g1);
       _tile_loadd(4, xv + k * M, M * 4);
       _tile_loadd(2, w0 + k, ldw * 2);
       _tile_loadd(3, w1 + k, ldw * 2);
@@ -162,12 +194,8 @@ void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, in
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    for (int h = 0; h < 2; ++h)
-      for (int r = 0; r < 16; ++r) {
-        const int64_t n = n0 + h * 16 + r;
-        const float b = bp ? from_bf16(bp[n]) : 0.0f;
-        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = to_bf16(bp ? c[h][r][m] + b : c[h][r][m]);
-      }
+    store_sums(c[0], M, bp, yp, N, n0);
+    store_sums(c[1], M, bp, yp, N, n0 + 16);
   }
   _tile_release();
 }

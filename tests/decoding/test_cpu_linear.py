@@ -8,6 +8,10 @@ independent of the rows beside it); everything else is torch's linear, bit for b
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +26,24 @@ needs_mkldnn = pytest.mark.skipif(
 needs_bf16 = pytest.mark.skipif(
     not cpu_linear._enabled(), reason="no AVX512-BF16 here: bf16 takes torch's linear"
 )
+
+
+def test_the_kernel_builds_wherever_the_cpu_and_a_compiler_can_run_it():
+    """The kernel's tests skip where it is unavailable, so a kernel that stops compiling must fail here instead of
+    skipping them all on the CPUs it serves."""
+    cpu = cpu_linear.host_cpu()
+    if not cpu.has("avx512_bf16") or os.environ.get("CITER_CPU_LINEAR") == "0":
+        pytest.skip("no AVX512-BF16 here (or the kernels switched off)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    assert cpu_linear.available(), "the bf16 kernel did not build on a CPU it serves (see the warning above)"
+    if cpu.has("amx_tile") and cpu.has("amx_bf16"):
+        release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+        if release and tuple(map(int, release.groups())) >= (
+            5,
+            16,
+        ):  # Linux grants the tiles' state from 5.16
+            assert cpu_linear.amx(), "an AMX CPU whose kernel grants the tiles, but no tiles"
 
 
 def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
