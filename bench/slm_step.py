@@ -11,7 +11,7 @@ on an AVX2 EPYC; bf16 on an AVX512-BF16/AMX Xeon), timed in turn after a warm-up
   (``citer.decoding.cpu_step``; the default on an AMD CPU) or in torch's ops; the packed weight for every call; and
   torch's ``F.linear``;
 - ``torch kernel`` / ``torch kernel, torch ops`` / ``torch kernel, no AMX`` / ``torch F.linear`` (bf16): the same
-  engine with the bf16 kernel (its AMX tiles for 2-16 rows where the CPU has them) and the step's C++ ops (the
+  engine with the bf16 kernel (its AMX tiles for 2-32 rows where the CPU has them) and the step's C++ ops (the
   default), with torch's ops instead, without the AMX tiles (the vdpbf16ps blocks up to 4 rows, then oneDNN's packed
   weight), and torch's ``F.linear`` for every product;
 - ``torch kernel, 4 KiB pages`` (both dtypes): the default decoder over a second copy of the SLM whose weights keep

@@ -1,6 +1,6 @@
 // bf16 x bf16 -> bf16 linear for a few rows (decode steps) on x86-64 CPUs with AVX512-BF16: each row of the weight is
 // read once per call whatever the number of input rows, and the products are summed in fp32. One row (and, where the
-// CPU has no AMX, up to four) by vdpbf16ps; 2 to 16 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
+// CPU has no AMX, up to four) by vdpbf16ps; 2 to 32 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
 // which read the weight in place as the tiles' left operand, so no copy of it is made. Built at first use by
 // citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
 // instruction set is missing.
@@ -11,6 +11,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -124,7 +125,7 @@ bool amx_usable() {
   return ok;
 }
 
-constexpr int64_t AMX_MAX_ROWS = 16;  // input rows: the right tile's 16 columns of float32 pairs
+constexpr int64_t AMX_MAX_ROWS = 32;  // input rows: two right tiles of 16 columns of float32 pairs
 
 // Steps ahead (a step: 32 columns of a group's 32 weight rows, 2 KiB) whose weight lines the tiles prefetch: into L1
 // near, so a tile load finds its lines there (a tile register is not renamed, so the next step's loads wait for this
@@ -158,44 +159,66 @@ inline void store_sums(const float (*c)[16], int64_t M, const uint16_t* bp, uint
   }
 }
 
-// Groups g0..g1-1 of 32 weight rows against M <= 16 input rows. The weight is the left operand, read in place (16
-// rows by 32 columns a tile, ldw apart); xv is x in the right operand's layout (pairs of columns: xv[k/2][m][2]). C
-// tiles 0/1 hold 16 weight rows x M sums each, in float32 in the same order for every M, so a row's outputs do not
-// depend on the rows beside it.
+// Groups g0..g1-1 of 32 weight rows against M <= 32 input rows. The weight is the left operand, read in place (16
+// rows by 32 columns a tile, ldw apart); xv is x in the right operand's layout (pairs of columns: xv[k/2][m][2]),
+// its first 16 rows one right tile (4) and the rest a second (7). C tiles 0/1 hold 16 weight rows x the first 16
+// input rows' sums each, 5/6 the same for the rest; every sum in float32 in one order whatever the rows beside, so a
+// row's outputs do not depend on the rows beside it, nor on how many there are.
 void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
                 uint16_t* yp, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t M0 = std::min<int64_t>(M, 16), M1 = M - M0;
   TileConfig cfg{};
   cfg.palette_id = 1;
   for (int t : {0, 1, 4}) {
     cfg.rows[t] = 16;
-    cfg.colsb[t] = (uint16_t)(M * 4);  // C: 16 weight rows x M; B (4): 16 column pairs x M
+    cfg.colsb[t] = (uint16_t)(M0 * 4);  // C: 16 weight rows x M0; B (4): 16 column pairs x M0
   }
   for (int t : {2, 3}) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;  // A: 16 weight rows x 32 columns
   }
+  if (M1)
+    for (int t : {5, 6, 7}) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = (uint16_t)(M1 * 4);  // the rows past 16: C 5/6, B 7
+    }
   _tile_loadconfig(&cfg);
-  alignas(64) float c[2][16][16];
-  const int64_t steps = K / 32;
+  alignas(64) float c[4][16][16];
+  const int64_t steps = K / 32, ldx = M * 4;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * 32;
     const uint16_t* w0 = wp + n0 * ldw;
     const uint16_t* w1 = w0 + 16 * ldw;
     _tile_zero(0);
     _tile_zero(1);
+    if (M1) {
+      _tile_zero(5);
+      _tile_zero(6);
+    }
     for (int64_t k = 0, t = g * steps; k < K; k += 32, ++t) {
       prefetch_step<_MM_HINT_T0>(wp, ldw, steps, t + TILE_PREFETCH_NEAR, g1);
       prefetch_step<_MM_HINT_T1>(wp, ldw, steps, t + TILE_PREFETCH_FAR, g1);
-      _tile_loadd(4, xv + k * M, M * 4);
+      _tile_loadd(4, xv + k * M, ldx);
       _tile_loadd(2, w0 + k, ldw * 2);
       _tile_loadd(3, w1 + k, ldw * 2);
       _tile_dpbf16ps(0, 2, 4);
       _tile_dpbf16ps(1, 3, 4);
+      if (M1) {
+        _tile_loadd(7, xv + k * M + 32, ldx);
+        _tile_dpbf16ps(5, 2, 7);
+        _tile_dpbf16ps(6, 3, 7);
+      }
     }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    store_sums(c[0], M, bp, yp, N, n0);
-    store_sums(c[1], M, bp, yp, N, n0 + 16);
+    store_sums(c[0], M0, bp, yp, N, n0);
+    store_sums(c[1], M0, bp, yp, N, n0 + 16);
+    if (M1) {
+      _tile_stored(5, c[2], 64);
+      _tile_stored(6, c[3], 64);
+      store_sums(c[2], M1, bp, yp + 16 * N, N, n0);
+      store_sums(c[3], M1, bp, yp + 16 * N, N, n0 + 16);
+    }
   }
   _tile_release();
 }
@@ -252,7 +275,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 bool bf16_amx() { return amx_usable(); }
 
-// linear_bf16 for 2..16 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
+// linear_bf16 for 2..32 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
 // groups of 32 on the tiles, the last N % 32 rows (and every row where AMX cannot serve) as linear_bf16's blocks.
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);

@@ -149,7 +149,7 @@ def decode_stack(
     """Every layer of a bf16 decode step in one C++ call (``citer::decode_layers_bf16``): :func:`decode_layer` with
     the bf16 step ops and one kernel, layer after layer, the same ops in the same order (so the same bits) without a
     Python call around each of a step's ~300 ops. x (B, 1, H); cos, sin (B, 1, 1, D); mask (B, 1, 1, K) bool or None;
-    ``tiles``: the products on the AMX tiles' op (2-16 rows), else the one-row blocks'."""
+    ``tiles``: the products on the AMX tiles' op (2-32 rows), else the one-row blocks'."""
     assert call.rows is not None and call.cols is not None
     b = x.shape[0]
     kv = [pool.buffers(i, x) for i in range(len(lean.layers))]

@@ -1,6 +1,6 @@
 """The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
 one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; on an AMX CPU
-2 to 16 rows on its tiles (a row's outputs independent of the rows beside it); more rows
+2 to 32 rows on its tiles (a row's outputs independent of the rows beside it); more rows
 take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
 float32 on an AMD CPU (the gate, then the path switched on wherever the test runs), over a weight of at least
 FP32_PACKED_MIN elements, takes oneDNN's packed weight (torch's linear up to float32 rounding, a row's products
@@ -73,16 +73,25 @@ needs_amx = pytest.mark.skipif(not cpu_linear.amx(), reason="no AMX here (or Lin
 @needs_amx
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"),
-    [(2, 960, 576, False), (5, 1000, 576, True), (16, 77, 64, True), (8, 33, 2048, False), (3, 31, 32, True)],
+    [
+        (2, 960, 576, False),
+        (5, 1000, 576, True),
+        (16, 77, 64, True),
+        (8, 33, 2048, False),
+        (3, 31, 32, True),
+        (17, 96, 64, True),
+        (32, 1000, 576, False),
+    ],
 )
 def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_the_others(rows, n, k, bias):
-    """Weights of 32-row groups and a tail (n % 32 rows: the vdpbf16ps blocks), up to 16 rows."""
+    """Weights of 32-row groups and a tail (n % 32 rows: the vdpbf16ps blocks), up to 32 rows (past 16: a second
+    right tile)."""
     torch.manual_seed(6)
     x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
     got = torch.ops.citer.linear_bf16_amx(x, w, b)
     assert got.shape == (rows, n) and _close(got, x, w, b) < 1e-2
-    assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call for 2-16 rows
+    assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call for 2-32 rows
     for i in range(
         rows
     ):  # alone (beside a copy of itself: one row takes the other kernel) and beside the others
@@ -93,7 +102,11 @@ def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_th
 @needs_amx
 def test_calls_the_amx_tiles_cannot_take_are_the_blocks_exactly():
     torch.manual_seed(7)
-    for x in (torch.randn(4, 100).bfloat16(), torch.randn(17, 64).bfloat16()):  # K % 32, more than 16 rows
+    rows = cpu_linear.AMX_MAX_ROWS + 1
+    for x in (
+        torch.randn(4, 100).bfloat16(),
+        torch.randn(rows, 64).bfloat16(),
+    ):  # K % 32, more rows than the tiles
         w = torch.randn(64, x.shape[-1]).bfloat16()
         assert torch.equal(
             torch.ops.citer.linear_bf16_amx(x, w, None), torch.ops.citer.linear_bf16(x, w, None)
@@ -135,7 +148,12 @@ def test_other_calls_are_torchs_linear_exactly():
 
 @needs_bf16
 @pytest.mark.parametrize(
-    ("shape", "bias"), [((17, 576), False), ((3, 7, 96), True), ((cpu_linear.PACKED_MAX_ROWS, 64), True)]
+    ("shape", "bias"),
+    [
+        ((cpu_linear.AMX_MAX_ROWS + 1, 576), False),
+        ((3, 11, 96), True),
+        ((cpu_linear.PACKED_MAX_ROWS, 64), True),
+    ],
 )
 def test_more_rows_take_the_packed_weight_with_torchs_products(shape, bias):
     torch.manual_seed(3)
@@ -150,7 +168,7 @@ def test_more_rows_take_the_packed_weight_with_torchs_products(shape, bias):
 @needs_bf16
 def test_a_weight_changed_in_place_is_packed_again():
     torch.manual_seed(4)
-    x, w = torch.randn(20, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    x, w = torch.randn(cpu_linear.AMX_MAX_ROWS + 8, 64).bfloat16(), torch.randn(32, 64).bfloat16()
     first = cpu_linear.linear(x, w)
     w.mul_(2)
     assert torch.equal(cpu_linear.linear(x, w), F.linear(x, w))

@@ -257,7 +257,7 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
 def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family, monkeypatch):
     """Rows in named slots, one held every other step, in bf16: every step runs the step ops, and the logits stay
     within bf16's rounding of the same steps through torch's ops; where one kernel takes every product (one row: the
-    vdpbf16ps blocks; 2 to 16 on an AMX CPU: the tiles; without AMX, 3 rows the blocks and 6 beyond them) the step's
+    vdpbf16ps blocks; 2 to 32 on an AMX CPU: the tiles; without AMX, 3 rows the blocks and 6 beyond them) the step's
     layers run in one C++ call, bit for bit the layers called one at a time."""
     model = build(family).bfloat16()
     calls = []
@@ -312,7 +312,7 @@ def test_bf16_decode_steps_through_the_step_ops_follow_torchs_ops(n_rows, family
 
     bf16, ops = cpu_step.step_ops(torch.bfloat16), torch.ops.citer
     assert chosen(1) == {"ops": bf16, "linear": ops.linear_bf16}
-    if cpu_linear.amx():  # 2 to 16 rows on the AMX tiles
+    if cpu_linear.amx():  # 2 to 32 rows on the AMX tiles
         assert chosen(n_rows) == {"ops": bf16, "linear": ops.linear_bf16_amx}
     cpu_linear.use_amx(False)
     try:  # the vdpbf16ps blocks up to MAX_ROWS, then cpu_linear chooses (the packed weight)
