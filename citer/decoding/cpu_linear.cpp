@@ -6,6 +6,7 @@
 // instruction set is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_bf16.h"
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -17,19 +18,7 @@
 
 namespace {
 
-inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's float -> bfloat16
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return (uint16_t)(u >> 16);
-}
-
-inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using namespace citer_bf16;
 
 // MB input rows against 4 weight rows (nrows of them real); out[i][r] their dot products. Meanwhile the 4 rows from
 // `next` (the thread's next block, or nullptr) are prefetched into L1 and the 4 from `far` (its block PREFETCH_FAR
@@ -142,20 +131,13 @@ inline void prefetch_step(const uint16_t* wp, int64_t ldw, int64_t steps, int64_
   for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(w + r * ldw), HINT);
 }
 
-// 16 weight rows x M sums (c[r][m], a row 16 floats) -> y[m][n0 + r] (bf16, bias added), rounded as to_bf16: a
-// column of c a vector.
+// 16 weight rows x M sums (c[r][m], a row 16 floats) -> y[m][n0 + r] (bf16, bias added): a column of c a vector.
 inline void store_sums(const float (*c)[16], int64_t M, const uint16_t* bp, uint16_t* yp, int64_t N, int64_t n0) {
   const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
-  __m512 b = _mm512_setzero_ps();
-  if (bp)
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bp + n0))), 16));
+  const __m512 b = bp ? load16(bp + n0, 0xFFFF) : _mm512_setzero_ps();
   for (int64_t m = 0; m < M; ++m) {
-    __m512 v = _mm512_i32gather_ps(column, &c[0][m], 4);
-    if (bp) v = _mm512_add_ps(v, b);
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    _mm256_storeu_si256((__m256i*)(yp + m * N + n0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    const __m512 v = _mm512_i32gather_ps(column, &c[0][m], 4);
+    store16(yp + m * N + n0, bp ? _mm512_add_ps(v, b) : v, 0xFFFF);  // no bias: a -0.0 sum stays -0.0, as in blocks
   }
 }
 

@@ -7,6 +7,7 @@
 // cpu_linear.cpp into one extension by citer/decoding/cpu_linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_bf16.h"
 #include "cpu_step_args.h"
 #include <immintrin.h>
 
@@ -16,26 +17,7 @@
 
 namespace {
 
-inline __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-inline __m512 load16(const uint16_t* p, __mmask16 m) {  // bf16 -> float32, lanes outside m zero
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-// Each lane rounded to bf16 as torch rounds float32 (nearest even; NaN to 0x7FC0), left in its high 16 bits.
-inline __m512i rne(__m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                       _mm512_set1_epi32((int)0xFFFF0000u));
-  return _mm512_mask_mov_epi32(u, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-}
-
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {  // float32 -> bf16, lanes in m stored
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rne(v), 16)));
-}
-
-inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(rne(v)); }  // as a torch op's bf16 result read again
+using namespace citer_bf16;
 
 // e^x for x <= 88.38 (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp), 0 below -87.3.
 inline __m512 exp16(__m512 x) {

@@ -8,9 +8,12 @@ independent of the rows beside it); everything else is torch's linear, bit for b
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +74,22 @@ needs_amx = pytest.mark.skipif(not cpu_linear.amx(), reason="no AMX here (or Lin
 
 
 @needs_amx
+def test_an_installed_package_carries_every_file_the_kernels_build_reads():
+    """pyproject's package data holds each kernel's sources and the headers they include (a wheel without a header
+    builds no kernel: every bf16 call falls back to torch's linear with a warning)."""
+    root = Path(cpu_linear.__file__).parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "citer.decoding"
+    ]
+    needed = set()
+    for _, sources, _ in cpu_linear._KERNELS.values():
+        for src in sources:
+            needed.add(src.name)
+            needed |= set(re.findall(r'#include "([^"]+)"', src.read_text()))
+    assert needed and all((Path(cpu_linear.__file__).parent / name).is_file() for name in needed)
+    assert all(any(fnmatch.fnmatch(name, p) for p in patterns) for name in needed), (needed, patterns)
+
+
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"),
     [
@@ -97,6 +116,25 @@ def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_th
     ):  # alone (beside a copy of itself: one row takes the other kernel) and beside the others
         pair = torch.ops.citer.linear_bf16_amx(x[i : i + 1].expand(2, k).contiguous(), w, b)
         assert torch.equal(pair[0], got[i]) and torch.equal(pair[1], got[i])
+
+
+@needs_amx
+def test_non_finite_sums_come_out_alike_from_every_kernel_path():
+    """inf x 0 (NaN) and inf sums where torch's linear has them, and the same bits from the one-row blocks, the tiles
+    and the tiles' second right tile (cpu_bf16.h's one rounding)."""
+    torch.manual_seed(8)
+    x, w = torch.randn(20, 64).bfloat16(), torch.randn(96, 64).bfloat16()
+    x[::2, 0], x[1, 3], w[::3, 0] = float("inf"), float("-inf"), 0.0
+    ref = F.linear(x.float(), w.float())
+    blocks = torch.cat([torch.ops.citer.linear_bf16(x[i : i + 1], w, None) for i in range(20)])
+    pairs = torch.cat([torch.ops.citer.linear_bf16_amx(x[i : i + 2], w, None) for i in range(0, 20, 2)])
+    tiles = torch.ops.citer.linear_bf16_amx(x, w, None)
+    assert torch.isnan(ref).any() and torch.isinf(ref).any()
+    for got in (blocks, pairs, tiles):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.equal(
+            got[torch.isinf(ref)], ref[torch.isinf(ref)].bfloat16()
+        )
+        assert torch.equal(got.view(torch.int16), blocks.view(torch.int16))
 
 
 @needs_amx
