@@ -1,0 +1,257 @@
+"""How fast this CPU's matrix unit can run the LLM's prompt products, and how near oneDNN comes:
+``python bench/amx_peak.py``.
+
+Why: at batch 8 and 32 routing's ceiling (``bench/roofline.py``) is set by the LLM's compute over the prompts and
+catch-ups it reads, which runs on oneDNN's packed weight (``citer.decoding.cpu_linear``, more than ``AMX_MAX_ROWS``
+rows) and is compute-bound there. Whether a faster product could lift that ceiling is a question about the unit, so
+this bench measures, in one process, on a CPU with AMX-BF16:
+
+- ``tiles``: TDPBF16PS on tiles already loaded, four products a step into four 16 x 16 float32 sums (a 2 x 2 block:
+  two 16 x 32 left tiles against two right ones): the unit alone, no operand moved;
+- ``tiles_l1``: the same steps, each first loading its four operand tiles from L1 (1 KiB each): the most a product
+  streaming its operands can reach, since AMX's eight tiles allow no block that loads fewer tiles a product
+  (four sums and four operands fill them);
+
+  each on one thread and on every thread of torch's pool at once (``tflops`` a thread, then all);
+- ``onednn``: oneDNN's linear on the packed weight over one layer of the pair's LLM (its four products, random bf16
+  weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
+  ``of_tiles_l1``: that rate over ``tiles_l1`` on every thread.
+
+With ``--roofline`` (a ``bench/roofline.py`` report of the same CPU kind): per batch, the ceiling the routed pair
+would have were the LLM's prompt rate ``tiles_l1`` / ``onednn`` (at the most rows measured) times the rate that run
+measured, LLM-only's prompt sped up alike (its decode steps are bound by the weights' bytes, not by the products):
+``ceiling_at_tiles_l1``, beside the run's own ``ceiling``. The scale is this run's ratio, read in one process; the
+roofline's times are its own.
+
+Writes ``reports/bench_amx_peak.json`` (``--out``), stamped in ``reports/provenance.json``. Say whether the machine
+was quiet: ``others_cpu_share`` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from citer.ops.openmp import set_wait_env, wait_env  # noqa: E402
+
+set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs with
+
+import torch  # noqa: E402
+from speed_report import PAIRS, SPECS, cpu_times, others_cpu_share, write_report  # noqa: E402
+
+from citer.ops.cpu import host_cpu  # noqa: E402
+from citer.tracking.provenance import cpu_kind  # noqa: E402
+
+# Four TDPBF16PS a step on a 2 x 2 block (sums in tiles 0, 1, 5, 6; left operands 2, 3; right 4, 7), optionally
+# loading the four operands from a 4 KiB buffer in L1 first; each thread its own tiles and buffer.
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <chrono>
+
+namespace {
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void steps(int64_t n, bool loads) {
+  alignas(64) uint16_t buf[4][512];
+  for (auto& t : buf)
+    for (auto& v : t) v = 0x3C00;  // bf16 1/128: sums stay finite
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  _tile_loadd(2, buf[0], 64);
+  _tile_loadd(3, buf[1], 64);
+  _tile_loadd(4, buf[2], 64);
+  _tile_loadd(7, buf[3], 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(5);
+  _tile_zero(6);
+  for (int64_t i = 0; i < n; ++i) {
+    if (loads) {
+      _tile_loadd(2, buf[0], 64);
+      _tile_loadd(3, buf[1], 64);
+      _tile_loadd(4, buf[2], 64);
+      _tile_loadd(7, buf[3], 64);
+    }
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_dpbf16ps(5, 2, 7);
+    _tile_dpbf16ps(6, 3, 7);
+  }
+  alignas(64) float out[16][16];
+  _tile_stored(0, out, 64);  // the sums leave the unit, so no step is dead code
+  _tile_release();
+  TORCH_CHECK(out[0][0] == out[0][0], "amx_steps: a NaN sum");
+}
+}  // namespace
+
+// Wall seconds of n steps on each of `threads` threads at once (at most torch's pool).
+double amx_steps(int64_t n, bool loads, int64_t threads) {
+  TORCH_CHECK(syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0,
+              "amx_steps: Linux refused this process the AMX tiles");
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) steps(n, loads);
+  });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+"""
+FLOPS_PER_STEP = 4 * 16 * 16 * 32 * 2  # four products of 16 x 16 sums over 32 bf16 pairs' worth of columns
+
+
+def build_steps() -> Any:
+    """The ``amx_steps`` function, built from ``_SOURCE`` (torch.utils.cpp_extension)."""
+    from torch.utils.cpp_extension import load_inline
+
+    mod = load_inline(
+        "citer_bench_amx_peak", cpp_sources=[_SOURCE], functions=["amx_steps"],
+        extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-fopenmp"], extra_ldflags=["-fopenmp"],
+    )  # fmt: skip
+    return mod.amx_steps
+
+
+def layer_shapes(pair: str) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's four products of the pair's LLM: fused q/k/v, o, fused gate/up, down."""
+    s = SPECS[PAIRS[pair][1]]
+    head = s["hidden"] // s["heads"]
+    return [
+        ((s["heads"] + 2 * s["kv"]) * head, s["hidden"]),
+        (s["hidden"], s["hidden"]),
+        (2 * s["inter"], s["hidden"]),
+        (s["hidden"], s["inter"]),
+    ]
+
+
+def tile_rates(amx_steps: Any, n: int, reps: int, threads: int) -> dict[str, dict[str, float]]:
+    """TF/s of the steps alone and with their loads, on one thread and on ``threads``, medians of ``reps`` taken in
+    turn (the host's drift reaches them all alike)."""
+    kinds = {
+        (name, where): (loads, t)
+        for name, loads in (("tiles", False), ("tiles_l1", True))
+        for where, t in (("one_thread", 1), ("all_threads", threads))
+    }
+    secs: dict[tuple[str, str], list[float]] = {k: [] for k in kinds}
+    amx_steps(n // 10, True, threads)  # warm-up: the tiles' state, the pool's threads
+    for _ in range(reps):
+        for k, (loads, t) in kinds.items():
+            secs[k].append(amx_steps(n, loads, t))
+    out: dict[str, dict[str, float]] = {"tiles": {}, "tiles_l1": {}}
+    for (name, where), (_, t) in kinds.items():
+        out[name][where] = FLOPS_PER_STEP * n * t / statistics.median(secs[name, where]) / 1e12
+    return out
+
+
+def onednn_rates(shapes: list[tuple[int, int]], rows: list[int], reps: int) -> dict[str, float]:
+    """TF/s of oneDNN's linear on the packed weight over the layer's products, per row count (median of ``reps``)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    out = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in shapes}
+
+        def layer(xs: dict[int, torch.Tensor] = xs) -> None:
+            for (_, k), p in zip(shapes, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+
+        layer()
+        secs = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            layer()
+            secs.append(time.perf_counter() - t)
+        out[str(m)] = 2 * m * sum(n * k for n, k in shapes) / statistics.median(secs) / 1e12
+    return out
+
+
+def ceilings_at(roofline: dict[str, Any], scale: float) -> list[dict[str, Any]]:
+    """Per batch of a roofline report: its ceiling, and the ceiling were the LLM's prompt rate ``scale`` times it."""
+    out = []
+    for r in roofline["rows"]:
+        rate = r["llm_tokens_per_s_prefill"] * scale
+        llm_s = r["llm_s"] - r["llm_prefill_s"] * (1 - 1 / scale)
+        routed = r["slm_s"] + (r["routed_llm_prompt_tokens"] + r["routed_llm_catchup_tokens"]) / rate
+        out.append({"batch": r["batch"], "ceiling": r["ceiling"], "ceiling_at_tiles_l1": llm_s / routed})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="smollm2", choices=sorted(PAIRS))
+    ap.add_argument(
+        "--rows", default="64,512,2048", help="rows of oneDNN's calls (a prompt's tokens, a batch's)"
+    )
+    ap.add_argument("--steps", type=int, default=2_000_000, help="tile steps a timed run")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--roofline", default=None, help="a bench/roofline.py report to scale (same CPU kind)")
+    ap.add_argument("--out", default=str(ROOT / "reports" / "bench_amx_peak.json"))
+    args = ap.parse_args(argv)
+    if not host_cpu().has("amx_tile", "amx_bf16"):
+        print(
+            f"bench/amx_peak.py: this CPU has no AMX-BF16 ({cpu_kind()}): nothing to measure", file=sys.stderr
+        )
+        return 2
+    rows = [int(v) for v in args.rows.split(",") if v.strip()]
+    if not rows or min(rows) < 1 or args.steps < 10 or args.reps < 1:
+        ap.error("--rows: positive integers; --steps >= 10; --reps >= 1")
+    roofline = json.loads(Path(args.roofline).read_text()) if args.roofline else None
+    start, wall0 = cpu_times(), time.perf_counter()
+    threads = torch.get_num_threads()
+    tiles = tile_rates(build_steps(), args.steps, args.reps, threads)
+    onednn = onednn_rates(layer_shapes(args.pair), rows, args.reps)
+    bound = tiles["tiles_l1"]["all_threads"]
+    report: dict[str, Any] = {
+        "bench": "amx_peak",
+        "cpu": cpu_kind(),
+        "threads": threads,
+        "openmp": wait_env(),
+        "torch": torch.__version__,
+        "pair": args.pair,
+        "steps": args.steps,
+        "reps": args.reps,
+        "tflops": tiles,
+        "onednn_tflops": onednn,
+        "onednn_of_tiles_l1": {m: v / bound for m, v in onednn.items()},
+    }
+    if roofline is not None:
+        scale = bound / onednn[str(max(rows))]
+        report["roofline"] = {"report": args.roofline, "cpu": roofline.get("cpu"), "prompt_rate_scale": scale,
+                              "rows": ceilings_at(roofline, scale)}  # fmt: skip
+    report["others_cpu_share"] = others_cpu_share(start, cpu_times())
+    write_report(args.out, report, "amx_peak", args, time.perf_counter() - wall0)
+    for name, rates in tiles.items():
+        print(f"{name}: {rates['one_thread']:.2f} TF/s a thread, {rates['all_threads']:.2f} on {threads}")
+    for m, v in onednn.items():
+        print(f"oneDNN packed, {m} rows: {v:.2f} TF/s = {v / bound:.0%} of tiles_l1")
+    for r in report.get("roofline", {}).get("rows", []):
+        print(
+            f"batch {r['batch']}: ceiling {r['ceiling']:.2f}x, at tiles_l1's rate {r['ceiling_at_tiles_l1']:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
