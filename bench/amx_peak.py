@@ -8,18 +8,22 @@ this bench measures, in one process, on a CPU with AMX-BF16:
 
 - ``tiles``: TDPBF16PS on tiles already loaded, four products a step into four 16 x 16 float32 sums (a 2 x 2 block:
   two 16 x 32 left tiles against two right ones): the unit alone, no operand moved;
-- ``tiles_l1``: the same steps, each first loading its four operand tiles from L1 (1 KiB each): the most a product
-  streaming its operands can reach, since AMX's eight tiles allow no block that loads fewer tiles a product
-  (four sums and four operands fill them);
+- ``tiles_l1``: the same steps, each first loading its four operand tiles from L1 (1 KiB each; each load placed
+  between products of the other tiles, so it can overlap them): what a product streaming its operands through L1
+  can reach, since AMX's eight tiles allow no block that loads fewer tiles a product (four sums and four operands
+  fill them);
 
-  each on one thread and on every thread of torch's pool at once (``tflops`` a thread, then all);
+  each on one thread and on every thread of torch's pool at once (``tflops``);
 - ``onednn``: oneDNN's linear on the packed weight over one layer of the pair's LLM (its four products, random bf16
   weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
-  ``of_tiles_l1``: that rate over ``tiles_l1`` on every thread.
+  ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep.
+
+Every run is timed in turn within a rep (``per_rep_tflops``): this host's matrix unit has run at rates 2x apart
+minutes apart, so only rates taken side by side make a ratio.
 
 With ``--roofline`` (a ``bench/roofline.py`` report of the same CPU kind): per batch, the ceiling the routed pair
-would have were the LLM's prompt rate ``tiles_l1`` / ``onednn`` (at the most rows measured) times the rate that run
-measured, LLM-only's prompt sped up alike (its decode steps are bound by the weights' bytes, not by the products):
+would have were the LLM's prompt rate 1 / ``onednn_of_tiles_l1`` (at the most rows measured) times the rate that
+run measured, LLM-only's prompt sped up alike (its decode steps are bound by the weights' bytes, not by the products):
 ``ceiling_at_tiles_l1``, beside the run's own ``ceiling``. The scale is this run's ratio, read in one process; the
 roofline's times are its own.
 
@@ -90,11 +94,16 @@ void steps(int64_t n, bool loads) {
   _tile_zero(5);
   _tile_zero(6);
   for (int64_t i = 0; i < n; ++i) {
-    if (loads) {
+    if (loads) {  // each load between products of the other tiles, so it can overlap them
       _tile_loadd(2, buf[0], 64);
-      _tile_loadd(3, buf[1], 64);
       _tile_loadd(4, buf[2], 64);
+      _tile_dpbf16ps(0, 2, 4);
       _tile_loadd(7, buf[3], 64);
+      _tile_dpbf16ps(5, 2, 7);
+      _tile_loadd(3, buf[1], 64);
+      _tile_dpbf16ps(1, 3, 4);
+      _tile_dpbf16ps(6, 3, 7);
+      continue;
     }
     _tile_dpbf16ps(0, 2, 4);
     _tile_dpbf16ps(1, 3, 4);
@@ -145,45 +154,40 @@ def layer_shapes(pair: str) -> list[tuple[int, int]]:
     ]
 
 
-def tile_rates(amx_steps: Any, n: int, reps: int, threads: int) -> dict[str, dict[str, float]]:
-    """TF/s of the steps alone and with their loads, on one thread and on ``threads``, medians of ``reps`` taken in
-    turn (the host's drift reaches them all alike)."""
-    kinds = {
-        (name, where): (loads, t)
-        for name, loads in (("tiles", False), ("tiles_l1", True))
-        for where, t in (("one_thread", 1), ("all_threads", threads))
-    }
-    secs: dict[tuple[str, str], list[float]] = {k: [] for k in kinds}
-    amx_steps(n // 10, True, threads)  # warm-up: the tiles' state, the pool's threads
-    for _ in range(reps):
-        for k, (loads, t) in kinds.items():
-            secs[k].append(amx_steps(n, loads, t))
-    out: dict[str, dict[str, float]] = {"tiles": {}, "tiles_l1": {}}
-    for (name, where), (_, t) in kinds.items():
-        out[name][where] = FLOPS_PER_STEP * n * t / statistics.median(secs[name, where]) / 1e12
-    return out
-
-
-def onednn_rates(shapes: list[tuple[int, int]], rows: list[int], reps: int) -> dict[str, float]:
-    """TF/s of oneDNN's linear on the packed weight over the layer's products, per row count (median of ``reps``)."""
+def timed_rates(amx_steps: Any, n: int, shapes: list[tuple[int, int]], rows: list[int], reps: int,
+                threads: int) -> dict[str, list[float]]:  # fmt: skip
+    """TF/s per rep of the tile steps (alone and loading, one thread and all) and of oneDNN's layer at each row count,
+    every one timed in turn within a rep: this host's matrix unit runs at rates up to 2x apart minutes apart (a
+    sibling thread's work, it seems), so a ratio is read between runs of one rep."""
     torch.manual_seed(0)
-    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-    out = {}
+    packed = [
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i, dtype=torch.bfloat16) * 0.02)
+        for o, i in shapes
+    ]
+    macs = sum(o * i for o, i in shapes)
+    runs: dict[str, tuple[Any, float]] = {}
+    for name, loads in (("tiles", False), ("tiles_l1", True)):
+        for where, t in (("one_thread", 1), ("all_threads", threads)):
+            runs[f"{name} {where}"] = (
+                lambda loads=loads, t=t: amx_steps(n, loads, t),
+                FLOPS_PER_STEP * n * t,
+            )
     for m in rows:
-        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in shapes}
+        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for _, i in shapes}
 
-        def layer(xs: dict[int, torch.Tensor] = xs) -> None:
-            for (_, k), p in zip(shapes, packed, strict=True):
-                torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+        def layer(xs: dict[int, torch.Tensor] = xs) -> float:
+            t0 = time.perf_counter()
+            for (_, i), p in zip(shapes, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(xs[i], p, None, "none", [], "")
+            return time.perf_counter() - t0
 
-        layer()
-        secs = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            layer()
-            secs.append(time.perf_counter() - t)
-        out[str(m)] = 2 * m * sum(n * k for n, k in shapes) / statistics.median(secs) / 1e12
+        runs[f"onednn {m}"] = (layer, 2 * m * macs)
+    for fn, _ in runs.values():  # warm-up: the tiles' state, the pool's threads, oneDNN's kernels
+        fn()
+    out: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, (fn, flops) in runs.items():
+            out[k].append(flops / fn() / 1e12)
     return out
 
 
@@ -220,9 +224,19 @@ def main(argv: list[str] | None = None) -> int:
     roofline = json.loads(Path(args.roofline).read_text()) if args.roofline else None
     start, wall0 = cpu_times(), time.perf_counter()
     threads = torch.get_num_threads()
-    tiles = tile_rates(build_steps(), args.steps, args.reps, threads)
-    onednn = onednn_rates(layer_shapes(args.pair), rows, args.reps)
-    bound = tiles["tiles_l1"]["all_threads"]
+    per_rep = timed_rates(build_steps(), args.steps, layer_shapes(args.pair), rows, args.reps, threads)
+    tiles = {
+        name: {
+            where: statistics.median(per_rep[f"{name} {where}"]) for where in ("one_thread", "all_threads")
+        }
+        for name in ("tiles", "tiles_l1")
+    }
+    onednn = {str(m): statistics.median(per_rep[f"onednn {m}"]) for m in rows}
+    bound = per_rep["tiles_l1 all_threads"]
+    share = {
+        str(m): statistics.median(o / b for o, b in zip(per_rep[f"onednn {m}"], bound, strict=True))
+        for m in rows
+    }
     report: dict[str, Any] = {
         "bench": "amx_peak",
         "cpu": cpu_kind(),
@@ -234,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
         "tflops": tiles,
         "onednn_tflops": onednn,
-        "onednn_of_tiles_l1": {m: v / bound for m, v in onednn.items()},
+        "onednn_of_tiles_l1": share,
+        "per_rep_tflops": per_rep,
     }
     if roofline is not None:
-        scale = bound / onednn[str(max(rows))]
+        scale = 1 / share[str(max(rows))]
         report["roofline"] = {"report": args.roofline, "cpu": roofline.get("cpu"), "prompt_rate_scale": scale,
                               "rows": ceilings_at(roofline, scale)}  # fmt: skip
     report["others_cpu_share"] = others_cpu_share(start, cpu_times())
@@ -245,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rates in tiles.items():
         print(f"{name}: {rates['one_thread']:.2f} TF/s a thread, {rates['all_threads']:.2f} on {threads}")
     for m, v in onednn.items():
-        print(f"oneDNN packed, {m} rows: {v:.2f} TF/s = {v / bound:.0%} of tiles_l1")
+        print(f"oneDNN packed, {m} rows: {v:.2f} TF/s, {share[m]:.0%} of tiles_l1 in the same rep")
     for r in report.get("roofline", {}).get("rows", []):
         print(
             f"batch {r['batch']}: ceiling {r['ceiling']:.2f}x, at tiles_l1's rate {r['ceiling_at_tiles_l1']:.2f}x"
