@@ -105,7 +105,7 @@ def engine_block(path: Path) -> dict[str, Any]:
 def variants(
     run: BenchRun, models: BuiltPair, prompts: list[list[int]]
 ) -> tuple[list[Variant], list[Variant]]:
-    """The LLM-only baselines, then everything else, at this pair, dtype and batch."""
+    """The LLM-only baselines with the routed rows, then everything else, at this pair, dtype and batch."""
     a = run.args
     slm, llm, vocab = models.slm, models.llm, models.vocab
     batch, n_cols = len(prompts), a.prompt_len + a.new_tokens + 1
@@ -151,11 +151,15 @@ def variants(
                 "overlap": e.overlap, "engine": engine_settings(e), **meta}  # fmt: skip
         return Variant(name, eng(e), info, e, compiles=forward_compiles(e.forward))
 
+    # The routed rows time in the baselines' group, in turn with them: the headline ratio is read between reps taken
+    # side by side (this host's speed drifts between a group's minutes and the next's).
+    routed = [engine(f"routed_f{p:g}", build(slm, llm, RandomRouter(p, seed=0)), p) for p in a.fractions]
     base: list[Variant] = []
     if a.compile and batch in a.compile_batches:
         base.append(Variant("hf_llm_static_compiled", hf(llm, **_static_compile(run)),
                             {"method": "hf_generate_static_compiled", "model": "llm", "f": 1.0}, compiles=True))  # fmt: skip
     base.append(engine("engine_llm", build(llm, None, AlwaysSLM()), 1.0, model="llm"))
+    base += routed
     if a.engine_eager:
         base.append(
             engine("engine_llm_eager", build(llm, None, AlwaysSLM(), forward="eager"), 1.0, model="llm")
@@ -170,9 +174,7 @@ def variants(
     if a.vllm_python:
         base.append(_peer(run, models, "llm", "vllm", batch))
 
-    # Routed first: where a run's budget ends among these warm-ups, the row its target reads is measured already.
-    rest = [engine(f"routed_f{p:g}", build(slm, llm, RandomRouter(p, seed=0)), p) for p in a.fractions]
-    rest.append(engine("engine_slm", build(slm, None, AlwaysSLM()), 0.0, model="slm"))
+    rest = [engine("engine_slm", build(slm, None, AlwaysSLM()), 0.0, model="slm")]
     if batch > 1:
         rows = min(a.min_rows or max(2, batch // 4), batch)  # --min-rows, or a quarter of the batch
         share = {"llm_min_rows": rows, "llm_max_wait_steps": a.max_wait_steps}
@@ -332,9 +334,9 @@ def _assisted(run: BenchRun, models: BuiltPair, ids: torch.Tensor, alpha: float)
 
 
 def measure(run: BenchRun, models: BuiltPair, batch: int) -> None:
-    """Every variant at ``batch``: the LLM-only baselines first, then the rest; each group warmed up, then timed in
-    interleaved reps (drift biases every variant alike). The budget is checked before every warm-up and rep, and the
-    report saved after each, so a run cut short keeps what it measured."""
+    """Every variant at ``batch``: the LLM-only baselines and the routed rows first, then the rest; each group warmed
+    up, then timed in interleaved reps (drift biases every variant of a group alike). The budget is checked before
+    every warm-up and rep, and the report saved after each, so a run cut short keeps what it measured."""
     prompts = run.prompts(models.vocab, batch, seed=batch)
     try:
         groups = variants(run, models, prompts)
