@@ -61,18 +61,11 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <chrono>
+#include "cpu_amx.h"
 
 namespace {
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using citer_amx::TileConfig;
 
 void steps(int64_t n, bool loads) {
   alignas(64) uint16_t buf[4][512];
@@ -119,8 +112,7 @@ void steps(int64_t n, bool loads) {
 
 // Wall seconds of n steps on each of `threads` threads at once (at most torch's pool).
 double amx_steps(int64_t n, bool loads, int64_t threads) {
-  TORCH_CHECK(syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0,
-              "amx_steps: Linux refused this process the AMX tiles");
+  TORCH_CHECK(citer_amx::usable(), "amx_steps: no AMX-BF16, or Linux refused this process the tiles");
   const auto t0 = std::chrono::steady_clock::now();
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) steps(n, loads);
@@ -138,6 +130,7 @@ def build_steps() -> Any:
     mod = load_inline(
         "citer_bench_amx_peak", cpp_sources=[_SOURCE], functions=["amx_steps"],
         extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(ROOT / "citer" / "decoding")],
     )  # fmt: skip
     return mod.amx_steps
 

@@ -6,11 +6,9 @@
 // instruction set is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_amx.h"
 #include "cpu_bf16.h"
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -95,24 +93,8 @@ void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_
 }
 
 // -- AMX ------------------------------------------------------------------------------------------------------------
-// A tile's shape, as _tile_loadconfig reads it (palette 1).
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// The CPU has AMX-TILE and AMX-BF16 and Linux lets this process use the tiles' state (asked once).
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
+using citer_amx::TileConfig;
+bool amx_usable() { return citer_amx::usable(); }
 
 constexpr int64_t AMX_MAX_ROWS = 32;  // input rows: two right tiles of 16 columns of float32 pairs
 
