@@ -13,7 +13,7 @@ this bench measures, in one process, on a CPU with AMX-BF16:
   can reach, since AMX's eight tiles allow no block that loads fewer tiles a product (four sums and four operands
   fill them);
 
-  each on one thread and on every thread of torch's pool at once (``tflops``);
+  each on one thread and on as many threads as torch's pool at once (``tflops``);
 - ``onednn``: oneDNN's linear on the packed weight over one layer of the pair's LLM (its four products, random bf16
   weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
   ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep.
@@ -34,10 +34,15 @@ was quiet: ``others_cpu_share`` is recorded.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,16 +63,20 @@ from citer.tracking.provenance import cpu_kind  # noqa: E402
 # Four TDPBF16PS a step on a 2 x 2 block (sums in tiles 0, 1, 5, 6; left operands 2, 3; right 4, 7), optionally
 # loading the four operands from a 4 KiB buffer in L1 first; each thread its own tiles and buffer.
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
 #include "cpu_amx.h"
 
 namespace {
 using citer_amx::TileConfig;
 
-void steps(int64_t n, bool loads) {
+bool steps(int64_t n, bool loads) {
   alignas(64) uint16_t buf[4][512];
   for (auto& t : buf)
     for (auto& v : t) v = 0x3C00;  // bf16 1/128: sums stay finite
@@ -106,33 +115,44 @@ void steps(int64_t n, bool loads) {
   alignas(64) float out[16][16];
   _tile_stored(0, out, 64);  // the sums leave the unit, so no step is dead code
   _tile_release();
-  TORCH_CHECK(out[0][0] == out[0][0], "amx_steps: a NaN sum");
+  return out[0][0] == out[0][0];
 }
 }  // namespace
 
-// Wall seconds of n steps on each of `threads` threads at once (at most torch's pool).
-double amx_steps(int64_t n, bool loads, int64_t threads) {
-  TORCH_CHECK(citer_amx::usable(), "amx_steps: no AMX-BF16, or Linux refused this process the tiles");
+// Wall seconds of n steps on each of `threads` threads at once; -1 where the tiles cannot serve, -2 on a NaN sum.
+extern "C" double citer_amx_steps(int64_t n, int loads, int threads) {
+  if (!citer_amx::usable()) return -1.0;
+  std::atomic<bool> ok{true};
   const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) steps(n, loads);
-  });
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<std::thread> others;
+  for (int i = 1; i < threads; ++i) others.emplace_back([&] { ok = steps(n, loads) && ok; });
+  ok = steps(n, loads) && ok;
+  for (auto& t : others) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return ok ? s : -2.0;
 }
 """
 FLOPS_PER_STEP = 4 * 16 * 16 * 32 * 2  # four products of 16 x 16 sums over 32 bf16 pairs' worth of columns
 
 
-def build_steps() -> Any:
-    """The ``amx_steps`` function, built from ``_SOURCE`` (torch.utils.cpp_extension)."""
-    from torch.utils.cpp_extension import load_inline
+def build_steps(workdir: Path) -> Callable[[int, bool, int], float]:
+    """``amx_steps(n, loads, threads)`` -> wall seconds, from ``_SOURCE`` built by the C++ compiler (``$CXX``, else
+    ``c++``) into ``workdir`` and loaded with ctypes: no torch headers, so it builds in a second, not half a minute."""
+    src, lib = workdir / "amx_steps.cpp", workdir / "amx_steps.so"
+    src.write_text(_SOURCE)
+    cmd = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-mamx-tile", "-mamx-bf16", "-shared", "-fPIC",
+           "-pthread", f"-I{ROOT / 'citer' / 'decoding'}", str(src), "-o", str(lib)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    fn = ctypes.CDLL(str(lib)).citer_amx_steps
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
 
-    mod = load_inline(
-        "citer_bench_amx_peak", cpp_sources=[_SOURCE], functions=["amx_steps"],
-        extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(ROOT / "citer" / "decoding")],
-    )  # fmt: skip
-    return mod.amx_steps
+    def amx_steps(n: int, loads: bool, threads: int) -> float:
+        secs = fn(n, int(loads), threads)
+        if secs < 0:
+            raise RuntimeError("amx_steps: " + ("the tiles cannot serve here" if secs == -1 else "a NaN sum"))
+        return secs
+
+    return amx_steps
 
 
 def layer_shapes(pair: str) -> list[tuple[int, int]]:
@@ -217,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     roofline = json.loads(Path(args.roofline).read_text()) if args.roofline else None
     start, wall0 = cpu_times(), time.perf_counter()
     threads = torch.get_num_threads()
-    per_rep = timed_rates(build_steps(), args.steps, layer_shapes(args.pair), rows, args.reps, threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        steps = build_steps(Path(tmp))
+        per_rep = timed_rates(steps, args.steps, layer_shapes(args.pair), rows, args.reps, threads)
     tiles = {
         name: {
             where: statistics.median(per_rep[f"{name} {where}"]) for where in ("one_thread", "all_threads")
