@@ -52,7 +52,8 @@ def test_tiny_run_measures_every_variant_baselines_and_routed_first(tiny_report)
     for b in (1, 2):
         names = [v for bb, v in order if bb == b]
         base = ["engine_llm", "routed_f0.1", "engine_llm_eager", "hf_llm"]
-        assert names[:4] == base  # the LLM-only baselines and the routed row run (and are saved) first, in turn
+        # the LLM-only baselines and the routed row run (and are saved) first, in turn
+        assert names[:4] == base
         assert "engine_slm" in names[4:]
     assert {
         (1, "assisted_alpha0.9"),
