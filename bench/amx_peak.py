@@ -18,8 +18,8 @@ this bench measures, in one process, on a CPU with AMX-BF16:
   weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
   ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep.
 
-Every run is timed in turn within a rep (``per_rep_tflops``): this host's matrix unit has run at rates 2x apart
-minutes apart, so only rates taken side by side make a ratio.
+Every run is timed in turn within a rep (``per_rep_tflops``): this host's matrix units have run at rates up to 4x
+apart, reps apart, so only rates taken side by side make a ratio.
 
 With ``--roofline`` (a ``bench/roofline.py`` report of the same CPU kind): per batch, the ceiling the routed pair
 would have were the LLM's prompt rate 1 / ``onednn_of_tiles_l1`` (at the most rows measured) times the rate that
@@ -167,11 +167,11 @@ def layer_shapes(pair: str) -> list[tuple[int, int]]:
     ]
 
 
-def timed_rates(amx_steps: Any, n: int, shapes: list[tuple[int, int]], rows: list[int], reps: int,
+def timed_rates(amx_steps: Callable[[int, bool, int], float], n: int, shapes: list[tuple[int, int]], rows: list[int], reps: int,
                 threads: int) -> dict[str, list[float]]:  # fmt: skip
     """TF/s per rep of the tile steps (alone and loading, one thread and all) and of oneDNN's layer at each row count,
-    every one timed in turn within a rep: this host's matrix unit runs at rates up to 2x apart minutes apart (a
-    sibling thread's work, it seems), so a ratio is read between runs of one rep."""
+    every one timed in turn within a rep: this host's matrix units run at rates up to 4x apart, reps apart, so a
+    ratio is read between runs of one rep."""
     torch.manual_seed(0)
     packed = [
         torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i, dtype=torch.bfloat16) * 0.02)

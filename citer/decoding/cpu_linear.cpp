@@ -11,7 +11,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -94,7 +93,6 @@ void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_
 
 // -- AMX ------------------------------------------------------------------------------------------------------------
 using citer_amx::TileConfig;
-bool amx_usable() { return citer_amx::usable(); }
 
 constexpr int64_t AMX_MAX_ROWS = 32;  // input rows: two right tiles of 16 columns of float32 pairs
 
@@ -237,13 +235,13 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return o.y;
 }
 
-bool bf16_amx() { return amx_usable(); }
+bool bf16_amx() { return citer_amx::usable(); }
 
 // linear_bf16 for 2..32 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
 // groups of 32 on the tiles, the last N % 32 rows (and every row where AMX cannot serve) as linear_bf16's blocks.
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
-  if (!amx_usable() || M > AMX_MAX_ROWS || M == 0 || K % 32) return linear_bf16(x, w, bias);
+  if (!citer_amx::usable() || M > AMX_MAX_ROWS || M == 0 || K % 32) return linear_bf16(x, w, bias);
   const Operands o = operands(x, w, bias, "linear_bf16_amx");
   std::vector<uint16_t> xv(K * M);  // x's columns in pairs, a pair per row: xv[k/2][m][2]
   for (int64_t m = 0; m < M; ++m)
