@@ -16,7 +16,10 @@ this bench measures, in one process, on a CPU with AMX-BF16:
   each on one thread and on as many threads as torch's pool at once (``tflops``);
 - ``onednn``: oneDNN's linear on the packed weight over one layer of the pair's LLM (its four products, random bf16
   weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
-  ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep.
+  ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep;
+- ``citer``: at the ``--rows`` up to ``cpu_linear.AMX_MAX_ROWS``, the same layer through
+  ``citer.decoding.cpu_linear.linear`` on the plain weight (citer's AMX tiles, the call a decode step, a short
+  catch-up or prompt makes), and ``citer_over_onednn``: the median over reps of its rate over oneDNN's in the same rep.
 
 Every run is timed in turn within a rep (``per_rep_tflops``): this host's matrix units have run at rates up to 4x
 apart, reps apart, so only rates taken side by side make a ratio.
@@ -57,6 +60,7 @@ set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs
 import torch  # noqa: E402
 from speed_report import PAIRS, SPECS, cpu_times, others_cpu_share, write_report  # noqa: E402
 
+from citer.decoding import cpu_linear  # noqa: E402
 from citer.ops.cpu import host_cpu  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
@@ -173,10 +177,8 @@ def timed_rates(amx_steps: Callable[[int, bool, int], float], n: int, shapes: li
     every one timed in turn within a rep: this host's matrix units run at rates up to 4x apart, reps apart, so a
     ratio is read between runs of one rep."""
     torch.manual_seed(0)
-    packed = [
-        torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i, dtype=torch.bfloat16) * 0.02)
-        for o, i in shapes
-    ]
+    weights = [torch.randn(o, i, dtype=torch.bfloat16) * 0.02 for o, i in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     macs = sum(o * i for o, i in shapes)
     runs: dict[str, tuple[Any, float]] = {}
     for name, loads in (("tiles", False), ("tiles_l1", True)):
@@ -195,6 +197,16 @@ def timed_rates(amx_steps: Callable[[int, bool, int], float], n: int, shapes: li
             return time.perf_counter() - t0
 
         runs[f"onednn {m}"] = (layer, 2 * m * macs)
+        if m <= cpu_linear.AMX_MAX_ROWS and cpu_linear.amx():
+
+            def tiles(xs: dict[int, torch.Tensor] = xs) -> float:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    for (_, i), w in zip(shapes, weights, strict=True):
+                        cpu_linear.linear(xs[i], w)
+                return time.perf_counter() - t0
+
+            runs[f"citer {m}"] = (tiles, 2 * m * macs)
     for fn, _ in runs.values():  # warm-up: the tiles' state, the pool's threads, oneDNN's kernels
         fn()
     out: dict[str, list[float]] = {k: [] for k in runs}
@@ -219,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="smollm2", choices=sorted(PAIRS))
     ap.add_argument(
-        "--rows", default="64,512,2048", help="rows of oneDNN's calls (a prompt's tokens, a batch's)"
+        "--rows", default="16,32,64,512,2048", help="rows of the layer's calls (a prompt's tokens, a batch's)"
     )
     ap.add_argument("--steps", type=int, default=2_000_000, help="tile steps a timed run")
     ap.add_argument("--reps", type=int, default=5)
@@ -252,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         str(m): statistics.median(o / b for o, b in zip(per_rep[f"onednn {m}"], bound, strict=True))
         for m in rows
     }
+    citer_rows = [m for m in rows if f"citer {m}" in per_rep]
+    citer = {str(m): statistics.median(per_rep[f"citer {m}"]) for m in citer_rows}
+    over = {
+        str(m): statistics.median(
+            c / o for c, o in zip(per_rep[f"citer {m}"], per_rep[f"onednn {m}"], strict=True)
+        )
+        for m in citer_rows
+    }
     report: dict[str, Any] = {
         "bench": "amx_peak",
         "cpu": cpu_kind(),
@@ -264,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "tflops": tiles,
         "onednn_tflops": onednn,
         "onednn_of_tiles_l1": share,
+        "citer_tflops": citer,
+        "citer_over_onednn": over,
         "per_rep_tflops": per_rep,
     }
     if roofline is not None:
@@ -276,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {rates['one_thread']:.2f} TF/s a thread, {rates['all_threads']:.2f} on {threads}")
     for m, v in onednn.items():
         print(f"oneDNN packed, {m} rows: {v:.2f} TF/s, {share[m]:.0%} of tiles_l1 in the same rep")
+    for m, v in citer.items():
+        print(f"citer's tiles, {m} rows: {v:.2f} TF/s, {over[m]:.2f}x oneDNN's in the same rep")
     for r in report.get("roofline", {}).get("rows", []):
         print(
             f"batch {r['batch']}: ceiling {r['ceiling']:.2f}x, at tiles_l1's rate {r['ceiling_at_tiles_l1']:.2f}x"

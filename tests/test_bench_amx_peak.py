@@ -51,6 +51,9 @@ def test_the_report_holds_the_tiles_and_onednns_rates(tmp_path):
     assert rep["onednn_of_tiles_l1"]["8"] == pytest.approx(share)
     assert rep["roofline"]["prompt_rate_scale"] == pytest.approx(1 / share)
     assert len(rep["roofline"]["rows"]) == len(json.loads(ROOFLINE.read_text())["rows"])
+    assert set(rep["citer_tflops"]) == {"4", "8"}  # both within the tiles' rows
+    over = per_rep["citer 8"][0] / per_rep["onednn 8"][0]
+    assert rep["citer_over_onednn"]["8"] == pytest.approx(over) and rep["citer_tflops"]["8"] > 0
 
 
 @pytest.mark.skipif(AMX, reason="this CPU has AMX")

@@ -1,6 +1,6 @@
 // bf16 x bf16 -> bf16 linear for a few rows (decode steps) on x86-64 CPUs with AVX512-BF16: each row of the weight is
 // read once per call whatever the number of input rows, and the products are summed in fp32. One row (and, where the
-// CPU has no AMX, up to four) by vdpbf16ps; 2 to 32 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
+// CPU has no AMX, up to four) by vdpbf16ps; 2 to 64 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
 // which read the weight in place as the tiles' left operand, so no copy of it is made. Built at first use by
 // citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
 // instruction set is missing.
@@ -94,21 +94,21 @@ void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_
 // -- AMX ------------------------------------------------------------------------------------------------------------
 using citer_amx::TileConfig;
 
-constexpr int64_t AMX_MAX_ROWS = 32;  // input rows: two right tiles of 16 columns of float32 pairs
+constexpr int64_t AMX_MAX_ROWS = 64;  // input rows: four C tiles of 16 input rows beside one weight tile
 
-// Steps ahead (a step: 32 columns of a group's 32 weight rows, 2 KiB) whose weight lines the tiles prefetch: into L1
+// Steps ahead (a step: 32 columns of a group's 16 weight rows, 1 KiB) whose weight lines the tiles prefetch: into L1
 // near, so a tile load finds its lines there (a tile register is not renamed, so the next step's loads wait for this
 // step's products and cannot run ahead to memory as vector loads do), and into L2 far, so more of the stream is in
 // flight than L1's fill buffers hold; a group's last steps reach into the next group's first (docs/results.md).
-constexpr int64_t TILE_PREFETCH_NEAR = 4, TILE_PREFETCH_FAR = 16;
+constexpr int64_t TILE_PREFETCH_NEAR = 2, TILE_PREFETCH_FAR = 8;
 
 // Prefetches the lines of step `t` (counted from group 0, K / 32 steps a group) where its group is below g1.
 template <_mm_hint HINT>
 inline void prefetch_step(const uint16_t* wp, int64_t ldw, int64_t steps, int64_t t, int64_t g1) {
   const int64_t g = t / steps;
   if (g >= g1) return;
-  const uint16_t* w = wp + g * 32 * ldw + (t % steps) * 32;
-  for (int r = 0; r < 32; ++r) _mm_prefetch((const char*)(w + r * ldw), HINT);
+  const uint16_t* w = wp + g * 16 * ldw + (t % steps) * 32;
+  for (int r = 0; r < 16; ++r) _mm_prefetch((const char*)(w + r * ldw), HINT);
 }
 
 // 16 weight rows x M sums (c[r][m], a row 16 floats) -> y[m][n0 + r] (bf16, bias added): a column of c a vector.
@@ -121,66 +121,68 @@ inline void store_sums(const float (*c)[16], int64_t M, const uint16_t* bp, uint
   }
 }
 
-// Groups g0..g1-1 of 32 weight rows against M <= 32 input rows. The weight is the left operand, read in place (16
-// rows by 32 columns a tile, ldw apart); xv is x in the right operand's layout (pairs of columns: xv[k/2][m][2]),
-// its first 16 rows one right tile (4) and the rest a second (7). C tiles 0/1 hold 16 weight rows x the first 16
-// input rows' sums each, 5/6 the same for the rest; every sum in float32 in one order whatever the rows beside, so a
-// row's outputs do not depend on the rows beside it, nor on how many there are.
+// Group g of 16 weight rows against CHUNKS chunks of 16 input rows: c[j][r][m] the sum of weight row 16 g + r and
+// input row 16 j + m. The weight is the left operand (tile 5: 16 rows by 32 columns, read in place, ldw apart), loaded
+// once a step for every chunk; xv is x in the right operand's layout, chunk by chunk (xv[chunk][k/2][16 rows][2], a
+// chunk K * 16 apart), whose tiles alternate between 6 and 7 so a chunk's load overlaps the product before it; C tiles
+// 0..3 hold the chunks' sums. Every sum runs over K in one order whatever the rows beside it, so a row's outputs do not
+// depend on the other rows, nor on how many there are.
+template <int CHUNKS>
+void amx_group(const uint16_t* xv, int64_t K, const uint16_t* wp, int64_t ldw, int64_t g, int64_t g1, float (*c)[16][16]) {
+  static_assert(CHUNKS >= 1 && CHUNKS <= 4);
+  const int64_t steps = K / 32, chunk = K * 16;
+  const uint16_t* w = wp + g * 16 * ldw;
+  _tile_zero(0);
+  if constexpr (CHUNKS > 1) _tile_zero(1);
+  if constexpr (CHUNKS > 2) _tile_zero(2);
+  if constexpr (CHUNKS > 3) _tile_zero(3);
+  for (int64_t s = 0, t = g * steps; s < steps; ++s, ++t) {
+    prefetch_step<_MM_HINT_T0>(wp, ldw, steps, t + TILE_PREFETCH_NEAR, g1);
+    prefetch_step<_MM_HINT_T1>(wp, ldw, steps, t + TILE_PREFETCH_FAR, g1);
+    const uint16_t* xs = xv + s * 512;  // chunk 0's 16 column pairs of this step
+    _tile_loadd(5, w + s * 32, ldw * 2);
+    _tile_loadd(6, xs, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    if constexpr (CHUNKS > 1) {
+      _tile_loadd(7, xs + chunk, 64);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+    if constexpr (CHUNKS > 2) {
+      _tile_loadd(6, xs + 2 * chunk, 64);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (CHUNKS > 3) {
+      _tile_loadd(7, xs + 3 * chunk, 64);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (CHUNKS > 1) _tile_stored(1, c[1], 64);
+  if constexpr (CHUNKS > 2) _tile_stored(2, c[2], 64);
+  if constexpr (CHUNKS > 3) _tile_stored(3, c[3], 64);
+}
+
+// Groups g0..g1-1 of 16 weight rows against M <= AMX_MAX_ROWS input rows (xv as amx_group reads it).
 void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
                 uint16_t* yp, int64_t N, int64_t g0, int64_t g1) {
-  const int64_t M0 = std::min<int64_t>(M, 16), M1 = M - M0;
   TileConfig cfg{};
   cfg.palette_id = 1;
-  for (int t : {0, 1, 4}) {
+  for (int t = 0; t < 8; ++t) {
     cfg.rows[t] = 16;
-    cfg.colsb[t] = (uint16_t)(M0 * 4);  // C: 16 weight rows x M0; B (4): 16 column pairs x M0
+    cfg.colsb[t] = 64;  // C: 16 weight rows x 16 input rows (fp32); A: 16 x 32 columns; B: 16 column pairs x 16 rows
   }
-  for (int t : {2, 3}) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;  // A: 16 weight rows x 32 columns
-  }
-  if (M1)
-    for (int t : {5, 6, 7}) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = (uint16_t)(M1 * 4);  // the rows past 16: C 5/6, B 7
-    }
   _tile_loadconfig(&cfg);
   alignas(64) float c[4][16][16];
-  const int64_t steps = K / 32, ldx = M * 4;
+  const int64_t chunks = (M + 15) / 16;
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t n0 = g * 32;
-    const uint16_t* w0 = wp + n0 * ldw;
-    const uint16_t* w1 = w0 + 16 * ldw;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (M1) {
-      _tile_zero(5);
-      _tile_zero(6);
+    switch (chunks) {
+      case 1: amx_group<1>(xv, K, wp, ldw, g, g1, c); break;
+      case 2: amx_group<2>(xv, K, wp, ldw, g, g1, c); break;
+      case 3: amx_group<3>(xv, K, wp, ldw, g, g1, c); break;
+      default: amx_group<4>(xv, K, wp, ldw, g, g1, c);
     }
-    for (int64_t k = 0, t = g * steps; k < K; k += 32, ++t) {
-      prefetch_step<_MM_HINT_T0>(wp, ldw, steps, t + TILE_PREFETCH_NEAR, g1);
-      prefetch_step<_MM_HINT_T1>(wp, ldw, steps, t + TILE_PREFETCH_FAR, g1);
-      _tile_loadd(4, xv + k * M, ldx);
-      _tile_loadd(2, w0 + k, ldw * 2);
-      _tile_loadd(3, w1 + k, ldw * 2);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(1, 3, 4);
-      if (M1) {
-        _tile_loadd(7, xv + k * M + 32, ldx);
-        _tile_dpbf16ps(5, 2, 7);
-        _tile_dpbf16ps(6, 3, 7);
-      }
-    }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    store_sums(c[0], M0, bp, yp, N, n0);
-    store_sums(c[1], M0, bp, yp, N, n0 + 16);
-    if (M1) {
-      _tile_stored(5, c[2], 64);
-      _tile_stored(6, c[3], 64);
-      store_sums(c[2], M1, bp, yp + 16 * N, N, n0);
-      store_sums(c[3], M1, bp, yp + 16 * N, N, n0 + 16);
-    }
+    for (int64_t j = 0; j < chunks; ++j)
+      store_sums(c[j], std::min<int64_t>(16, M - j * 16), bp, yp + j * 16 * N, N, g * 16);
   }
   _tile_release();
 }
@@ -237,20 +239,23 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 bool bf16_amx() { return citer_amx::usable(); }
 
-// linear_bf16 for 2..32 rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the weight's rows in
-// groups of 32 on the tiles, the last N % 32 rows (and every row where AMX cannot serve) as linear_bf16's blocks.
+// linear_bf16 for 2..AMX_MAX_ROWS rows on AMX where the CPU has it (bf16_amx()) and K is a multiple of 32: the
+// weight's rows in groups of 16 on the tiles, the last N % 16 rows (and every row where AMX cannot serve) as
+// linear_bf16's blocks.
 torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
   if (!citer_amx::usable() || M > AMX_MAX_ROWS || M == 0 || K % 32) return linear_bf16(x, w, bias);
   const Operands o = operands(x, w, bias, "linear_bf16_amx");
-  std::vector<uint16_t> xv(K * M);  // x's columns in pairs, a pair per row: xv[k/2][m][2]
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xv[(k / 2) * M * 2 + m * 2 + (k & 1)] = o.xp[m * K + k];
-  const int64_t groups = o.N / 32;
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+  std::vector<uint16_t> xv((M + 15) / 16 * 16 * K, 0);  // x's columns in pairs, 16 rows a chunk: xv[m/16][k/2][m%16][2]
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* xc = xv.data() + (m / 16) * 16 * K + (m % 16) * 2;
+    for (int64_t k = 0; k < K; ++k) xc[(k / 2) * 32 + (k & 1)] = o.xp[m * K + k];
+  }
+  const int64_t groups = o.N / 16;
+  at::parallel_for(0, groups, 8, [&](int64_t g0, int64_t g1) {
     amx_groups(xv.data(), M, K, o.wp, o.ldw, o.bp, o.yp, o.N, g0, g1);
   });
-  blocks(o.xp, M, K, o.wp, o.ldw, o.bp, o.yp, o.N, groups * 8, (o.N + 3) / 4);  // the last N % 32 rows
+  blocks(o.xp, M, K, o.wp, o.ldw, o.bp, o.yp, o.N, groups * 4, (o.N + 3) / 4);  // the last N % 16 rows
   return o.y;
 }
 

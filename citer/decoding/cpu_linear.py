@@ -56,9 +56,9 @@ from citer.ops.cpu import host_cpu
 
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel's vdpbf16ps blocks where the CPU has no AMX
 # Rows up to which a call takes the kernel's AMX tiles where the CPU has them (one row keeps the vdpbf16ps blocks,
-# faster there: docs/results.md); two right tiles of 16 rows each; from 17 to 32 rows they also beat the packed weight
-# (docs/results.md), and a row's outputs stay those of the same row in any smaller call.
-AMX_MAX_ROWS = 32
+# faster there: docs/results.md): four C tiles of 16 rows beside a weight tile read once a step; up to 64 rows they
+# beat the packed weight (docs/results.md), and a row's outputs stay those of the same row in any smaller call.
+AMX_MAX_ROWS = 64
 # Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
 PACKED_MAX_ROWS = 512
 # float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py

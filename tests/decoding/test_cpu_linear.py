@@ -100,17 +100,19 @@ def test_an_installed_package_carries_every_file_the_kernels_build_reads():
         (3, 31, 32, True),
         (17, 96, 64, True),
         (32, 1000, 576, False),
+        (33, 47, 96, True),
+        (64, 200, 64, False),
     ],
 )
 def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_the_others(rows, n, k, bias):
-    """Weights of 32-row groups and a tail (n % 32 rows: the vdpbf16ps blocks), up to 32 rows (past 16: a second
-    right tile)."""
+    """Weights of 16-row groups and a tail (n % 16 rows: the vdpbf16ps blocks), up to AMX_MAX_ROWS rows (a C tile
+    for every 16)."""
     torch.manual_seed(6)
     x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
     got = torch.ops.citer.linear_bf16_amx(x, w, b)
     assert got.shape == (rows, n) and _close(got, x, w, b) < 1e-2
-    assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call for 2-32 rows
+    assert torch.equal(cpu_linear.linear(x, w, b), got)  # what the forwards call for 2-AMX_MAX_ROWS rows
     for i in range(
         rows
     ):  # alone (beside a copy of itself: one row takes the other kernel) and beside the others
@@ -189,7 +191,7 @@ def test_other_calls_are_torchs_linear_exactly():
     ("shape", "bias"),
     [
         ((cpu_linear.AMX_MAX_ROWS + 1, 576), False),
-        ((3, 11, 96), True),
+        ((cpu_linear.AMX_MAX_ROWS // 8 + 1, 8, 96), True),
         ((cpu_linear.PACKED_MAX_ROWS, 64), True),
     ],
 )
