@@ -187,26 +187,28 @@ def timed_rates(amx_steps: Callable[[int, bool, int], float], n: int, shapes: li
                 lambda loads=loads, t=t: amx_steps(n, loads, t),
                 FLOPS_PER_STEP * n * t,
             )
-    for m in rows:
-        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for _, i in shapes}
 
-        def layer(xs: dict[int, torch.Tensor] = xs) -> float:
+    def layer(product: Callable[[torch.Tensor, torch.Tensor], Any], operands: list[torch.Tensor],
+              xs: dict[int, torch.Tensor]) -> Callable[[], float]:  # fmt: skip
+        """Wall seconds of the layer's products, ``product(xs[in], operand)`` for each of its matrices."""
+
+        def run() -> float:
             t0 = time.perf_counter()
-            for (_, i), p in zip(shapes, packed, strict=True):
-                torch.ops.mkldnn._linear_pointwise(xs[i], p, None, "none", [], "")
+            with torch.inference_mode():
+                for (_, i), w in zip(shapes, operands, strict=True):
+                    product(xs[i], w)
             return time.perf_counter() - t0
 
-        runs[f"onednn {m}"] = (layer, 2 * m * macs)
+        return run
+
+    def onednn(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+
+    for m in rows:
+        xs = {i: torch.randn(m, i, dtype=torch.bfloat16) for _, i in shapes}
+        runs[f"onednn {m}"] = (layer(onednn, packed, xs), 2 * m * macs)
         if m <= cpu_linear.AMX_MAX_ROWS and cpu_linear.amx():
-
-            def tiles(xs: dict[int, torch.Tensor] = xs) -> float:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    for (_, i), w in zip(shapes, weights, strict=True):
-                        cpu_linear.linear(xs[i], w)
-                return time.perf_counter() - t0
-
-            runs[f"citer {m}"] = (tiles, 2 * m * macs)
+            runs[f"citer {m}"] = (layer(cpu_linear.linear, weights, xs), 2 * m * macs)
     for fn, _ in runs.values():  # warm-up: the tiles' state, the pool's threads, oneDNN's kernels
         fn()
     out: dict[str, list[float]] = {k: [] for k in runs}
@@ -214,6 +216,11 @@ def timed_rates(amx_steps: Callable[[int, bool, int], float], n: int, shapes: li
         for k, (fn, flops) in runs.items():
             out[k].append(flops / fn() / 1e12)
     return out
+
+
+def same_rep_median(rates: list[float], others: list[float]) -> float:
+    """The median over reps of ``rates`` over ``others`` taken in the same rep."""
+    return statistics.median(a / b for a, b in zip(rates, others, strict=True))
 
 
 def ceilings_at(roofline: dict[str, Any], scale: float) -> list[dict[str, Any]]:
@@ -260,18 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     onednn = {str(m): statistics.median(per_rep[f"onednn {m}"]) for m in rows}
     bound = per_rep["tiles_l1 all_threads"]
-    share = {
-        str(m): statistics.median(o / b for o, b in zip(per_rep[f"onednn {m}"], bound, strict=True))
-        for m in rows
-    }
+    share = {str(m): same_rep_median(per_rep[f"onednn {m}"], bound) for m in rows}
     citer_rows = [m for m in rows if f"citer {m}" in per_rep]
     citer = {str(m): statistics.median(per_rep[f"citer {m}"]) for m in citer_rows}
-    over = {
-        str(m): statistics.median(
-            c / o for c, o in zip(per_rep[f"citer {m}"], per_rep[f"onednn {m}"], strict=True)
-        )
-        for m in citer_rows
-    }
+    over = {str(m): same_rep_median(per_rep[f"citer {m}"], per_rep[f"onednn {m}"]) for m in citer_rows}
     report: dict[str, Any] = {
         "bench": "amx_peak",
         "cpu": cpu_kind(),
