@@ -152,6 +152,20 @@ def step_ops_on() -> bool:
     return _state.get("step_ops", True)
 
 
+def row_ops(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    """Whether a bf16 CPU call on ``x`` (and weight ``w``) may take the extension's row-wise ops (the RMS norm,
+    silu(gate) * up) outside a decode step: eager, without autograd, the step ops on and the kernel built."""
+    return (
+        x.dtype is torch.bfloat16
+        and x.device.type == "cpu"
+        and (w is None or w.dtype is torch.bfloat16)
+        and step_ops_on()
+        and not torch.compiler.is_compiling()
+        and not _needs_grad(x, w)
+        and available()
+    )
+
+
 def available() -> bool:
     """True when the bf16 kernel may serve this process's bf16 calls (:func:`_enabled`) and is built and loaded
     (building it on the first call that asks)."""

@@ -11,6 +11,7 @@
 #include "cpu_step_args.h"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -94,6 +95,15 @@ void check_bf16(const torch::Tensor& t, const char* what) {
               " must be bfloat16 on the CPU");
 }
 
+// Rows [0, M) of width `width` through f(m0, m1), split among the threads only for a prompt-sized call: a decode
+// step's rows (at most 32 x 8,192 elements) stay on one thread, where a fork costs more than it saves. Each row is
+// computed alone either way, so the split changes no bit.
+template <typename F>
+void rows_parallel(int64_t M, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 19) / std::max<int64_t>(width, 1));
+  at::parallel_for(0, M, grain, f);
+}
+
 }  // namespace
 
 // x (..., H) -> w * bf16(x * rsqrt(mean(x^2) + eps)): HF's RMSNorm on bf16 (statistics in float32), a row at a time.
@@ -109,21 +119,23 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor w, double eps) {
   const uint16_t* wp = (const uint16_t*)w.data_ptr();
   uint16_t* yp = (uint16_t*)y.data_ptr();
   const int64_t M = x.numel() / H;
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* xr = xp + m * H;
-    uint16_t* yr = yp + m * H;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < H; k += 16) {
-      const __m512 v = load16(xr + k, lanes(H - k));
-      acc = _mm512_fmadd_ps(v, v, acc);
+  rows_parallel(M, H, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* xr = xp + m * H;
+      uint16_t* yr = yp + m * H;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < H; k += 16) {
+        const __m512 v = load16(xr + k, lanes(H - k));
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)H + (float)eps));
+      for (int64_t k = 0; k < H; k += 16) {
+        const __mmask16 mk = lanes(H - k);
+        const __m512 n = round16(_mm512_mul_ps(load16(xr + k, mk), r));
+        store16(yr + k, _mm512_mul_ps(n, load16(wp + k, mk)), mk);
+      }
     }
-    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)H + (float)eps));
-    for (int64_t k = 0; k < H; k += 16) {
-      const __mmask16 mk = lanes(H - k);
-      const __m512 n = round16(_mm512_mul_ps(load16(xr + k, mk), r));
-      store16(yr + k, _mm512_mul_ps(n, load16(wp + k, mk)), mk);
-    }
-  }
+  });
   return y;
 }
 
@@ -139,17 +151,60 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
   const uint16_t* gp = (const uint16_t*)gu.data_ptr();
   uint16_t* yp = (uint16_t*)y.data_ptr();
   const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* g = gp + m * 2 * I;
-    const uint16_t* u = g + I;
-    uint16_t* yr = yp + m * I;
-    for (int64_t k = 0; k < I; k += 16) {
-      const __mmask16 mk = lanes(I - k);
-      const __m512 gv = load16(g + k, mk);
-      const __m512 s = round16(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-      store16(yr + k, _mm512_mul_ps(s, load16(u + k, mk)), mk);
+  rows_parallel(M, 2 * I, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* g = gp + m * 2 * I;
+      const uint16_t* u = g + I;
+      uint16_t* yr = yp + m * I;
+      for (int64_t k = 0; k < I; k += 16) {
+        const __mmask16 mk = lanes(I - k);
+        const __m512 gv = load16(g + k, mk);
+        const __m512 s = round16(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+        store16(yr + k, _mm512_mul_ps(s, load16(u + k, mk)), mk);
+      }
     }
-  }
+  });
+  return y;
+}
+
+// x (M, n, D), heads contiguous, rows at any stride (the queries' and keys' heads of a fused projection's output);
+// cos, sin (M, D) each row's RoPE row (sin's first half negated) -> (M, n, D): x * cos + roll(x, D/2) * sin per head,
+// each of the three ops rounded to bf16 as torch's are (citer.decoding.layers.rotate), so the same bits.
+torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_bf16: x must be (M, n, D), heads contiguous");
+  const int64_t M = x.size(0), n = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "rope_bf16: head_dim must be even and at most 512");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "rope_bf16: cos and sin must be (M, D)");
+  auto y = torch::empty({M, n, D}, x.options());
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint16_t* cp = (const uint16_t*)cos.data_ptr();
+  const uint16_t* sp = (const uint16_t*)sin.data_ptr();
+  uint16_t* yp = (uint16_t*)y.data_ptr();
+  rows_parallel(M, n * D, [&](int64_t m0, int64_t m1) {
+    alignas(64) uint16_t rolled[512];
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* c = cp + m * D;
+      const uint16_t* s = sp + m * D;
+      for (int64_t h = 0; h < n; ++h) {
+        const uint16_t* xh = xp + m * row + h * D;
+        uint16_t* out = yp + (m * n + h) * D;
+        std::copy(xh + half, xh + D, rolled);
+        std::copy(xh, xh + half, rolled + half);
+        for (int64_t j = 0; j < D; j += 16) {
+          const __mmask16 mj = lanes(D - j);
+          const __m512 a = round16(_mm512_mul_ps(load16(xh + j, mj), load16(c + j, mj)));
+          const __m512 r = round16(_mm512_mul_ps(load16(rolled + j, mj), load16(s + j, mj)));
+          store16(out + j, _mm512_add_ps(a, r), mj);
+        }
+      }
+    }
+  });
   return y;
 }
 
@@ -260,6 +315,7 @@ TORCH_LIBRARY_FRAGMENT(citer, m) {
       "bool tiles) -> Tensor");
   m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul_bf16(Tensor gu) -> Tensor");
+  m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def(
       "decode_attention_bf16(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kbuf, Tensor(b!) vbuf, Tensor rows, "
       "Tensor cols, Tensor? mask, int kv_len, int n_heads, int n_kv, float scale) -> Tensor");
@@ -267,6 +323,7 @@ TORCH_LIBRARY_FRAGMENT(citer, m) {
 TORCH_LIBRARY_IMPL(citer, CPU, m) {
   m.impl("rms_norm_bf16", &rms_norm_bf16);
   m.impl("silu_mul_bf16", &silu_mul_bf16);
+  m.impl("rope_bf16", &rope_bf16);
   m.impl("decode_attention_bf16", &decode_attention_bf16);
   m.impl("decode_layers_bf16", &decode_layers_bf16);
 }

@@ -1,7 +1,9 @@
 """One decoder layer's arithmetic as plain tensor ops, for the families the lean forward covers (Qwen2/Qwen2.5,
 Llama 3.x, Qwen3, Mistral without a window): the weights a layer reads, the norm, RoPE's rotation, the attention's
 input and output halves, and two forms of the attention itself. :mod:`citer.decoding.lean` runs them over an HF
-model's own weights; :mod:`citer.decoding.static_step` traces them into fixed-shape steps.
+model's own weights; :mod:`citer.decoding.static_step` traces them into fixed-shape steps. An eager bf16 call on a
+CPU runs the norm, RoPE's rotation and the gate as one C++ pass each (the decode step's ops, row by row:
+:func:`~citer.decoding.cpu_linear.row_ops`), where torch's ops would make several passes over a prompt's activations.
 Shapes: B = rows, T/Q = tokens per row, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from citer.decoding.cpu_linear import linear
+from citer.decoding.cpu_linear import linear, row_ops
 
 
 @dataclass
@@ -38,6 +40,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm."""
     if x.dtype == torch.float32:  # one fused op; in float32 the same arithmetic as HF's RMSNorm
         return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if row_ops(x, w):  # one pass over x, not five over a float32 copy; the sum of squares in another order
+        return torch.ops.citer.rms_norm_bf16(x, w, eps)
     # As HF's RMSNorm: statistics in float32 (the fused op is HF's arithmetic there, as above), the weight applied in
     # the input dtype.
     return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -45,7 +49,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` in four ops, not seven: rotate_half(x) = cat(-x2, x1) and
-    cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2), the sign moved onto the table (an exact negation)."""
+    cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2), the sign moved onto the table (an exact negation). x (B, T,
+    n, D), cos and signed_sin (B, T, 1, D) (or any leading dims so); a bf16 call takes the extension's one pass where
+    :func:`~citer.decoding.cpu_linear.row_ops` allows (the same three roundings: the same bits)."""
+    d = x.shape[-1]
+    one_pass = x.dim() > 2 and x.stride(-1) == 1 and x.stride(-2) == d and cos.shape == (*x.shape[:-2], 1, d)
+    if one_pass and d <= 512 and row_ops(x):
+        # a view where x's rows are evenly strided (a fused projection's heads)
+        rows = x.reshape(-1, x.shape[-2], d)
+        return torch.ops.citer.rope_bf16(rows, cos.reshape(-1, d), signed_sin.reshape(-1, d)).view(x.shape)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
@@ -129,5 +141,14 @@ def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: LayerWeights, eps: float) 
     """The rest of a layer: x (B, T, H) plus the output projection of the attention o (B, T, nh D), then the gated
     MLP's residual."""
     x = x + linear(o, L.wo, L.bo)
-    g, u = linear(rms_norm(x, L.ln2, eps), L.wgu, L.bgu).chunk(2, dim=-1)
-    return x + linear(F.silu(g) * u, L.wd, L.bd)
+    return x + linear(silu_mul(linear(rms_norm(x, L.ln2, eps), L.wgu, L.bgu)), L.wd, L.bd)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's ``F.silu(g) * u`` of gu (..., 2 I) = (g, u) -> (..., I); a bf16 call takes the extension's one
+    pass where :func:`~citer.decoding.cpu_linear.row_ops` allows (rounded where the two ops round; its exp is not
+    torch's, so about one element in 3,000 differs in the last bit)."""
+    if row_ops(gu):
+        return torch.ops.citer.silu_mul_bf16(gu)
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u

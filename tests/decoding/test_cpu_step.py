@@ -239,7 +239,12 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
 
     torch.manual_seed(1)
     x, w = torch.randn(3, 1, width).bfloat16(), (torch.rand(width) + 0.5).bfloat16()
-    got, ref = torch.ops.citer.rms_norm_bf16(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    cpu_linear.use_step_ops(False)  # the lean forward's torch ops
+    try:
+        ref = rms_norm(x, w, 1e-5)
+    finally:
+        cpu_linear.use_step_ops(True)
+    got = torch.ops.citer.rms_norm_bf16(x, w, 1e-5)
     assert got.dtype is torch.bfloat16
     # the statistics sum in another order: a value may round to the neighbouring bf16, no further
     assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2**-7).all()
@@ -249,6 +254,40 @@ def test_the_bf16_norm_and_gate_round_where_torchs_ops_do(width):
     got, ref = torch.ops.citer.silu_mul_bf16(gu), F.silu(g) * u
     assert (got.float() - ref.float()).abs().le(ref.float().abs() * 2**-6 + 1e-30).all()
     assert (got == ref).float().mean() > 0.95
+
+
+@needs_bf16_kernel
+def test_prompt_sized_bf16_norms_and_gates_take_the_ops_split_among_threads_row_by_row():
+    """The lean forward's norm and gate (citer.decoding.layers) take the C++ ops in an eager bf16 call: a call of
+    hundreds of rows, split among the threads, gives every row the bits of that row alone; under autograd, in
+    float32 or with the step ops off they stay torch's ops."""
+    from citer.decoding.layers import rms_norm, silu_mul
+
+    torch.manual_seed(2)
+    x, w = torch.randn(600, 2048).bfloat16(), (torch.rand(2048) + 0.5).bfloat16()
+    gu = (torch.randn(300, 4096) * 3).bfloat16()
+    with torch.inference_mode():
+        assert cpu_linear.row_ops(x, w) and cpu_linear.row_ops(gu)
+        assert not cpu_linear.row_ops(x.float()) and not cpu_linear.row_ops(x, w.float())
+        norms, gates = rms_norm(x, w, 1e-6), silu_mul(gu)
+        assert torch.equal(norms, torch.ops.citer.rms_norm_bf16(x, w, 1e-6))
+        assert torch.equal(gates, torch.ops.citer.silu_mul_bf16(gu))
+        for r in (0, 299, 599):
+            assert torch.equal(norms[r], torch.ops.citer.rms_norm_bf16(x[r : r + 1], w, 1e-6)[0])
+        for r in (0, 150, 299):
+            assert torch.equal(gates[r], torch.ops.citer.silu_mul_bf16(gu[r : r + 1])[0])
+    g, u = gu.chunk(2, dim=-1)
+    torch_gate, torch_norm = F.silu(g) * u, w * F.rms_norm(x.float(), (2048,), None, 1e-6).to(torch.bfloat16)
+    torch.testing.assert_close(norms, torch_norm, atol=0, rtol=2**-7)  # the sum of squares in another order
+    assert not cpu_linear.row_ops(gu.requires_grad_())
+    assert torch.equal(silu_mul(gu), torch_gate)
+    assert torch.equal(rms_norm(x, w.requires_grad_(), 1e-6), torch_norm)
+    cpu_linear.use_step_ops(False)
+    try:
+        with torch.inference_mode():
+            assert torch.equal(rms_norm(x, w, 1e-6), torch_norm)
+    finally:
+        cpu_linear.use_step_ops(True)
 
 
 @needs_bf16_kernel
@@ -365,3 +404,36 @@ def test_decode_attention_names_the_operand_at_fault(dtype, request):
     ]:
         with pytest.raises(RuntimeError, match=f"{name}: .*{says}"):
             call(**bad)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: per-head norms, its rotation on a copy
+def test_bf16_prompts_through_the_row_ops_rotate_bit_for_bit_and_follow_torchs_ops(family):
+    """A bf16 prompt call (many tokens a row) through the lean forward: RoPE's rotation by the extension's pass is
+    torch's three ops bit for bit, and the logits with the norms and gates on the C++ ops stay within bf16's rounding
+    of torch's ops."""
+    from citer.decoding.layers import rotate
+
+    torch.manual_seed(3)
+    qkv = torch.randn(2, 37, 4 + 2 * 2, 64).bfloat16()
+    cos, sin = torch.randn(2, 37, 1, 64).bfloat16(), torch.randn(2, 37, 1, 64).bfloat16()
+    qk = qkv[:, :, :6]  # the queries' and keys' heads: a view, rows strided past the values
+    with torch.inference_mode():
+        got = rotate(qk, cos, sin)
+    assert got.is_contiguous()
+    assert torch.equal(got, qk * cos + qk.roll(32, dims=-1) * sin)
+    model = build(family).bfloat16()
+    prompts = [[5 + r, 6, 7, 8, 9, 10, 11][: 4 + r] for r in range(3)]
+
+    def last_logits() -> torch.Tensor:
+        with torch.inference_mode():
+            logits, _ = ModelRunner(model).feed(KVPool(model, 3, 32), prompts)
+        return logits.float()
+
+    got = last_logits()
+    cpu_linear.use_step_ops(False)
+    try:
+        ref = last_logits()
+    finally:
+        cpu_linear.use_step_ops(True)
+    torch.testing.assert_close(got, ref, atol=0.025, rtol=0.01)
