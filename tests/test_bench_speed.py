@@ -295,7 +295,8 @@ def test_the_best_llm_only_decoder_is_the_fastest_at_any_precision(speed):
 def test_committed_cpu_reports_keep_their_targets(speed):
     """Every committed CPU report derives the targets it holds; reports written before llama.cpp ran quantized and
     batched (no ``precision``, no ``llama_cpp_quants``, llama.cpp at batch 1 only) apart from the llama.cpp ratios
-    added since."""
+    added since, and those written before the other engine settings' routed rows stood apart from the headline apart
+    from those rows' ratio."""
     report = sys.modules["bench.speed_report"]
     for name in ("bench_cpu.json", "bench_cpu_fp32.json"):
         rep = json.loads((REPO / "reports" / name).read_text())
@@ -304,6 +305,8 @@ def test_committed_cpu_reports_keep_their_targets(speed):
             fresh = again[pair]
             if not rep["settings"].get("llama_cpp_quants"):  # written before llama.cpp ran quantized
                 fresh = {k: v for k, v in fresh.items() if "llama_cpp" not in k}
+            if not any("other_routed" in k for k in held):  # written before the other settings' rows stood apart
+                fresh = {k: v for k, v in fresh.items() if "other_routed" not in k}
             assert fresh.keys() == held.keys(), (name, pair)
             for k, v in held.items():
                 assert fresh[k] == (pytest.approx(v) if isinstance(v, float) else v), (name, pair, k)
@@ -601,3 +604,16 @@ def test_an_engine_block_with_an_unknown_setting_is_refused():
         ).forward
         == "eager"
     )
+
+
+def test_the_headline_reads_the_params_routed_row_timed_in_turn_and_the_other_settings_apart(speed):
+    """A shared or overlapped row (timed in the next group, at other minutes) never makes the headline, however fast:
+    it has its own ratio, named with its variant."""
+    report = sys.modules["bench.speed_report"]
+    rows = [_row("hf_llm", 5.0), _row("engine_llm", 10.0), _row("routed_f0.1", 9.0), _row("shared_f0.1", 14.0),
+            _row("overlap_f0.1", 12.0)]  # fmt: skip
+    t = report.targets({"pairs": {"smollm2": {}}, "settings": {"fractions": [0.1]}, "rows": rows})["smollm2"]
+    assert t["b1_routed_f0.1_over_best_llm_only"] == pytest.approx(0.9)
+    assert t["b1_best_routed_f0.1"] == "routed_f0.1 (bf16)"
+    assert t["b1_other_routed_f0.1_over_best_llm_only"] == pytest.approx(1.4)
+    assert t["b1_best_other_routed_f0.1"] == "shared_f0.1 (bf16)"
