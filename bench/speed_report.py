@@ -468,7 +468,9 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
                     s[f"b{b}_best_routed_f0.1_ratio_to_ideal"] = top["ratio_to_ideal"]
                 if others:
                     other = max(others, key=lambda r: r["tokens_per_s"])
-                    s[f"b{b}_other_routed_f0.1_over_best_llm_only"] = other["tokens_per_s"] / best["tokens_per_s"]
+                    s[f"b{b}_other_routed_f0.1_over_best_llm_only"] = (
+                        other["tokens_per_s"] / best["tokens_per_s"]
+                    )
                     s[f"b{b}_best_other_routed_f0.1"] = label(other)
             elif routed and missing:
                 s[f"b{b}_routed_f0.1_over_best_llm_only"] = f"baseline missing: {', '.join(missing)}"
