@@ -95,6 +95,21 @@ void check_bf16(const torch::Tensor& t, const char* what) {
               " must be bfloat16 on the CPU");
 }
 
+// One head x (D) at a row's RoPE row c, s (D, s's first half negated) -> out: x * cos + roll(x, D/2) * sin, each of
+// the three ops rounded to bf16 as torch's are (citer.decoding.layers.rotate), so the same bits. D <= 512.
+inline void rotate_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t D, uint16_t* out) {
+  const int64_t half = D / 2;
+  alignas(64) uint16_t rolled[512];
+  std::copy(x + half, x + D, rolled);
+  std::copy(x, x + half, rolled + half);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 mj = lanes(D - j);
+    const __m512 a = round16(_mm512_mul_ps(load16(x + j, mj), load16(c + j, mj)));
+    const __m512 r = round16(_mm512_mul_ps(load16(rolled + j, mj), load16(s + j, mj)));
+    store16(out + j, _mm512_add_ps(a, r), mj);
+  }
+}
+
 // Rows [0, M) of width `width` through f(m0, m1), split among the threads only for a prompt-sized call: a decode
 // step's rows (at most 32 x 8,192 elements) stay on one thread, where a fork costs more than it saves. Each row is
 // computed alone either way, so the split changes no bit.
@@ -168,14 +183,13 @@ torch::Tensor silu_mul_bf16(torch::Tensor gu) {
 }
 
 // x (M, n, D), heads contiguous, rows at any stride (the queries' and keys' heads of a fused projection's output);
-// cos, sin (M, D) each row's RoPE row (sin's first half negated) -> (M, n, D): x * cos + roll(x, D/2) * sin per head,
-// each of the three ops rounded to bf16 as torch's are (citer.decoding.layers.rotate), so the same bits.
+// cos, sin (M, D) each row's RoPE row (sin's first half negated) -> (M, n, D): every head rotated (rotate_head).
 torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_bf16(x, "x");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_bf16: x must be (M, n, D), heads contiguous");
-  const int64_t M = x.size(0), n = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+  const int64_t M = x.size(0), n = x.size(1), D = x.size(2), row = x.stride(0);
   TORCH_CHECK(D % 2 == 0 && D <= 512, "rope_bf16: head_dim must be even and at most 512");
   cos = cos.contiguous();
   sin = sin.contiguous();
@@ -187,23 +201,8 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const uint16_t* sp = (const uint16_t*)sin.data_ptr();
   uint16_t* yp = (uint16_t*)y.data_ptr();
   rows_parallel(M, n * D, [&](int64_t m0, int64_t m1) {
-    alignas(64) uint16_t rolled[512];
-    for (int64_t m = m0; m < m1; ++m) {
-      const uint16_t* c = cp + m * D;
-      const uint16_t* s = sp + m * D;
-      for (int64_t h = 0; h < n; ++h) {
-        const uint16_t* xh = xp + m * row + h * D;
-        uint16_t* out = yp + (m * n + h) * D;
-        std::copy(xh + half, xh + D, rolled);
-        std::copy(xh, xh + half, rolled + half);
-        for (int64_t j = 0; j < D; j += 16) {
-          const __mmask16 mj = lanes(D - j);
-          const __m512 a = round16(_mm512_mul_ps(load16(xh + j, mj), load16(c + j, mj)));
-          const __m512 r = round16(_mm512_mul_ps(load16(rolled + j, mj), load16(s + j, mj)));
-          store16(out + j, _mm512_add_ps(a, r), mj);
-        }
-      }
-    }
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t h = 0; h < n; ++h) rotate_head(xp + m * row + h * D, cp + m * D, sp + m * D, D, yp + (m * n + h) * D);
   });
   return y;
 }
@@ -228,21 +227,8 @@ torch::Tensor decode_attention_bf16(torch::Tensor qkv, torch::Tensor cos, torch:
   const uint16_t* sp = (const uint16_t*)a.sin.data_ptr();
   uint16_t* kp = (uint16_t*)kbuf.data_ptr();
   uint16_t* vp = (uint16_t*)vbuf.data_ptr();
-  const int64_t width = (n_heads + 2 * n_kv) * D, half = D / 2, group = n_heads / n_kv;
-  // x * cos + roll(x, D/2) * signed sin, each of the three ops rounded to bf16 as torch's are
-  auto rotate = [&](const uint16_t* x, int64_t i, uint16_t* out) {
-    const uint16_t* c = cp + i * D;
-    const uint16_t* s = sp + i * D;
-    alignas(64) uint16_t rolled[512];
-    std::copy(x + half, x + D, rolled);
-    std::copy(x, x + half, rolled + half);
-    for (int64_t j = 0; j < D; j += 16) {
-      const __mmask16 mj = lanes(D - j);
-      const __m512 a = round16(_mm512_mul_ps(load16(x + j, mj), load16(c + j, mj)));
-      const __m512 r = round16(_mm512_mul_ps(load16(rolled + j, mj), load16(s + j, mj)));
-      store16(out + j, _mm512_add_ps(a, r), mj);
-    }
-  };
+  const int64_t width = (n_heads + 2 * n_kv) * D, group = n_heads / n_kv;
+  auto rotate = [&](const uint16_t* x, int64_t i, uint16_t* out) { rotate_head(x, cp + i * D, sp + i * D, D, out); };
   std::vector<uint16_t> q_rot(b * n_heads * D);
   for (int64_t i = 0; i < b; ++i) {
     const uint16_t* x = in + i * width;
