@@ -53,11 +53,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     n, D), cos and signed_sin (B, T, 1, D) (or any leading dims so); a bf16 call takes the extension's one pass where
     :func:`~citer.decoding.cpu_linear.row_ops` allows (the same three roundings: the same bits)."""
     d = x.shape[-1]
-    one_pass = x.dim() > 2 and x.stride(-1) == 1 and x.stride(-2) == d and cos.shape == (*x.shape[:-2], 1, d)
-    if one_pass and d <= 512 and row_ops(x):
-        # a view where x's rows are evenly strided (a fused projection's heads)
-        rows = x.reshape(-1, x.shape[-2], d)
-        return torch.ops.citer.rope_bf16(rows, cos.reshape(-1, d), signed_sin.reshape(-1, d)).view(x.shape)
+    # row_ops first: false while compiling, so a traced forward never guards on the layout checks after it
+    if row_ops(x) and x.dim() > 2 and d <= 512 and x.stride(-1) == 1 and x.stride(-2) == d:
+        if cos.shape == (*x.shape[:-2], 1, d):
+            # a view where x's rows are evenly strided (a projection's heads)
+            rows, c, s = x.reshape(-1, x.shape[-2], d), cos.reshape(-1, d), signed_sin.reshape(-1, d)
+            return torch.ops.citer.rope_bf16(rows, c, s).view(x.shape)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 

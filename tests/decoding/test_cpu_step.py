@@ -418,8 +418,9 @@ def test_bf16_prompts_through_the_row_ops_rotate_bit_for_bit_and_follow_torchs_o
     qkv = torch.randn(2, 37, 4 + 2 * 2, 64).bfloat16()
     cos, sin = torch.randn(2, 37, 1, 64).bfloat16(), torch.randn(2, 37, 1, 64).bfloat16()
     qk = qkv[:, :, :6]  # the queries' and keys' heads: a view, rows strided past the values
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.profiler.profile() as prof:
         got = rotate(qk, cos, sin)
+    assert "citer::rope_bf16" in {e.name for e in prof.events()}  # the op served
     assert got.is_contiguous()
     assert torch.equal(got, qk * cos + qk.roll(32, dims=-1) * sin)
     model = build(family).bfloat16()
