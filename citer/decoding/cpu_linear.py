@@ -153,8 +153,8 @@ def step_ops_on() -> bool:
 
 
 def row_ops(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
-    """Whether a bf16 CPU call on ``x`` (and weight ``w``) may take the extension's row-wise ops (the RMS norm,
-    silu(gate) * up) outside a decode step: eager, without autograd, the step ops on and the kernel built."""
+    """Whether a bf16 CPU call on ``x`` (and weight ``w``) may take the extension's row-wise ops (the RMS norm, RoPE's
+    rotation, silu(gate) * up) outside a decode step: eager, without autograd, the step ops on and the kernel built."""
     return (
         x.dtype is torch.bfloat16
         and x.device.type == "cpu"
