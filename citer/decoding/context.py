@@ -1,5 +1,5 @@
 """One forward call over a KV pool, laid out: :func:`prepare` builds its :class:`CallInput` for decode steps, padded
-catch-ups and packed catch-ups alike.
+catch-ups, packed catch-ups and catch-ups as a decode step of their tokens alike.
 
 A call feeds ``chunks[i]`` to pool slot ``slots[i]``. Padded, the chunks are right-padded to the longest (Q): pad
 queries repeat the row's last real position and write their keys to the pool's trash column, so they see exactly the
@@ -55,13 +55,17 @@ def prepare(
     lean: bool,
     float_mask: torch.dtype | None = None,
     in_place: bool = False,
+    tokens: bool = False,
 ) -> CallInput:
     """Lay out one call feeding ``chunks[i]`` to ``slots[i]`` (module docstring): a decode step (every chunk one token
     or empty), a padded call, or (``packed``) a packed one. ``lean``: the lean forward runs it (it attends a packed
     call per row, and a step whose rows all sit at the last column without a mask); ``float_mask``: the additive
     mask's dtype where HF's eager attention runs it; ``in_place``: named slots are attended where they lie, a run of
-    consecutive slots at a time (``PoolCall.runs``; the eager lean forward), not gathered."""
+    consecutive slots at a time (``PoolCall.runs``; the eager lean forward), not gathered; ``tokens``: the call as
+    a decode step of its tokens (:func:`_tokens`)."""
     gaps = [len(c) for c in chunks]
+    if tokens:
+        return _tokens(pool, chunks, slots, gaps, float_mask)
     if packed:
         inp = _packed(pool, chunks, slots, gaps, lean, float_mask)
         if lean and in_place:
@@ -194,4 +198,51 @@ def _packed(
         call,
         pick_all=(torch.zeros_like(every), every),
         scatter=(t["tok_row"], t["tok_j"], b, q),
+    )
+
+
+def _tokens(
+    pool: KVPool,
+    chunks: Sequence[Sequence[int]],
+    slots: list[int],
+    gaps: list[int],
+    float_mask: torch.dtype | None,
+) -> CallInput:
+    """The call as a decode step of its N tokens: each token is a row (N, 1) that writes its key to its row's slot at
+    its own position and attends that slot's columns up to it. A decode step's ops write every key of a layer before
+    any query reads (:func:`~citer.decoding.cpu_step.decode_layer`), so a chunk sees its own earlier tokens, and each
+    token's sums run as in a one-token step; elsewhere the named slots are gathered per token (correct, not fast).
+    Read like a packed call: ``last`` and ``pick_all`` index the token rows, ``scatter`` lays them out per row."""
+    dev = pool.device
+    b, q = len(chunks), max(gaps)
+    tok_row = [i for i, n in enumerate(gaps) for _ in range(n)]  # (N,) each token's row in the call
+    tok_j = [j for n in gaps for j in range(n)]  # (N,) its index within the row's chunk
+    # (5, N): ids, positions (= the columns written), slots, rows in the call, indices within the chunks
+    t = torch.tensor(
+        [
+            [x for c in chunks for x in c],
+            [pool.lengths[slots[i]] + j for i, j in zip(tok_row, tok_j, strict=True)],
+            [slots[i] for i in tok_row],
+            tok_row,
+            tok_j,
+        ],
+        dtype=torch.long,
+        device=dev,
+    )
+    kv_len = int(max(pool.lengths[s] + n for s, n in zip(slots, gaps, strict=True)))
+    allowed = torch.arange(kv_len, device=dev) <= t[1][:, None, None]  # (N, 1, K)
+    call = PoolCall(kv_len, rows=t[2][:, None], cols=t[1][:, None], slots=t[2])
+    last = (
+        torch.tensor(gaps, device=dev).cumsum(0) - 1
+    )  # (b,) each row's last token (a held row's: meaningless)
+    every = torch.arange(t.shape[1], device=dev)
+    return CallInput(
+        t[0][:, None],
+        t[1][:, None],
+        mask_as(allowed[:, None], float_mask),
+        kv_len,
+        (last, torch.zeros_like(last)),
+        call,
+        pick_all=(every, torch.zeros_like(every)),
+        scatter=(t[3], t[4], b, q),
     )

@@ -37,6 +37,11 @@ from citer.decoding.layers import HeadShape, LayerWeights
 # Elements of a layer's fused q/k/v weight from which its decode steps take the step ops (float32's kernel takes no
 # smaller weight either): below, a step's op count is not what bounds it, and torch's ops keep their bits.
 MIN_WEIGHT = cpu_linear.FP32_PACKED_MIN
+# Keys a call's queries read in all (each token its row's columns up to its own), up to which its chunks run as a bf16
+# decode step of their tokens (:func:`tokens_as_step`): each query then reads its row's keys alone, where the library
+# kernel reads them once for a block of queries, but the kernel's call per run of slots per layer, the pool's scatter
+# and the layer's separate norm and RoPE passes go (the bound measured in docs/results.md).
+TOKEN_STEP_KEYS = 8192
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,23 @@ def _plan(
     rows = L.wqkv.new_empty((ids.shape[0], max(w.shape[1] for w in weights)))
     kernels = {_kernel(w, rows[:, : w.shape[1]]) for w in weights}
     return step_ops(L.wqkv.dtype), (kernels.pop() if len(kernels) == 1 else None)
+
+
+def tokens_as_step(lean: Any, keys: int) -> bool:
+    """Whether a call over a pool whose queries read ``keys`` keys in all runs as a decode step of its tokens
+    (:func:`~citer.decoding.context.prepare`'s ``tokens``): a bf16 CPU model the step ops take, without autograd,
+    and ``keys`` within :data:`TOKEN_STEP_KEYS`. float32 keeps the library kernel's attention (its sums, so the
+    pipeline's records, stay as they were)."""
+    if keys > TOKEN_STEP_KEYS or not cpu_linear.step_ops_on() or torch.is_grad_enabled():
+        return False
+    L = lean.layers[0]
+    return (
+        L.wqkv.dtype is torch.bfloat16
+        and L.wqkv.device.type == "cpu"
+        and L.q_norm is None
+        and L.wqkv.numel() >= MIN_WEIGHT
+        and cpu_linear.available()
+    )
 
 
 def step_for(

@@ -3,8 +3,9 @@
 A runner belongs to one model in one engine and holds that engine's choice for it, ``forward`` (:data:`FORWARDS`):
 
 - ``"eager"``: the lean forward (:mod:`citer.decoding.lean`) where it covers the model's family, HF's modules
-  elsewhere; ragged calls, a float32 decode step's layers in citer's C++ step ops where the model's linears take the
-  AVX2 kernel (:mod:`citer.decoding.cpu_step`). The default, and what the pipeline's records are made with.
+  elsewhere; ragged calls, a decode step's layers in citer's C++ step ops where the model's linears take its
+  kernels (:mod:`citer.decoding.cpu_step`), and in bf16 a short catch-up too, as a decode step of its tokens. The
+  default, and what the pipeline's records are made with.
 - ``"hf"``: HF's modules always (the oracle the lean forward is tested against).
 - ``"compiled"``: the lean forward under ``torch.compile`` with dynamic sizes (:mod:`citer.decoding.compiled`), ragged
   calls; for long CPU runs, where the compile is paid once.
@@ -15,7 +16,7 @@ A runner belongs to one model in one engine and holds that engine's choice for i
 
 The choice is the runner's, not the model's: two engines over one model may run it differently.
 :meth:`ModelRunner.feed` is the engine's one call over a KV pool (:class:`~citer.decoding.kv_pool.KVPool`): rows
-whose caches lag by different gaps append in one forward call, padded or packed
+whose caches lag by different gaps append in one forward call, padded, packed or as one-token rows
 (:func:`~citer.decoding.context.prepare`). :meth:`ModelRunner.forward` is one causal pass, over a pool or not,
 returning the logits and the router's input.
 Shapes: b = rows in a call, Q = longest chunk, K = key columns, V = vocab, H = hidden.
@@ -224,7 +225,12 @@ class ModelRunner:
                 return static.decided(pool, chunks, *decide)
             return static(pool, chunks, sl, every=every)
         lean = self.lean
-        if packed is None:
+        # the keys the call's queries read: a row's token j reads its slot's columns up to its own
+        keys = sum(n * pool.lengths[s] + n * (n + 1) // 2 for s, n in zip(sl, gaps, strict=True))
+        tokens = q > 1 and lean is not None and self.compiled is None and cpu_step.tokens_as_step(lean, keys)
+        if tokens:
+            packed = True  # read back as a packed call's tokens are
+        elif packed is None:
             # The packed mask is (N, sum K_i): keep it small, so big prefills stay padded.
             n_keys = sum(pool.lengths[s] for s in sl) + sum(gaps)
             # Eager, packing costs a scatter and a gather of the queries per layer; padding costs the pad tokens'
@@ -246,6 +252,7 @@ class ModelRunner:
             lean=lean is not None,
             float_mask=self._float_mask(),
             in_place=self.compiled is None,
+            tokens=tokens,
         )
         out = self._run(
             pool, inp, every and not packed and q > 1, every and packed, decide if not every else None

@@ -424,11 +424,13 @@ def test_bf16_prompts_through_the_row_ops_rotate_bit_for_bit_and_follow_torchs_o
     assert got.is_contiguous()
     assert torch.equal(got, qk * cos + qk.roll(32, dims=-1) * sin)
     model = build(family).bfloat16()
-    prompts = [[5 + r, 6, 7, 8, 9, 10, 11][: 4 + r] for r in range(3)]
+    # beyond a decode step of their tokens (more key reads than TOKEN_STEP_KEYS): the lean forward's own layers
+    prompts = [[5 + r] + [6 + i % 50 for i in range(80 + r)] for r in range(3)]
+    assert sum(len(p) * (len(p) + 1) // 2 for p in prompts) > cpu_step.TOKEN_STEP_KEYS
 
     def last_logits() -> torch.Tensor:
         with torch.inference_mode():
-            logits, _ = ModelRunner(model).feed(KVPool(model, 3, 32), prompts)
+            logits, _ = ModelRunner(model).feed(KVPool(model, 3, 96), prompts)
         return logits.float()
 
     got = last_logits()
@@ -438,3 +440,60 @@ def test_bf16_prompts_through_the_row_ops_rotate_bit_for_bit_and_follow_torchs_o
     finally:
         cpu_linear.use_step_ops(True)
     torch.testing.assert_close(got, ref, atol=0.025, rtol=0.01)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_bf16_catch_ups_run_as_a_decode_step_of_their_tokens_and_give_each_rows_stepped_logits(
+    family, monkeypatch
+):
+    """Short bf16 chunks (a catch-up: named slots out of order, one row held) run as one decode step of their tokens,
+    through the step ops: every fed position's logits are those of the same rows fed a token a step, bit for bit
+    where the AMX tiles take both (a row's products do not depend on the call's other rows), and within bf16's
+    rounding of the library kernel's attention over the same call. Calls past TOKEN_STEP_KEYS, float32, per-head
+    norms and autograd keep the lean forward's layers."""
+    model = build(family).bfloat16()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    slots = [2, 0, 3, 1]
+    chunks = [[20, 21, 22], [], [23], [24, 25]]  # the second row held
+    seen = []
+    tokens_as_step = cpu_step.tokens_as_step
+    monkeypatch.setattr(cpu_step, "tokens_as_step", lambda *a: seen.append(tokens_as_step(*a)) or seen[-1])
+
+    def fed(mode: str) -> list[torch.Tensor]:
+        pool, runner = KVPool(model, 4, 32), ModelRunner(model)
+        with torch.inference_mode():
+            runner.feed(pool, prompts, slots=slots)
+            if mode == "stepped":
+                out = []
+                for j in range(3):
+                    step = [c[j : j + 1] for c in chunks]
+                    out.append(runner.feed(pool, step, slots=slots)[0].float())
+                return [out[j][i] for i, c in enumerate(chunks) for j in range(len(c))]
+            if mode == "library":
+                monkeypatch.setattr(cpu_step, "TOKEN_STEP_KEYS", 0)
+            seen.clear()
+            every = runner.feed(pool, chunks, slots=slots, every=True)[0].float()  # (b, Q, V)
+            monkeypatch.setattr(cpu_step, "TOKEN_STEP_KEYS", 8192)
+            assert seen == [mode == "tokens"]
+            return [every[i, j] for i, c in enumerate(chunks) for j in range(len(c))]
+
+    got, stepped, library = fed("tokens"), fed("stepped"), fed("library")
+    for a, b, c in zip(got, stepped, library, strict=True):
+        if cpu_linear.amx():
+            assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=0.025, rtol=0.01)
+        torch.testing.assert_close(a, c, atol=0.025, rtol=0.01)
+
+    lean = ModelRunner(model).lean
+    with torch.enable_grad():
+        assert not tokens_as_step(lean, 64)
+    with torch.no_grad():
+        assert tokens_as_step(lean, 8192) and not tokens_as_step(lean, 8193)
+        assert not tokens_as_step(ModelRunner(build(family)).lean, 64)  # float32: the library kernel's sums
+        assert not tokens_as_step(ModelRunner(build("qwen3").bfloat16()).lean, 64)  # per-head norms
+        cpu_linear.use_step_ops(False)
+        try:
+            assert not tokens_as_step(lean, 64)
+        finally:
+            cpu_linear.use_step_ops(True)
