@@ -163,8 +163,7 @@ def _packed(
 ) -> CallInput:
     dev = pool.device
     b, q = len(chunks), max(gaps)
-    tok_row = [i for i, n in enumerate(gaps) for _ in range(n)]  # (N,) each token's row in the call
-    tok_j = [j for n in gaps for j in range(n)]  # (N,) its index within the row's chunk
+    tok_row, tok_j = _token_index(gaps)
     starts = [pool.lengths[s] for s in slots]
     tok_pos = [starts[i] + j for i, j in zip(tok_row, tok_j, strict=True)]
     t = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in
@@ -187,8 +186,7 @@ def _packed(
         # Token n sees key k iff same row and k's column <= n's position: (N, sum K_i).
         allowed = (k_row[None, :] == t["tok_row"][:, None]) & (k_col[None, :] <= t["tok_pos"][:, None])
         mask = mask_as(allowed[None, None], float_mask)  # (1, 1, N, sum K_i)
-    last = torch.tensor(gaps, device=dev).cumsum(0) - 1  # (b,) index of each row's last token
-    every = torch.arange(len(tok_row), device=dev)
+    last, every = _read_index(gaps, dev)
     return CallInput(
         ids,
         t["tok_pos"][None],
@@ -215,8 +213,7 @@ def _tokens(
     Read like a packed call: ``last`` and ``pick_all`` index the token rows, ``scatter`` lays them out per row."""
     dev = pool.device
     b, q = len(chunks), max(gaps)
-    tok_row = [i for i, n in enumerate(gaps) for _ in range(n)]  # (N,) each token's row in the call
-    tok_j = [j for n in gaps for j in range(n)]  # (N,) its index within the row's chunk
+    tok_row, tok_j = _token_index(gaps)
     # (5, N): ids, positions (= the columns written), slots, rows in the call, indices within the chunks
     t = torch.tensor(
         [
@@ -232,10 +229,7 @@ def _tokens(
     kv_len = int(max(pool.lengths[s] + n for s, n in zip(slots, gaps, strict=True)))
     allowed = torch.arange(kv_len, device=dev) <= t[1][:, None, None]  # (N, 1, K)
     call = PoolCall(kv_len, rows=t[2][:, None], cols=t[1][:, None], slots=t[2])
-    last = (
-        torch.tensor(gaps, device=dev).cumsum(0) - 1
-    )  # (b,) each row's last token (a held row's: meaningless)
-    every = torch.arange(t.shape[1], device=dev)
+    last, every = _read_index(gaps, dev)
     return CallInput(
         t[0][:, None],
         t[1][:, None],
@@ -246,3 +240,14 @@ def _tokens(
         pick_all=(every, torch.zeros_like(every)),
         scatter=(t[3], t[4], b, q),
     )
+
+
+def _token_index(gaps: list[int]) -> tuple[list[int], list[int]]:
+    """Each fed token's row in the call and its index within that row's chunk: (N,) and (N,)."""
+    return [i for i, n in enumerate(gaps) for _ in range(n)], [j for n in gaps for j in range(n)]
+
+
+def _read_index(gaps: list[int], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a call of fed tokens is read: each row's last token (b,) (a held row's is meaningless) and every token
+    (N,), as indices into the N tokens."""
+    return torch.tensor(gaps, device=dev).cumsum(0) - 1, torch.arange(sum(gaps), device=dev)

@@ -72,22 +72,32 @@ def _kernel(w: torch.Tensor, x: torch.Tensor) -> Callable[..., torch.Tensor] | N
     return cpu_linear.bf16_kernel(x)
 
 
+def _model_takes_step_ops(lean: Any) -> bool:
+    """The checks of the model and the moment that every call taking the step ops passes: the ops are on, no
+    autograd (the ops have no backward, and write the pool without bumping its version), and the layers' weights
+    sit on the CPU, hold at least :data:`MIN_WEIGHT` elements and have no per-head norms (module docstring)."""
+    L = lean.layers[0]
+    return (
+        cpu_linear.step_ops_on()
+        and not torch.is_grad_enabled()
+        and L.wqkv.numel() >= MIN_WEIGHT
+        and L.q_norm is None
+        and L.wqkv.device.type == "cpu"
+    )
+
+
 def _plan(
     lean: Any, ids: torch.Tensor, mask: torch.Tensor | None, pool: Any, call: PoolCall | None
 ) -> tuple[StepOps, Callable[..., torch.Tensor] | None] | None:
     """(the step ops, the one kernel every product takes or None) where this call may take the step ops (module
     docstring), else None."""
-    if not cpu_linear.step_ops_on() or ids.shape[1] != 1 or pool is None or call is None:
-        return None
-    if torch.is_grad_enabled():  # the ops have no backward (and write the pool without bumping its version)
+    if ids.shape[1] != 1 or pool is None or call is None or not _model_takes_step_ops(lean):
         return None
     if call.varlen is not None or call.keys is not None:  # packed
         return None
     if mask is not None and mask.dtype != torch.bool:
         return None
     L = lean.layers[0]
-    if L.wqkv.numel() < MIN_WEIGHT or L.q_norm is not None or L.wqkv.device.type != "cpu":
-        return None
     one_row = L.wqkv.new_empty((1, L.wqkv.shape[1]))
     if L.wqkv.dtype is torch.float32:
         if lean.head_dim % 8 or cpu_linear.float32_path(one_row, L.wqkv) != "kernel":
@@ -105,14 +115,10 @@ def tokens_as_step(lean: Any, keys: int) -> bool:
     (:func:`~citer.decoding.context.prepare`'s ``tokens``): a bf16 CPU model the step ops take, without autograd,
     and ``keys`` within :data:`TOKEN_STEP_KEYS`. float32 keeps the library kernel's attention (its sums, so the
     pipeline's records, stay as they were)."""
-    if keys > TOKEN_STEP_KEYS or not cpu_linear.step_ops_on() or torch.is_grad_enabled():
-        return False
-    L = lean.layers[0]
     return (
-        L.wqkv.dtype is torch.bfloat16
-        and L.wqkv.device.type == "cpu"
-        and L.q_norm is None
-        and L.wqkv.numel() >= MIN_WEIGHT
+        keys <= TOKEN_STEP_KEYS
+        and _model_takes_step_ops(lean)
+        and lean.layers[0].wqkv.dtype is torch.bfloat16
         and cpu_linear.available()
     )
 

@@ -225,9 +225,12 @@ class ModelRunner:
                 return static.decided(pool, chunks, *decide)
             return static(pool, chunks, sl, every=every)
         lean = self.lean
-        # the keys the call's queries read: a row's token j reads its slot's columns up to its own
-        keys = sum(n * pool.lengths[s] + n * (n + 1) // 2 for s, n in zip(sl, gaps, strict=True))
-        tokens = q > 1 and lean is not None and self.compiled is None and cpu_step.tokens_as_step(lean, keys)
+        tokens = (
+            q > 1
+            and lean is not None
+            and self.compiled is None
+            and cpu_step.tokens_as_step(lean, _keys_read(pool, sl, gaps))
+        )
         if tokens:
             packed = True  # read back as a packed call's tokens are
         elif packed is None:
@@ -302,3 +305,8 @@ class ModelRunner:
         if self.lean is not None or self.model.config._attn_implementation == "sdpa":
             return None
         return self.model.get_input_embeddings().weight.dtype
+
+
+def _keys_read(pool: KVPool, slots: Sequence[int], gaps: Sequence[int]) -> int:
+    """The keys a call's queries read in all: a row's token j reads its slot's columns up to its own."""
+    return sum(n * pool.lengths[s] + n * (n + 1) // 2 for s, n in zip(slots, gaps, strict=True))
