@@ -28,9 +28,8 @@ from citer.decoding.choice import TopLogprobs, choose_token_tensor, token_logpro
 from citer.decoding.cost import CostMeter
 from citer.decoding.decide import Sampling, route
 from citer.decoding.llama_cpp_runner import LlamaCppModel
-from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Emitted, EngineInputError, Row, RowQueue, check_sampling, checked_max_rows
-from citer.decoding.verify import Verification, first_cuts
+from citer.decoding.verify import Verification, candidates, verdicts
 
 MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
 
@@ -218,33 +217,14 @@ class LlamaCppSession(RowQueue):
         self, rows: list[Row], flat: torch.Tensor, tok: dict[int, tuple[int, bool, TopLogprobs | None]]
     ) -> None:
         """Check each row's provisional tokens (and a check row's proposal) against the LLM's logits ``flat`` (N, V)
-        at every candidate position; cut a row at its first rejected token (the torch session's rule,
-        :func:`~citer.decoding.verify.first_cuts`). A forced row's last position is always the LLM's."""
-        owner: list[int] = []
-        proposed: list[int] = []
-        step_of: list[int] = []
-        for i, r in enumerate(rows):
-            for t in range(r.verified, len(r.seq) + 1):
-                owner.append(i)
-                step_of.append(t - r.prompt_len)
-                proposed.append(r.seq[t] if t < len(r.seq) else -1 if r.check is None else r.check)
-        rid = torch.tensor([rows[i].row_id for i in owner])
-        choice = choose_token_tensor(
-            flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), self.vocab_size
-        ).tolist()
-        logp = torch.log_softmax(cut_logits(flat, self.vocab_size).float(), dim=-1)  # (N, V)
-        cuts = first_cuts(logp, proposed, choice, owner, self.verify.rho, len(rows))
-        for r, n in zip(rows, cuts, strict=True):
+        at every candidate position, the torch session's rule (:func:`~citer.decoding.verify.verdicts`)."""
+        for r, v in zip(
+            rows, verdicts(rows, candidates(rows), flat, self.vocab_size, self.verify.rho), strict=True
+        ):
             self._checked.add(r.key)
-            if n < 0:  # every token passed, the check's proposal included: the SLM's token stands
-                assert r.check is not None
-                tok[r.key] = (r.check, False, r.check_lp)
-            else:
-                lp = token_logprobs(flat[n : n + 1], [choice[n]], [r.logprobs], self.vocab_size)[0]
-                tok[r.key] = (choice[n], True, lp)
-                t = step_of[n] + r.prompt_len
-                if t < len(r.seq):
-                    self._rewind(r, t)
+            tok[r.key] = (v.token, v.from_llm, v.logprob)
+            if v.cut is not None:
+                self._rewind(r, v.cut)
             r.check, r.check_lp = None, None
 
     def _rewind(self, r: Row, t: int) -> None:

@@ -46,9 +46,8 @@ from citer.decoding.choice import (
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter
-from citer.decoding.pairing import cut_logits
 from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, RowQueue, check_sampling
-from citer.decoding.verify import first_cuts
+from citer.decoding.verify import candidates, verdicts
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "SideStream", "check_sampling"]
 
@@ -400,46 +399,23 @@ class DecodeSession(RowQueue):
 
     def _verified(self, slots: list[int], rows: list[Row], logits: torch.Tensor) -> dict[int, int]:
         """Check each row's unverified tokens (and a check row's proposal) against the LLM's logits (k, Q, V) at every
-        caught-up position; cut a row at its first rejected token. A forced row's last position is always the
-        LLM's."""
+        caught-up position (:func:`~citer.decoding.verify.verdicts`); cut a row at its first rejected token."""
         e = self.e
-        # per candidate: its row, chunk position, token (-1: the LLM writes it) and step index
-        owner: list[int] = []
-        col: list[int] = []
-        proposed: list[int] = []
-        step_of: list[int] = []
-        for i, r in enumerate(rows):
-            for t in range(r.verified, len(r.seq) + 1):  # the token at seq index t, predicted at t - 1
-                owner.append(i)
-                col.append(t - 1 - r.llm_seen)
-                step_of.append(t - r.prompt_len)
-                proposed.append(r.seq[t] if t < len(r.seq) else -1 if r.check is None else r.check)
+        cands = candidates(rows)
         dev = logits.device
-        flat = logits[torch.tensor(owner, device=dev), torch.tensor(col, device=dev)]  # (N, V)
-        rid = torch.tensor([rows[i].row_id for i in owner], dtype=torch.long)
-        choice = choose_token_tensor(
-            flat, [rows[i].sampling for i in owner], rid, torch.tensor(step_of), e.vocab_size
-        ).tolist()
-        logp = torch.log_softmax(cut_logits(flat, e.vocab_size).float(), dim=-1)  # (N, V)
-        cuts = first_cuts(logp, proposed, choice, owner, e.verify.rho, len(rows))
+        at_row = torch.tensor([i for i, _ in cands], device=dev)
+        at_col = torch.tensor([t - 1 - rows[i].llm_seen for i, t in cands], device=dev)  # chunk index
+        found = verdicts(rows, cands, logits[at_row, at_col], e.vocab_size, e.verify.rho)
         out: dict[int, int] = {}
-        for i, (s, r) in enumerate(zip(slots, rows, strict=True)):
-            n = cuts[i]
+        for s, r, v in zip(slots, rows, found, strict=True):
             r.llm_seen = len(r.seq)
-            if n < 0:  # every token passed, the check's proposal included: the SLM's token stands
-                assert r.check is not None
-                out[s] = r.check
-                if r.check_lp is not None:
-                    self._lp[s] = r.check_lp
-            else:
-                out[s] = choice[n]
+            out[s] = v.token
+            if v.from_llm:
                 self._llm_wrote.add(s)
-                lp = token_logprobs(flat[n : n + 1], [choice[n]], [r.logprobs], e.vocab_size)[0]
-                if lp is not None:
-                    self._lp[s] = lp
-                t = step_of[n] + r.prompt_len
-                if t < len(r.seq):
-                    self._rewind(s, r, t)
+            if v.logprob is not None:
+                self._lp[s] = v.logprob
+            if v.cut is not None:
+                self._rewind(s, r, v.cut)
             r.check, r.check_lp = None, None
         return out
 
