@@ -59,7 +59,7 @@ from speed_report import (  # noqa: E402
 from citer.config import load_params  # noqa: E402
 from citer.decoding.baselines import RandomRouter  # noqa: E402
 from citer.decoding.call_rule import CallRule, call_rule  # noqa: E402
-from citer.decoding.llama_cpp_routed import routed_generate, solo_generate  # noqa: E402
+from citer.decoding.llama_cpp_engine import routed_generate, solo_generate  # noqa: E402
 from citer.decoding.llama_cpp_runner import LlamaCppModel, gguf_type_counts, missing  # noqa: E402
 from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402

@@ -80,7 +80,7 @@ def _bf16_copy(model: Any) -> Any:
 def llama_rows(path: Path, precision: str, tok: Any, prompts: list[list[int]], ref: list[list[int]], n: int
                ) -> dict[str, Any]:  # fmt: skip
     """llama.cpp on ``path``: teacher-forced top-1 (the reference fed a token at a time) and its greedy answers."""
-    from citer.decoding.llama_cpp_routed import solo_generate
+    from citer.decoding.llama_cpp_engine import solo_generate
     from citer.decoding.llama_cpp_runner import LlamaCppModel, gguf_type_counts
 
     length = max(len(p) for p in prompts) + n + 8

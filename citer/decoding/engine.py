@@ -42,14 +42,13 @@ from citer.decoding.pairing import (
 from citer.decoding.rows import (
     check_prompts,
     checked_llm_prefill,
-    checked_max_rows,
     checked_routing,
     engine_call_rule,
     engine_verification,
     eos_ids,
 )
 from citer.decoding.runner import FORWARDS, ModelRunner
-from citer.decoding.session import DecodeSession, EngineInputError, check_sampling
+from citer.decoding.session import DecodeSession, EngineInputError
 
 
 @dataclass
@@ -235,8 +234,6 @@ class RoutedEngine:
         self, *, max_rows: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
     ) -> DecodeSession:
         """A step-level scheduler over this engine: add rows at any time, step, collect tokens as they come."""
-        check_sampling(temperature, top_p)
-        max_rows = checked_max_rows(max_rows)
         return DecodeSession(self, max_rows=max_rows, temperature=temperature, top_p=top_p, seed=seed)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> GenerationResult:

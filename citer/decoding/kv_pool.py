@@ -142,6 +142,14 @@ class KVPool:
         del self.lengths[keep_n:]
         return moved
 
+    def room(self, columns: Sequence[int]) -> int:
+        """How many of the next rows, asking ``columns[i]`` tokens each, may be admitted now: all (the pool grows)."""
+        return len(columns)
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Slot ``slot`` keeps its first ``length`` columns (a verified row cut; later calls overwrite the rest)."""
+        self.lengths[slot] = length
+
     def ensure_capacity(self, columns: int) -> None:
         """Grow every slot to hold ``columns`` tokens (the trash column moves to the new end)."""
         if columns <= self.capacity:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,3 +334,132 @@ def _gguf_cost(path: Path, size: int, mtime_ns: int) -> ModelCost:
             f"{path}: no {arch}.block_count/attention.head_count/embedding_length to size its cache"
         )
     return ModelCost(weight_bytes=weight, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2)
+
+
+MAX_SEQUENCES = 256  # llama.cpp's limit on a context's sequence ids (LLAMA_MAX_SEQ); more rows take turns
+
+
+class LlamaCppPool:
+    """A session's slot table over one llama.cpp context, what :class:`~citer.decoding.kv_pool.KVPool` is to a torch
+    model: the live rows are slots 0..n-1, slot ``i`` holding the context's sequence id ``seq[i]``. Moving a row to
+    another slot renames its sequence id; no cache entry is copied. The context grows only while no row is live
+    (growing makes a new, empty one), to at least ``rows_hint`` rows; while rows are live, :meth:`room` admits only
+    rows that fit its free sequence ids and row length."""
+
+    def __init__(self, model: LlamaCppModel, rows_hint: int = 1) -> None:
+        self.model = model
+        self.rows_hint = min(MAX_SEQUENCES, max(1, rows_hint))
+        self.seq: list[int] = []
+        self._columns = 0  # the row length the next admission asks for
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each live slot holds."""
+        return [self.model.lengths[q] for q in self.seq]
+
+    def reset(self) -> None:
+        """Every row forgotten (the context kept)."""
+        self.model.reset()
+        self.seq = []
+
+    def room(self, columns: Sequence[int]) -> int:
+        """How many of the next rows, asking ``columns[i]`` tokens each, may be admitted now: any number (up to
+        :data:`MAX_SEQUENCES`) while no row is live, else those that fit the free sequence ids and the row length,
+        in order."""
+        if not self.seq:
+            return min(len(columns), MAX_SEQUENCES)
+        free = self.model.rows - len(self.seq)
+        n = 0
+        while n < min(free, len(columns)) and columns[n] <= self.model.row_tokens:
+            n += 1
+        return n
+
+    def ensure_capacity(self, columns: int) -> None:
+        """Rows of ``columns`` tokens for the next admission (the context grows there, if it must and may)."""
+        self._columns = max(self._columns, columns) if self.seq else columns
+
+    def add_slots(self, k: int) -> list[int]:
+        """Open ``k`` empty slots after the live ones, each on a free sequence id."""
+        m = self.model
+        if not self.seq and (k > m.rows or self._columns > m.row_tokens):
+            # powers of two: few context rebuilds
+            m.fit(max(k, self.rows_hint), 1 << max(self._columns - 1, 1).bit_length())
+        taken = set(self.seq)
+        free = [q for q in range(m.rows) if q not in taken][:k]
+        if len(free) < k or self._columns > m.row_tokens:
+            raise RuntimeError(
+                f"{m.path.name}: {k} more rows of {self._columns} tokens do not fit the context"
+            )
+        n = len(self.seq)
+        self.seq += free
+        return list(range(n, n + k))
+
+    def remove_slots(self, slots: Sequence[int]) -> dict[int, int]:
+        """Free ``slots`` (their sequences cleared); the live slots stay a prefix, the tail rows moving into the holes
+        as :meth:`KVPool.remove_slots` moves them. Returns ``{old_slot: new_slot}`` for the rows that moved."""
+        gone = set(slots)
+        for s in gone:
+            self.model.clear(self.seq[s])
+        keep_n = len(self.seq) - len(gone)
+        holes = sorted(s for s in gone if s < keep_n)
+        movers = [s for s in range(keep_n, len(self.seq)) if s not in gone]
+        moved = dict(zip(movers, holes, strict=True))
+        for a, b in moved.items():
+            self.seq[b] = self.seq[a]
+        del self.seq[keep_n:]
+        return moved
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Slot ``slot`` keeps its first ``length`` tokens (a verified row cut)."""
+        self.model.rewind(self.seq[slot], length)
+
+
+@dataclass
+class LlamaCppRunner:
+    """How one llama.cpp model's calls run in a :class:`~citer.decoding.session.DecodeSession`: the session's calls
+    (:meth:`feed`, as :class:`~citer.decoding.runner.ModelRunner` takes them) as decodes of the pool's sequences. No
+    compiled or captured steps. Counts its calls, the tokens they read and their seconds."""
+
+    static = None  # the torch runner's fixed-shape steps and compiled forward: none here
+    compiled = None
+    steps = None
+    calls: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def feed(
+        self,
+        pool: LlamaCppPool,
+        chunks: Sequence[Sequence[int]],
+        slots: Sequence[int] | None = None,
+        every: bool = False,
+        decide: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed ``chunks[i]`` to slot ``slots[i]`` (default: slot i) in one decode: the logits (b, V) after each row's
+        last token and the hidden states (b, H) (b, 0 where the context returns none); ``every``: the logits (b, Q,
+        V) at every fed position. An empty chunk holds its row (its outputs are zeros)."""
+        t0 = time.perf_counter()
+        slots = range(len(chunks)) if slots is None else slots
+        fed = {pool.seq[s]: [int(t) for t in c] for s, c in zip(slots, chunks, strict=True) if c}
+        at = [i for i, c in enumerate(chunks) if c]
+        m, b = pool.model, len(chunks)
+        if every:
+            logits, _ = m.feed_at(fed, {q: list(range(len(c))) for q, c in fed.items()})  # (N, V)
+            out = logits.new_zeros((b, max(len(c) for c in chunks), logits.shape[-1]))
+            n = 0
+            for i in at:
+                out[i, : len(chunks[i])] = logits[n : n + len(chunks[i])]
+                n += len(chunks[i])
+            res = (out, logits.new_zeros((b, 0)))
+        else:
+            logits, hidden = m.feed(fed)  # (k, V), (k, H) or None
+            full = logits.new_zeros((b, logits.shape[-1]))
+            full[at] = logits
+            h = logits.new_zeros((b, 0 if hidden is None else hidden.shape[-1]))
+            if hidden is not None:
+                h[at] = hidden
+            res = (full, h)
+        self.calls += 1
+        self.tokens += sum(len(c) for c in fed.values())
+        self.seconds += time.perf_counter() - t0
+        return res

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
@@ -46,7 +47,15 @@ from citer.decoding.choice import (
     token_logprobs,
 )
 from citer.decoding.cost import CostMeter
-from citer.decoding.rows import Emitted, Engine, EngineInputError, Row, RowQueue, check_sampling
+from citer.decoding.rows import (
+    Emitted,
+    Engine,
+    EngineInputError,
+    Row,
+    RowQueue,
+    check_sampling,
+    checked_max_rows,
+)
 from citer.decoding.verify import candidates, verdicts
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "SideStream", "check_sampling"]
@@ -111,8 +120,9 @@ class DecodeSession(RowQueue):
         top_p: float = 1.0,
         seed: int = 0,
     ) -> None:
+        check_sampling(temperature, top_p)
         self.e = engine
-        self.max_rows = max_rows
+        self.max_rows = checked_max_rows(max_rows)
         self.sampling = (float(temperature), float(top_p), int(seed))
         self.meter = CostMeter(engine.cost_slm, engine.cost_llm, 0, engine.gpu)
         # The engine's pools (kept across sessions, so captured steps keep their addresses), or this session's own
@@ -293,11 +303,13 @@ class DecodeSession(RowQueue):
     def _admit(self) -> None:
         room = self.room()
         n = len(self.queue) if room is None else min(room, len(self.queue))
+        caches = [c for c in (self.slm_pool, self.llm_pool) if c is not None]
+        columns = [r.prompt_len + r.max_new for r in islice(self.queue, n)]
+        n = min([n, *(c.room(columns) for c in caches)])
         new = [self.queue.popleft() for _ in range(n)]
         if not new:
             return
-        need = max(r.prompt_len + r.max_new for r in new)
-        caches = [c for c in (self.slm_pool, self.llm_pool) if c is not None]
+        need = max(columns[:n])
         for c in caches:
             c.ensure_capacity(need)
             slots = c.add_slots(len(new))
@@ -426,7 +438,7 @@ class DecodeSession(RowQueue):
         self.meter.rolled_back([r.key], [len(r.seq) - t])
         del r.pending[t - r.verified :]  # before seq: ``verified`` is derived from both
         del r.seq[t:]
-        self.slm_pool.lengths[s] = t
         assert self.llm_pool is not None
-        self.llm_pool.lengths[s] = t
+        for c in (self.slm_pool, self.llm_pool):
+            c.rewind(s, t)
         r.llm_seen = t

@@ -78,7 +78,7 @@ def test_llama_cpp_reads_the_converted_file_as_transformers_runs_it(pair):
     "router", [AlwaysSLM(), AlwaysLLM(), RandomRouter(0.3, seed=0)], ids=lambda r: type(r).__name__
 )
 def test_routed_run_writes_the_torch_engines_tokens(pair, router):
-    from citer.decoding.llama_cpp_routed import routed_generate
+    from citer.decoding.llama_cpp_engine import routed_generate
 
     _, slm, llm, slm_path, llm_path = pair
     prompts = _prompts(3)
@@ -97,7 +97,7 @@ def test_routed_run_writes_the_torch_engines_tokens(pair, router):
 
 
 def test_rows_in_a_batch_write_what_they_write_alone_sampled_too(pair):
-    from citer.decoding.llama_cpp_routed import routed_generate
+    from citer.decoding.llama_cpp_engine import routed_generate
 
     _, _, _, slm_path, llm_path = pair
     prompts = _prompts(3)
@@ -113,7 +113,7 @@ def test_rows_in_a_batch_write_what_they_write_alone_sampled_too(pair):
 
 
 def test_solo_decoding_is_the_routed_run_at_either_end(pair):
-    from citer.decoding.llama_cpp_routed import routed_generate, solo_generate
+    from citer.decoding.llama_cpp_engine import routed_generate, solo_generate
 
     _, _, _, slm_path, llm_path = pair
     prompts = _prompts(3)
@@ -126,7 +126,7 @@ def test_solo_decoding_is_the_routed_run_at_either_end(pair):
 
 
 def test_a_row_ends_at_eos_and_the_others_go_on(pair):
-    from citer.decoding.llama_cpp_routed import solo_generate
+    from citer.decoding.llama_cpp_engine import solo_generate
 
     _, _, _, slm_path, _ = pair
     prompts = _prompts(2)
@@ -140,7 +140,7 @@ def test_a_row_ends_at_eos_and_the_others_go_on(pair):
 
 
 def test_llama_cpp_quantized_files_run_the_routed_path(pair, tmp_path):
-    from citer.decoding.llama_cpp_routed import routed_generate
+    from citer.decoding.llama_cpp_engine import routed_generate
     from citer.decoding.llama_cpp_runner import gguf_type_counts
     from citer.models.to_gguf import quantize_gguf
 
@@ -164,7 +164,7 @@ def test_llama_cpp_quantized_files_run_the_routed_path(pair, tmp_path):
 def test_bad_inputs_fail_with_a_clear_message(pair, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from citer.decoding.llama_cpp_routed import routed_generate
+    from citer.decoding.llama_cpp_engine import routed_generate
     from citer.decoding.llama_cpp_runner import LlamaCppModel
     from citer.models.to_gguf import quantize_gguf, write_gguf
 
@@ -186,7 +186,8 @@ def test_bad_inputs_fail_with_a_clear_message(pair, tmp_path):
     with s, lm:
         with pytest.raises(
             EngineInputError,
-            match="prompt: 250 tokens \\+ max_new_tokens 12 exceed the models' 256 positions",
+            match=r"prompts\[0\]: 250 tokens is longer than the slm context allows \(max_position_embeddings 256 - "
+            r"max_new_tokens 12 = 244\)",
         ):
             routed_generate(s, lm, [[5] * 250], AlwaysSLM(), 0.5, NEW)
         with pytest.raises(ValueError, match="must return hidden states"):

@@ -217,7 +217,8 @@ def test_a_second_live_session_decodes_on_contexts_of_its_own(answering_pair, gg
     prompts = _prompts(p.tok, 4)
     want = eng.generate_batch(prompts, 10).tokens
     first, second = eng.session(), eng.session()
-    assert second.slm is not first.slm and second.slm._model is first.slm._model  # the weights loaded once
+    mine, theirs = first.slm_pool.model, second.slm_pool.model
+    assert theirs is not mine and theirs._model is mine._model  # the weights loaded once
     keys = [(first, first.add(q, 10, row_id=i)) if i % 2 == 0 else (second, second.add(q, 10, row_id=i))
             for i, q in enumerate(prompts)]  # fmt: skip
     out: dict[tuple[int, int], list[int]] = {}
@@ -239,7 +240,7 @@ def test_a_failed_call_leaves_the_engine_its_contexts(answering_pair, gguf_cache
         eng.generate_batch(prompts, 6)
     router.fail = False
     sess = eng.session()
-    assert sess.slm is eng.slm and sess.llm is eng.llm and failed.value is not None
+    assert sess.slm_pool.model is eng.slm and sess.llm_pool.model is eng.llm and failed.value is not None
     sess.closed = True
     torch_eng = RoutedEngine(p.slm, p.llm, router, 0.5, p.tok.eos_token_id, vocab_size=len(p.tok))
     assert eng.generate_batch(prompts, 6).tokens == torch_eng.generate_batch(prompts, 6).tokens
@@ -357,7 +358,7 @@ def test_tau_and_the_oracle_come_from_the_runners_own_slm(answering_pair, gguf_c
 
 
 def test_more_rows_than_llama_cpp_has_sequence_ids_take_turns(answering_pair, gguf_cache, monkeypatch):
-    import citer.decoding.llama_cpp_routed as lcr
+    import citer.decoding.llama_cpp_runner as lcr
 
     p = answering_pair
     eng = _engine(p, RandomRouter(0.3, seed=4), gguf_cache)

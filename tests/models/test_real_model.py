@@ -192,7 +192,7 @@ def test_llama_cpp_runner_writes_the_engines_float32_tokens_and_8_bit_keeps_most
     # greedy tokens exactly (batched, a row ending at EOS while the others go on); llama.cpp's own Q8_0 of it within
     # the 95% teacher-forced top-1 agreement (measured 96.5% over bench/real_model_agreement.py's 12
     # questions).
-    from citer.decoding.llama_cpp_routed import solo_generate
+    from citer.decoding.llama_cpp_engine import solo_generate
     from citer.decoding.llama_cpp_runner import LlamaCppModel, missing
     from citer.models.to_gguf import gguf_for
 
