@@ -1,6 +1,9 @@
 """One model on llama.cpp's CPU kernels (AVX2, AVX-512, AMX; any GGUF type it runs: F32, BF16, Q8_0, Q4_K_M, Q4_0,
 ...): a context of one sequence id per row, fed the rows' new tokens in one batched decode and read back as the last
-token's logits, and, for the SLM, its final-norm hidden state, the vector a router reads.
+token's logits, and, for the SLM, its final-norm hidden state, the vector a router reads (:class:`LlamaCppModel`).
+In a :class:`~citer.decoding.session.DecodeSession` a context is the session's slot table (:class:`LlamaCppPool`: the
+live rows' sequence ids) and :class:`LlamaCppRunner` runs the session's calls on it, as
+:class:`~citer.decoding.runner.ModelRunner` runs a torch model's over a :class:`~citer.decoding.kv_pool.KVPool`.
 
 ``llama-cpp-python`` is an optional dependency (built from source: ``CITER_LLAMA_CPP=1 bash scripts/setup.sh``);
 :func:`missing` says in one line why it cannot run here.

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from citer.decoding.baselines import AlwaysSLM
 from citer.decoding.call_rule import CallRule, StepTimes, call_rule
@@ -24,10 +23,11 @@ from citer.decoding.verify import Verification, VerificationError
 
 
 class Engine(Protocol):
-    """What a session needs of :class:`~citer.decoding.engine.RoutedEngine` (which builds sessions)."""
+    """What a session needs of an engine: :class:`~citer.decoding.engine.RoutedEngine` (torch models) or
+    :class:`~citer.decoding.llama_cpp_engine.LlamaCppEngine` (GGUF models on llama.cpp)."""
 
-    slm: nn.Module
-    llm: nn.Module | None
+    slm: Any  # the models: nn.Module, or llama_cpp_runner.LlamaCppModel
+    llm: Any
     tau: float
     eos: set[int]
     vocab_size: int
@@ -39,7 +39,7 @@ class Engine(Protocol):
     llm_prefill: str
     overlap: bool
     verify: Verification
-    slm_runner: Any  # citer.decoding.runner.ModelRunner: how each model's calls run
+    slm_runner: Any  # how each model's calls run: runner.ModelRunner, or llama_cpp_runner.LlamaCppRunner
     llm_runner: Any
 
     def check_prompts(
