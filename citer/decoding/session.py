@@ -56,7 +56,7 @@ from citer.decoding.rows import (
     check_sampling,
     checked_max_rows,
 )
-from citer.decoding.verify import candidates, verdicts
+from citer.decoding.verdict import candidates, verdicts
 
 __all__ = ["DecodeSession", "Emitted", "Engine", "EngineInputError", "SideStream", "check_sampling"]
 
@@ -411,7 +411,7 @@ class DecodeSession(RowQueue):
 
     def _verified(self, slots: list[int], rows: list[Row], logits: torch.Tensor) -> dict[int, int]:
         """Check each row's unverified tokens (and a check row's proposal) against the LLM's logits (k, Q, V) at every
-        caught-up position (:func:`~citer.decoding.verify.verdicts`); cut a row at its first rejected token."""
+        caught-up position (:func:`~citer.decoding.verdict.verdicts`); cut a row at its first rejected token."""
         e = self.e
         cands = candidates(rows)
         dev = logits.device
