@@ -72,6 +72,17 @@ def write_and_read(
     return kbuf[:, :, : call.kv_len].index_select(0, slots), vbuf[:, :, : call.kv_len].index_select(0, slots)
 
 
+def compaction(n_live: int, slots: Sequence[int]) -> tuple[int, dict[int, int]]:
+    """Which rows move when ``slots`` of the ``n_live`` live slots 0..n_live-1 are freed, so the live ones stay a
+    prefix: each row past the new end fills a hole (one move per hole, not a compaction of every row). Returns the
+    new live count and ``{old_slot: new_slot}`` (every pool's ``remove_slots``)."""
+    gone = set(slots)
+    keep_n = n_live - len(gone)
+    holes = sorted(s for s in gone if s < keep_n)
+    movers = [s for s in range(keep_n, n_live) if s not in gone]
+    return keep_n, dict(zip(movers, holes, strict=True))
+
+
 class KVPool:
     """Per layer a (R, kv_heads, capacity + 1, head_dim) buffer; slot r holds ``lengths[r]`` columns, and the last
     column is the trash column a padded call's pad keys go to (padded and packed calls: :mod:`citer.decoding.context`).
@@ -125,12 +136,7 @@ class KVPool:
     def remove_slots(self, slots: Sequence[int]) -> dict[int, int]:
         """Free ``slots``; the active slots stay a prefix by moving tail rows into the holes (one row copy per hole,
         not a compaction of every row). Returns ``{old_slot: new_slot}`` for the rows that moved."""
-        gone = set(slots)
-        n = len(self.lengths)
-        keep_n = n - len(gone)
-        holes = sorted(s for s in gone if s < keep_n)
-        movers = [s for s in range(keep_n, n) if s not in gone]
-        moved = dict(zip(movers, holes, strict=True))
+        keep_n, moved = compaction(len(self.lengths), slots)
         if moved:
             src = torch.tensor(list(moved), dtype=torch.long)
             dst = torch.tensor(list(moved.values()), dtype=torch.long)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from citer.decoding.cost import ModelCost
+from citer.decoding.kv_pool import compaction
 from citer.models.gguf import GgufError
 
 
@@ -400,13 +401,9 @@ class LlamaCppPool:
     def remove_slots(self, slots: Sequence[int]) -> dict[int, int]:
         """Free ``slots`` (their sequences cleared); the live slots stay a prefix, the tail rows moving into the holes
         as :meth:`KVPool.remove_slots` moves them. Returns ``{old_slot: new_slot}`` for the rows that moved."""
-        gone = set(slots)
-        for s in gone:
+        for s in set(slots):
             self.model.clear(self.seq[s])
-        keep_n = len(self.seq) - len(gone)
-        holes = sorted(s for s in gone if s < keep_n)
-        movers = [s for s in range(keep_n, len(self.seq)) if s not in gone]
-        moved = dict(zip(movers, holes, strict=True))
+        keep_n, moved = compaction(len(self.seq), slots)
         for a, b in moved.items():
             self.seq[b] = self.seq[a]
         del self.seq[keep_n:]
