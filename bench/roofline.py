@@ -54,7 +54,7 @@ set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from speed_report import build_pair, cpu_times, others_cpu_share, write_report  # noqa: E402
+from speed_report import build_pair, cpu_precision, cpu_times, others_cpu_share, write_report  # noqa: E402
 
 from citer.config import load_params  # noqa: E402
 from citer.config.serving import EngineParams  # noqa: E402
@@ -182,7 +182,8 @@ def measure_batch(pair: Any, batch: int, prompt_len: int, new: int, f: float, re
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="smollm2")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--dtype", default=cpu_precision(), choices=["bf16", "fp32"],
+                    help="default: the CPU's winning precision (bf16 with bf16 products, else fp32)")  # fmt: skip
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)

@@ -275,6 +275,7 @@ from bench.speed_report import (  # noqa: E402
     SPECS,
     BenchRun,
     build_pair,
+    cpu_precision,
     derive_timings,
     gpu_name,
     n_params,
@@ -509,7 +510,11 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--pairs", default="", help=f"comma list of {sorted(PAIRS)} (default: per device)")
-    ap.add_argument("--dtypes", default="", help="bf16,fp32 (default: bf16 on cuda, both on cpu)")
+    ap.add_argument(
+        "--dtypes",
+        default="",
+        help="bf16,fp32 (default: bf16 on cuda; on cpu both, the CPU's winning one first)",
+    )
     ap.add_argument("--batches", type=_ints, default=None, help="default: 1,32 on cuda, 1,8 on cpu")
     ap.add_argument("--fractions", type=_floats, default=[0.1], help="random router LLM probabilities")
     ap.add_argument("--overlap-fractions", type=_floats, default=None,
@@ -553,7 +558,7 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
                     help="seconds; later measurements are skipped (default: 480 on cuda, 3600 on cpu, 360 with --quick)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of every path")
     ap.add_argument("--quick", action="store_true",
-                    help="cpu: two reps, bf16, no transformers compile (a rerun of the headline in <= 6 min)")  # fmt: skip
+                    help="cpu: two reps, the CPU's winning precision (bf16 with bf16 products, else fp32), no transformers compile (a rerun of the headline in <= 6 min)")  # fmt: skip
     ap.add_argument("--plan", action="store_true", help="print what the run compiles and how long it takes")
     ap.add_argument("--plan-script", nargs="+", default=None, metavar="ARGS",
                     help="the plan of several runs (each one quoted argument string) plus the CUDA tests")  # fmt: skip
@@ -567,8 +572,12 @@ def parse_args(argv: list[str] | None = None, plan_only: bool = False) -> argpar
     a.pairs = [p for p in a.pairs.split(",") if p] or (
         ["tiny"] if a.tiny else ["0.5b-7b"] if cuda else ["smollm2"]
     )
+    # A CPU's headline is in the precision that wins there (bf16 needs bf16 products): measured first, and alone
+    # with --quick, so a short budget never spends itself on the slow one.
+    win = cpu_precision()
+    cpu_dtypes = [win] if a.quick else sorted(DTYPES, key=lambda d: d != win)
     a.dtypes = [d for d in a.dtypes.split(",") if d] or (
-        ["bf16"] if cuda or a.quick else ["fp32"] if a.tiny else ["bf16", "fp32"]
+        ["bf16"] if cuda else ["fp32"] if a.tiny else cpu_dtypes
     )
     a.batches = a.batches or ([1, 32] if cuda else [1, 8])
     a.new_tokens = a.new_tokens or (64 if cuda else 32)

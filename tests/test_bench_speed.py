@@ -355,6 +355,36 @@ def test_llama_cpp_settings_default_to_three_quantized_types_at_every_batch(spee
     assert a.llama_cpp_quants == [] and a.llama_cpp_batches == []
 
 
+@pytest.fixture
+def host_flags(monkeypatch, tmp_path):
+    """Make this process's CPU one listing ``flags`` (the real /proc/cpuinfo reader over a file of that text)."""
+    from citer.ops import cpu
+
+    def use(flags: str) -> None:
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: {flags}\n\n")
+        monkeypatch.setattr(cpu, "CPUINFO", info)
+        cpu.host_cpu.cache_clear()
+
+    yield use
+    monkeypatch.undo()
+    cpu.host_cpu.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("flags", "win"),
+    [("avx2 fma", "fp32"), ("avx2 fma avx512f avx512_bf16", "bf16"), ("avx2 amx_tile amx_bf16", "bf16")],
+)
+def test_the_cpu_headline_runs_in_the_precision_that_wins_on_the_host(speed, host_flags, flags, win):
+    host_flags(flags)
+    assert speed.parse_args(["--device", "cpu", "--quick", "--out", "x.json"]).dtypes == [win]
+    both = speed.parse_args(["--device", "cpu", "--out", "x.json"]).dtypes
+    assert both[0] == win and sorted(both) == ["bf16", "fp32"]
+    assert speed.parse_args(["--device", "cpu", "--quick", "--dtypes", "bf16", "--out", "x.json"]).dtypes == [
+        "bf16"
+    ]
+
+
 def test_a_python_without_llama_cpp_skips_its_rows_with_one_line(speed, tmp_path):
     out = tmp_path / "r.json"
     argv = ["--tiny", "--pairs", "tiny-llama", "--batches", "1", "--new-tokens", "2", "--prompt-len", "3", "--reps",
