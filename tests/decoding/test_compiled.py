@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import spread_router
 from test_lean import FAMILIES, PROMPTS, build
 
 from citer.decoding.compiled import compiled_hidden
@@ -21,8 +22,6 @@ pytestmark = pytest.mark.slow
 
 
 def _generate(slm, llm, prompts, n, forward="eager"):
-    from conftest import spread_router
-
     eng = RoutedEngine(slm, llm, spread_router(32), tau=0.5, forward=forward)
     res = eng.generate_batch(prompts, n)
     return res.tokens, res.from_llm, eng.forward_paths
@@ -170,8 +169,6 @@ class _ReadingRouter(torch.nn.Module):
 def test_a_compiled_step_decides_in_its_graph_as_the_eager_engine_does(temperature):
     """An MLP router (greedy and sampled rows): the decided compiled steps route the eager engine's tokens. A router
     that reads the host is tried once, warned about and decided eagerly, with the same tokens."""
-    from conftest import spread_router
-
     slm, llm = build("qwen2", seed=7, hidden=32, layers=1), build("qwen2", seed=8, hidden=64, layers=2)
     prompts = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 10]]
     with torch.inference_mode():

@@ -20,6 +20,11 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 900) -> s
     return res
 
 
+def stages_run(output: str) -> set[str]:
+    """The stages a ``dvc repro`` or ``dvc exp run`` output says it ran (its ``Running stage 'name':`` lines)."""
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage")}
+
+
 @pytest.fixture()
 def dvc_project(tmp_path, prefect_server):
     from prefect.settings import PREFECT_API_URL
@@ -73,7 +78,7 @@ def test_dvc_repro_noop_and_experiment(dvc_project):
     changed["router"]["lr"] = 0.002
     (root / "params.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
     dry = run([*dvc, "repro", "--dry"], root, env).stdout
-    would = {line.split("'")[1] for line in dry.splitlines() if line.startswith("Running stage")}
+    would = stages_run(dry)
     assert would == {"iterate"}, dry  # the one stage that owns labels and routers; it keeps the label sets
     assert not would & {"synth", "validate", "bootstrap_models", "finetune_slm", "eval_models"}, dry
     (root / "params.yaml").write_text(params)
@@ -83,6 +88,6 @@ def test_dvc_repro_noop_and_experiment(dvc_project):
     # A param of the last stage (the dry run above showed a router param's reach): the temp copy reruns the stages
     # whose outputs are not cached (synth, bootstrap, finetune) and this one, not the label iterations.
     exp = run([*dvc, "exp", "run", "--temp", "-S", "inference.max_new_tokens=16"], root, env, timeout=1500)
-    ran = {line.split("'")[1] for line in (exp.stdout + exp.stderr).splitlines() if "Running stage" in line}
+    ran = stages_run(exp.stdout + exp.stderr)
     assert "batch_inference" in ran and "iterate" not in ran, exp.stdout + exp.stderr
     assert (root / "params.yaml").read_text() == params  # --temp leaves the workspace alone
