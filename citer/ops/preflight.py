@@ -9,10 +9,12 @@ one line (:class:`PreflightError`), each by its params key and path.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from citer.config import DEVICE_STRATEGIES
+from citer.ops.exp_copy import link_workspace_inputs, workspace_of
 from citer.project import Project
 
 
@@ -63,37 +65,51 @@ def _local(proj: Project, ref: str) -> bool:
     under a directory of the project (``models/mine`` with ``models/``)."""
     if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
         return True
-    return (proj.root / Path(ref).parts[0]).is_dir() if ref else False
+    if not ref:
+        return False
+    # an experiment's copy may lack the directory itself (git-ignored): the workspace it was made from decides
+    roots = [proj.root, workspace_of(proj.root)]
+    return any(r is not None and (r / Path(ref).parts[0]).is_dir() for r in roots)
 
 
-def path_problems(proj: Project) -> list[str]:
-    """Model directories and data files that params rely on and that no stage of this run will write."""
+def user_inputs(proj: Project) -> list[tuple[str, str, str]]:
+    """The model directories and data files that params rely on and that no stage of this run will write, each as
+    (params key, ref, "dir" or "file")."""
     p = proj.params
     out = []
     if not p.bootstrap.enabled:
-        for key in ("slm", "llm"):
-            ref = getattr(p.models, key)
-            if _local(proj, ref) and not proj.path(ref).is_dir():
-                out.append(
-                    f"bootstrap.enabled is false but models.{key}={ref} is not a directory ({proj.path(ref)})"
-                )
+        refs = [(k, getattr(p.models, k)) for k in ("slm", "llm")]
+        out += [(f"models.{k}", ref, "dir") for k, ref in refs if _local(proj, ref)]
     if not p.synth.enabled:
-        for key in ("train", "dev", "test"):
-            ref = getattr(p.data, key)
-            if not proj.path(ref).is_file():
-                out.append(f"synth.enabled is false but data.{key}={ref} does not exist ({proj.path(ref)})")
-        for i, (ref, _fmt) in enumerate(p.validate_.files):
-            if not proj.path(ref).is_file():
-                out.append(f"validate.files[{i}]={ref} does not exist")
-    if p.inference.input is not None and not proj.path(p.inference.input).is_file():
-        out.append(f"inference.input={p.inference.input} does not exist ({proj.path(p.inference.input)})")
-    if p.finetune.enabled and p.finetune.deepspeed and not proj.path(p.finetune.deepspeed_config).is_file():
-        out.append(f"finetune.deepspeed_config={p.finetune.deepspeed_config} does not exist")
+        out += [(f"data.{k}", getattr(p.data, k), "file") for k in ("train", "dev", "test")]
+        out += [(f"validate.files[{i}]", ref, "file") for i, (ref, _fmt) in enumerate(p.validate_.files)]
+    if p.inference.input is not None:
+        out.append(("inference.input", p.inference.input, "file"))
+    if p.finetune.enabled and p.finetune.deepspeed:
+        out.append(("finetune.deepspeed_config", p.finetune.deepspeed_config, "file"))
+    return out
+
+
+def path_problems(proj: Project) -> list[str]:
+    """Each of :func:`user_inputs` that is not there, named by its key and path."""
+    out = []
+    for key, ref, kind in user_inputs(proj):
+        where = proj.path(ref)
+        if kind == "dir" and not where.is_dir():
+            out.append(f"bootstrap.enabled is false but {key}={ref} is not a directory ({where})")
+        elif kind == "file" and not where.is_file():
+            why = "synth.enabled is false but " if key.startswith("data.") else ""
+            out.append(f"{why}{key}={ref} does not exist ({where})")
     return out
 
 
 def preflight(proj: Project, params_file: str | Path = "params.yaml") -> None:
     """Raise :class:`PreflightError` naming every device, dtype, model directory and data file problem."""
+    for ref in link_workspace_inputs(proj.root, [ref for _key, ref, _kind in user_inputs(proj)]):
+        print(
+            f"linked {ref} from the workspace into this experiment's copy (git and DVC's cache do not hold it)",
+            file=sys.stderr,
+        )
     problems = device_problems(proj) + path_problems(proj)
     if problems:
         raise PreflightError("; ".join(problems) + f" ({params_file}: checked before any stage ran)")

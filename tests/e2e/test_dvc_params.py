@@ -1,6 +1,6 @@
 """dvc.yaml follows params.yaml: your own data files and model directories are the stages' dependencies, disabled
-stages (synth, bootstrap, finetune) never touch what stands in for them, and labels.iterations sets the number of
-label iterations with no other edit."""
+stages (synth, bootstrap, finetune) never touch what stands in for them, `dvc exp run --temp` finds them in its copy,
+and labels.iterations sets the number of label iterations with no other edit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO
-from test_dvc import dvc_project, run  # noqa: F401  (the fixture: a git copy of the project with tiny params)
+from test_dvc import dvc_project, run, stages_run  # noqa: F401  (the fixture: a git copy of the project with tiny params)
 
 DVC = [sys.executable, "-m", "dvc"]
 
@@ -106,6 +106,19 @@ def test_own_models_untouched_data_tracked_and_iterations_follow_params(own_proj
     predicted = (root / "outputs" / "predictions.jsonl").read_text().splitlines()
     assert len(predicted) == 12, len(predicted)  # every row of your data.test, not the embedded test file
     assert status_stages(root, env) == set()
+
+    # An experiment in a temp copy, which holds what git and DVC's cache hold: your models (git-ignored, not cached)
+    # are linked in from the workspace, and a param of the last stage reruns it, not the label iterations.
+    run(["git", "add", "-A"], root, env)
+    run(["git", "commit", "-qm", "repro"], root, env)
+    params = (root / "params.yaml").read_text()
+    exp = run([*DVC, "exp", "run", "--temp", "-S", "inference.max_new_tokens=16"], root, env, timeout=1500)
+    log = exp.stdout + exp.stderr
+    ran = stages_run(log)
+    assert "batch_inference" in ran and "iterate" not in ran, log[-3000:]
+    assert "linked models/slm_base from the workspace" in log, log[-3000:]
+    assert (root / "params.yaml").read_text() == params  # --temp leaves the workspace alone
+    assert {name: tree_hashes(root / "models" / name) for name in models} == models
 
     # Three label iterations: params only. Iterations 1 and 2 are kept (their inputs did not change).
     set_params(root, **{"labels.iterations": 3})

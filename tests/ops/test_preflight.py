@@ -80,3 +80,43 @@ def test_a_pipeline_on_a_missing_device_stops_before_synth(prefect_server, proje
         "before any stage ran)"
     ]
     assert not (project / "data").exists() and not (project / "reports").exists()
+
+
+def test_an_experiment_copy_links_your_own_inputs_from_the_workspace(tmp_path, monkeypatch):
+    """`dvc exp run --temp` runs in a copy under the workspace's .dvc/tmp/exps holding what git and DVC's cache hold:
+    your models (bootstrap off) and data (synth off) under git-ignored paths are linked in from the workspace, the
+    files hard links to the same bytes; outside such a copy, or for what the copy has, nothing is linked."""
+    workspace = tmp_path / "ws"
+    own = {"slm": "models/mine", "llm": "models/big"}
+    data = {"train": "own/train.jsonl", "dev": "own/dev.jsonl", "test": "own/test.jsonl"}
+    for ref in own.values():
+        (workspace / ref).mkdir(parents=True)
+        (workspace / ref / "config.json").write_text("{}")
+    (workspace / "own").mkdir()
+    for ref in data.values():
+        shutil.copy(REPO / "tests" / "fixtures" / "answers_real.jsonl", workspace / ref)
+    copy = workspace / ".dvc" / "tmp" / "exps" / "standalone" / "tmpabc"
+    copy.mkdir(parents=True)
+    (copy / "own").mkdir()
+    (copy / "own" / "test.jsonl").write_text("the copy's own\n")  # committed in git: the copy's stays
+    blocks = {"bootstrap": {"enabled": False}, "synth": {"enabled": False}, "models": own, "data": data}
+
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    with pytest.raises(PreflightError, match=r"data\.train=own/train\.jsonl does not exist"):
+        preflight(_project(copy, **blocks))  # not known as an experiment's copy: named, not linked
+    assert not (copy / "models").exists()
+
+    monkeypatch.setenv("DVC_ROOT", str(workspace))  # what DVC sets for an experiment's stages
+    preflight(_project(copy, **blocks))
+    for ref in own.values():
+        linked, src = copy / ref / "config.json", workspace / ref / "config.json"
+        assert linked.stat().st_ino == src.stat().st_ino and not (copy / ref).is_symlink()
+    assert (copy / "own" / "train.jsonl").stat().st_ino == (workspace / "own" / "train.jsonl").stat().st_ino
+    assert (copy / "own" / "test.jsonl").read_text() == "the copy's own\n"
+    assert not list(copy.rglob(".*.linking"))
+
+    # The workspace itself, or a directory outside its experiments, is no experiment's copy.
+    other = tmp_path / "elsewhere"
+    (other / "models").mkdir(parents=True)
+    with pytest.raises(PreflightError, match=r"models\.slm=models/mine is not a directory"):
+        preflight(_project(other, **blocks))
