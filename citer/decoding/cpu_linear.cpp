@@ -1,6 +1,6 @@
 // bf16 x bf16 -> bf16 linear for a few rows (decode steps) on x86-64 CPUs with AVX512-BF16: each row of the weight is
 // read once per call whatever the number of input rows, and the products are summed in fp32. One row (and, where the
-// CPU has no AMX, up to four) by vdpbf16ps; 2 to 64 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
+// CPU has no AMX, up to four) by vdpbf16ps; 2 to 96 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
 // which read the weight in place as the tiles' left operand, so no copy of it is made. Built at first use by
 // citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
 // instruction set is missing.
@@ -94,7 +94,9 @@ void blocks(const uint16_t* xp, int64_t M, int64_t K, const uint16_t* wp, int64_
 // -- AMX ------------------------------------------------------------------------------------------------------------
 using citer_amx::TileConfig;
 
-constexpr int64_t AMX_MAX_ROWS = 64;  // input rows: four C tiles of 16 input rows beside one weight tile
+// Input rows: a pass takes up to 64 (four C tiles of 16 input rows beside one weight tile); a group's later passes
+// find its 16 weight rows in L2, so more rows cost their products, not another read of the weight from memory.
+constexpr int64_t AMX_PASS_ROWS = 64, AMX_MAX_ROWS = 96;
 
 // Steps ahead (a step: 32 columns of a group's 16 weight rows, 1 KiB) whose weight lines the tiles prefetch: into L1
 // near, so a tile load finds its lines there (a tile register is not renamed, so the next step's loads wait for this
@@ -162,7 +164,8 @@ void amx_group(const uint16_t* xv, int64_t K, const uint16_t* wp, int64_t ldw, i
   if constexpr (CHUNKS > 3) _tile_stored(3, c[3], 64);
 }
 
-// Groups g0..g1-1 of 16 weight rows against M <= AMX_MAX_ROWS input rows (xv as amx_group reads it).
+// Groups g0..g1-1 of 16 weight rows against M <= AMX_MAX_ROWS input rows (xv as amx_group reads it), a group's rows in
+// passes of up to AMX_PASS_ROWS.
 void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, int64_t ldw, const uint16_t* bp,
                 uint16_t* yp, int64_t N, int64_t g0, int64_t g1) {
   TileConfig cfg{};
@@ -173,16 +176,19 @@ void amx_groups(const uint16_t* xv, int64_t M, int64_t K, const uint16_t* wp, in
   }
   _tile_loadconfig(&cfg);
   alignas(64) float c[4][16][16];
-  const int64_t chunks = (M + 15) / 16;
+  const int64_t chunks = (M + 15) / 16, per_pass = AMX_PASS_ROWS / 16;
   for (int64_t g = g0; g < g1; ++g) {
-    switch (chunks) {
-      case 1: amx_group<1>(xv, K, wp, ldw, g, g1, c); break;
-      case 2: amx_group<2>(xv, K, wp, ldw, g, g1, c); break;
-      case 3: amx_group<3>(xv, K, wp, ldw, g, g1, c); break;
-      default: amx_group<4>(xv, K, wp, ldw, g, g1, c);
+    for (int64_t j0 = 0; j0 < chunks; j0 += per_pass) {
+      const uint16_t* xp = xv + j0 * 16 * K;  // the pass's first chunk
+      switch (std::min(chunks - j0, per_pass)) {
+        case 1: amx_group<1>(xp, K, wp, ldw, g, g1, c); break;
+        case 2: amx_group<2>(xp, K, wp, ldw, g, g1, c); break;
+        case 3: amx_group<3>(xp, K, wp, ldw, g, g1, c); break;
+        default: amx_group<4>(xp, K, wp, ldw, g, g1, c);
+      }
+      for (int64_t j = j0; j < std::min(chunks, j0 + per_pass); ++j)
+        store_sums(c[j - j0], std::min<int64_t>(16, M - j * 16), bp, yp + j * 16 * N, N, g * 16);
     }
-    for (int64_t j = 0; j < chunks; ++j)
-      store_sums(c[j], std::min<int64_t>(16, M - j * 16), bp, yp + j * 16 * N, N, g * 16);
   }
   _tile_release();
 }

@@ -56,9 +56,10 @@ from citer.ops.cpu import host_cpu
 
 MAX_ROWS = 4  # rows (B x Q) up to which a call takes the kernel's vdpbf16ps blocks where the CPU has no AMX
 # Rows up to which a call takes the kernel's AMX tiles where the CPU has them (one row keeps the vdpbf16ps blocks,
-# faster there: docs/results.md): four C tiles of 16 rows beside a weight tile read once a step; up to 64 rows they
-# beat the packed weight (docs/results.md), and a row's outputs stay those of the same row in any smaller call.
-AMX_MAX_ROWS = 64
+# faster there: docs/results.md): four C tiles of 16 rows beside a weight tile read once a step, more rows in a second
+# pass over each group of the weight while it is in L2; up to 96 rows they beat the packed weight (docs/results.md),
+# and a row's outputs stay those of the same row in any smaller call.
+AMX_MAX_ROWS = 96
 # Rows up to which a call takes the packed weight; bigger products amortise F.linear's layout.
 PACKED_MAX_ROWS = 512
 # float32 weights (out x in elements) from which an AMD CPU's calls take the packed weight: the crossover bench/cpu_linear.py

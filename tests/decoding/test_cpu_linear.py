@@ -102,6 +102,8 @@ def test_an_installed_package_carries_every_file_the_kernels_build_reads():
         (32, 1000, 576, False),
         (33, 47, 96, True),
         (64, 200, 64, False),
+        (65, 48, 64, True),
+        (96, 100, 576, False),
     ],
 )
 def test_the_amx_tiles_compute_the_linear_and_a_rows_outputs_do_not_depend_on_the_others(rows, n, k, bias):
