@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from citer.ops.io import atomic_dir, atomic_path
+
 EXPS_DIR = Path(".dvc") / "tmp" / "exps"
 
 
@@ -32,24 +34,22 @@ def workspace_of(root: Path) -> Path | None:
 
 
 def _link(src: Path, dst: Path) -> None:
-    """``dst`` as hard links to ``src`` (a file, or a directory's tree), else one symbolic link to it; written beside
-    ``dst`` and renamed into place, so a failure leaves nothing half-linked."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.linking")
-    if tmp.is_dir() and not tmp.is_symlink():
-        shutil.rmtree(tmp)
-    elif tmp.exists() or tmp.is_symlink():
-        tmp.unlink()
-    try:
-        if src.is_dir():
-            shutil.copytree(src, tmp, copy_function=os.link)
-        else:
-            os.link(src, tmp)
-    except OSError:
-        if tmp.is_dir():
-            shutil.rmtree(tmp)
-        tmp.symlink_to(src.resolve(), target_is_directory=src.is_dir())
-    tmp.rename(dst)
+    """``dst`` as hard links to ``src`` (a file, or a directory's tree), else one symbolic link to it; made beside
+    ``dst`` and renamed into place (:mod:`citer.ops.io`), so a failure leaves nothing half-linked."""
+    if src.is_dir():
+        with atomic_dir(dst) as tmp:
+            try:
+                shutil.copytree(src, tmp, copy_function=os.link, dirs_exist_ok=True)
+            except OSError:
+                shutil.rmtree(tmp)
+                tmp.symlink_to(src.resolve(), target_is_directory=True)
+    else:
+        with atomic_path(dst) as tmp:
+            tmp.unlink()  # the helper's empty placeholder: a link needs the name free
+            try:
+                os.link(src, tmp)
+            except OSError:
+                tmp.symlink_to(src.resolve())
 
 
 def link_workspace_inputs(root: Path, refs: Iterable[str]) -> list[str]:

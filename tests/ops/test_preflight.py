@@ -113,7 +113,7 @@ def test_an_experiment_copy_links_your_own_inputs_from_the_workspace(tmp_path, m
         assert linked.stat().st_ino == src.stat().st_ino and not (copy / ref).is_symlink()
     assert (copy / "own" / "train.jsonl").stat().st_ino == (workspace / "own" / "train.jsonl").stat().st_ino
     assert (copy / "own" / "test.jsonl").read_text() == "the copy's own\n"
-    assert not list(copy.rglob(".*.linking"))
+    assert not list(copy.rglob(".*.tmp"))  # citer.ops.io's temporary siblings, renamed into place
 
     # The workspace itself, or a directory outside its experiments, is no experiment's copy.
     other = tmp_path / "elsewhere"
