@@ -2,7 +2,7 @@
 ``python bench/amx_peak.py``.
 
 Why: at batch 8 and 32 routing's ceiling (``bench/roofline.py``) is set by the LLM's compute over the prompts and
-catch-ups it reads, which runs on oneDNN's packed weight (``citer.decoding.cpu_linear``, more than ``AMX_MAX_ROWS``
+catch-ups it reads, which runs on oneDNN's packed weight (``citer.kernels.cpu_linear``, more than ``AMX_MAX_ROWS``
 rows) and is compute-bound there. Whether a faster product could lift that ceiling is a question about the unit, so
 this bench measures, in one process, on a CPU with AMX-BF16:
 
@@ -18,7 +18,7 @@ this bench measures, in one process, on a CPU with AMX-BF16:
   weights at its real shape) at each of ``--rows`` rows, TF/s, the same calls citer's prompts and catch-ups make;
   ``onednn_of_tiles_l1``: the median over reps of its rate over ``tiles_l1``'s on every thread in the same rep;
 - ``citer``: at the ``--rows`` up to ``cpu_linear.AMX_MAX_ROWS``, the same layer through
-  ``citer.decoding.cpu_linear.linear`` on the plain weight (citer's AMX tiles, the call a decode step, a short
+  ``citer.kernels.cpu_linear.linear`` on the plain weight (citer's AMX tiles, the call a decode step, a short
   catch-up or prompt makes), and ``citer_over_onednn``: the median over reps of its rate over oneDNN's in the same rep.
 
 Every run is timed in turn within a rep (``per_rep_tflops``): this host's matrix units have run at rates up to 4x
@@ -60,7 +60,7 @@ set_wait_env()  # before torch loads libgomp: the wait policy `citer route` runs
 import torch  # noqa: E402
 from speed_report import PAIRS, SPECS, cpu_times, others_cpu_share, write_report  # noqa: E402
 
-from citer.decoding import cpu_linear  # noqa: E402
+from citer.kernels import cpu_linear  # noqa: E402
 from citer.ops.cpu import host_cpu  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 

@@ -7,7 +7,7 @@ and per row count, in one process, with cold weights (copies cycled past the cac
 - ``torch_ms``: torch's ``F.linear`` (MKL's SGEMM in torch's CPU wheels);
 - ``packed_ms``: oneDNN's linear on the weight packed once (``torch.ops.mkldnn._linear_pointwise``);
 - ``kernel_ms``: citer's AVX2 kernel (``torch.ops.citer.linear_f32``; up to ``F32_MAX_ROWS`` rows, where it builds);
-- ``chosen``: which of them ``citer.decoding.cpu_linear.linear`` takes for that call on this CPU;
+- ``chosen``: which of them ``citer.kernels.cpu_linear.linear`` takes for that call on this CPU;
 - ``torch_gb_s`` / ``packed_gb_s`` / ``kernel_gb_s``: the weight's bytes over the call's time (memory-bound calls near
   the bandwidth limit, which the run measures at its start as the fastest large read);
 - ``row_invariant``: per kernel, whether row 0's outputs are bit for bit the same computed alone and beside the
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from speed_report import cpu_times, others_cpu_share, write_report  # noqa: E402
 
-from citer.decoding import cpu_linear  # noqa: E402
+from citer.kernels import cpu_linear  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402
 
 # (name, out, in): the matrices a decode step reads, fused as the lean forward fuses them.

@@ -6,7 +6,7 @@ on an AVX2 EPYC; bf16 on an AVX512-BF16/AMX Xeon), timed in turn after a warm-up
 
 - ``torch kernel`` / ``torch kernel, torch ops`` / ``torch packed`` / ``torch F.linear`` (float32): the engine
   ``citer route`` builds (``route_engine`` on the params' ``engine:`` block, the SLM alone) with
-  ``citer.decoding.cpu_linear``'s float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel for calls of up to
+  ``citer.kernels.cpu_linear``'s float32 path in ``bench/cpu_linear.py``'s modes: the AVX2 kernel for calls of up to
   ``F32_MAX_ROWS`` rows and oneDNN's packed weight above, with the decode step's other ops in citer's C++
   (``citer.decoding.cpu_step``; the default on an AMD CPU) or in torch's ops; the packed weight for every call; and
   torch's ``F.linear``;
@@ -15,7 +15,7 @@ on an AVX2 EPYC; bf16 on an AVX512-BF16/AMX Xeon), timed in turn after a warm-up
   default), with torch's ops instead, without the AMX tiles (the vdpbf16ps blocks up to 4 rows, then oneDNN's packed
   weight), and torch's ``F.linear`` for every product;
 - ``torch kernel, 4 KiB pages`` (both dtypes): the default decoder over a second copy of the SLM whose weights keep
-  torch's allocations, where the default moves them onto huge pages (``citer.decoding.huge_pages``);
+  torch's allocations, where the default moves them onto huge pages (``citer.kernels.huge_pages``);
 - ``llama.cpp <type>``: the same weights written to GGUF (F32 or BF16 as ``--dtype``, then llama.cpp's quantizer for
   the others), one sequence a row, the final norm's hidden state returned as the router needs it
   (``LlamaCppModel(hidden=True)``); skipped where llama-cpp-python is not importable.
@@ -67,11 +67,11 @@ from speed_report import (  # noqa: E402
     write_report,
 )
 
-from citer.decoding import cpu_linear  # noqa: E402
 from citer.decoding.baselines import AlwaysSLM  # noqa: E402
 from citer.decoding.cost import ModelCost  # noqa: E402
 from citer.decoding.lean import lean_decoder  # noqa: E402
 from citer.decoding.llama_cpp_runner import LlamaCppModel, missing  # noqa: E402
+from citer.kernels import cpu_linear  # noqa: E402
 from citer.models.to_gguf import quantize_gguf, write_gguf  # noqa: E402
 from citer.serving.champion import route_engine  # noqa: E402
 from citer.tracking.provenance import cpu_kind  # noqa: E402

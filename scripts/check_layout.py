@@ -32,7 +32,8 @@ from pathlib import Path
 # modules may sit in different layers (``citer.ops.threads`` reads the project, the rest of ``citer.ops`` nothing).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("citer.config", "citer.ops", "citer.tracking.provenance"),
-    ("citer.data", "citer.models.gguf"),  # reading a .gguf's config is a file format, as JSONL is
+    # reading a .gguf's config is a file format, as JSONL is; the CPU kernels know nothing of models or decoding
+    ("citer.data", "citer.models.gguf", "citer.kernels"),
     ("citer.models", "citer.decoding"),
     ("citer.routing", "citer.evaluation"),
     (

@@ -1,5 +1,5 @@
 """bench/cpu_linear.py on two small shapes: each ratio by its definition, the kernel it says the library chose is the
-one ``citer.decoding.cpu_linear`` takes for such a weight here, and the report renders as its per-CPU docs block."""
+one ``citer.kernels.cpu_linear`` takes for such a weight here, and the report renders as its per-CPU docs block."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import bench_module
 
-from citer.decoding import cpu_linear
 from citer.evaluation.docs_blocks import render_blocks
+from citer.kernels import cpu_linear
 
 
 def test_the_report_holds_its_ratios_and_the_librarys_choice(tmp_path):

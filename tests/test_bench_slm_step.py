@@ -8,8 +8,8 @@ import json
 import pytest
 from conftest import bench_module
 
-from citer.decoding import cpu_linear
 from citer.decoding.llama_cpp_runner import missing
+from citer.kernels import cpu_linear
 
 
 @pytest.mark.parametrize(("dtype", "types"), [("fp32", ""), ("fp32", "F32,Q8_0"), ("bf16", "BF16")])

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from citer.decoding import cpu_linear
 from citer.decoding.kv_pool import PoolCall
 from citer.decoding.layers import HeadShape, LayerWeights
+from citer.kernels import cpu_linear
 
 # Elements of a layer's fused q/k/v weight from which its decode steps take the step ops (float32's kernel takes no
 # smaller weight either): below, a step's op count is not what bounds it, and torch's ops keep their bits.

@@ -3,7 +3,7 @@ Llama 3.x, Qwen3, Mistral without a window): the weights a layer reads, the norm
 input and output halves, and two forms of the attention itself. :mod:`citer.decoding.lean` runs them over an HF
 model's own weights; :mod:`citer.decoding.static_step` traces them into fixed-shape steps. An eager bf16 call on a
 CPU runs the norm, RoPE's rotation and the gate as one C++ pass each (the decode step's ops, row by row:
-:func:`~citer.decoding.cpu_linear.row_ops`), where torch's ops would make several passes over a prompt's activations.
+:func:`~citer.kernels.cpu_linear.row_ops`), where torch's ops would make several passes over a prompt's activations.
 Shapes: B = rows, T/Q = tokens per row, H = hidden, nh/kv = query/key-value heads, D = head_dim, K = key columns.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from citer.decoding.cpu_linear import linear, row_ops
+from citer.kernels.cpu_linear import linear, row_ops
 
 
 @dataclass
@@ -51,7 +51,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     """HF's ``x * cos + rotate_half(x) * sin`` in four ops, not seven: rotate_half(x) = cat(-x2, x1) and
     cat(-x2, x1) * sin = roll(x, D/2) * cat(-sin1, sin2), the sign moved onto the table (an exact negation). x (B, T,
     n, D), cos and signed_sin (B, T, 1, D) (or any leading dims so); a bf16 call takes the extension's one pass where
-    :func:`~citer.decoding.cpu_linear.row_ops` allows (the same three roundings: the same bits)."""
+    :func:`~citer.kernels.cpu_linear.row_ops` allows (the same three roundings: the same bits)."""
     d = x.shape[-1]
     # row_ops first: false while compiling, so a traced forward never guards on the layout checks after it
     if row_ops(x) and x.dim() > 2 and d <= 512 and x.stride(-1) == 1 and x.stride(-2) == d:
@@ -147,7 +147,7 @@ def attn_out_mlp(x: torch.Tensor, o: torch.Tensor, L: LayerWeights, eps: float) 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """The gated MLP's ``F.silu(g) * u`` of gu (..., 2 I) = (g, u) -> (..., I); a bf16 call takes the extension's one
-    pass where :func:`~citer.decoding.cpu_linear.row_ops` allows (rounded where the two ops round; its exp is not
+    pass where :func:`~citer.kernels.cpu_linear.row_ops` allows (rounded where the two ops round; its exp is not
     torch's, so about one element in 3,000 differs in the last bit)."""
     if row_ops(gu):
         return torch.ops.citer.silu_mul_bf16(gu)

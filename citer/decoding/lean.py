@@ -3,7 +3,7 @@
 The HF modules spend most of a small decode step in Python (attention-interface lookup, config reads, output
 dataclasses, one RoPE module call per layer), not in the matrix products. This module reads the weights of the HF
 model it is given -- q/k/v and gate/up are fused into one matrix each and the HF parameters become views of it, and a
-large CPU model's weights move onto huge pages (:mod:`~citer.decoding.huge_pages`) with the HF parameters pointed
+large CPU model's weights move onto huge pages (:mod:`~citer.kernels.huge_pages`) with the HF parameters pointed
 there, so both paths read the same memory, never two copies -- and runs the same arithmetic in a handful of tensor ops per layer
 (gpt-fast's ``model.py`` shape). K/V go to the layer's pool buffers where the call's
 :class:`~citer.decoding.kv_pool.PoolCall` says (:func:`~citer.decoding.kv_pool.write_and_read`), padded, packed or
@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from citer.decoding import huge_pages
-from citer.decoding.cpu_linear import linear
 from citer.decoding.kv_pool import PoolCall, write_and_read
 from citer.decoding.layers import (
     HeadShape,
@@ -37,6 +35,8 @@ from citer.decoding.layers import (
     grouped_attention,
     rms_norm,
 )
+from citer.kernels import huge_pages
+from citer.kernels.cpu_linear import linear
 
 FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
 # RoPE types whose inverse frequencies do not depend on the sequence length (dynamic/longrope re-scale per call).
@@ -124,7 +124,7 @@ class LeanDecoder:
                 self._rehome(model, sizes)
 
     def _rehome(self, model: nn.Module, sizes: dict[int, int]) -> None:
-        """Moves the model's weights into a huge-page :class:`~citer.decoding.huge_pages.Arena`, a layer at a time:
+        """Moves the model's weights into a huge-page :class:`~citer.kernels.huge_pages.Arena`, a layer at a time:
         this view's tensors and the HF parameters over the same storages are pointed at the copies together, so each
         old storage is freed before the next is copied."""
         moved = huge_pages.Arena(sizes)
@@ -343,7 +343,7 @@ _DECODERS: weakref.WeakKeyDictionary[nn.Module, LeanDecoder] = weakref.WeakKeyDi
 def lean_decoder(model: nn.Module, rehome: bool = True) -> LeanDecoder | None:
     """The model's lean decoder, built on first use and rebuilt if its weights moved; None where it does not apply
     (:func:`unsupported_reason` says why). One per model: building it fuses the model's matrices in place and, with
-    ``rehome``, moves a large CPU model's weights onto huge pages (:mod:`citer.decoding.huge_pages`)."""
+    ``rehome``, moves a large CPU model's weights onto huge pages (:mod:`citer.kernels.huge_pages`)."""
     got = _DECODERS.get(model)
     if got is not None and not got.stale(model) and not model.training:
         return got

@@ -11,7 +11,7 @@ SLM's latest logits and hidden state per slot, and a cost meter. Each :meth:`Dec
 3. calls the LLM over the waiting rows -- each catches up on every token it has not seen -- when the engine's call
    rule says so (:mod:`citer.decoding.call_rule`) or nothing else can advance. A waiting row does not advance, so
    sharing one LLM call among several rows changes no row's tokens, only when they arrive (up to float rounding
-   where a call's size picks the linears' kernel, :mod:`citer.decoding.cpu_linear`);
+   where a call's size picks the linears' kernel, :mod:`citer.kernels.cpu_linear`);
 4. emits one token for every row that advanced, retires rows at EOS or their token budget (their slots are reused),
    and feeds the new tokens to the SLM in one call; held rows ride along in it without writing.
 

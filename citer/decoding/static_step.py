@@ -40,10 +40,10 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
 from citer.decoding.compiled import own_code
-from citer.decoding.cpu_linear import linear
 from citer.decoding.decide import Decision, decide
 from citer.decoding.kv_pool import KVPool, PoolCall
 from citer.decoding.lean import LeanDecoder, decoder_layer
+from citer.kernels.cpu_linear import linear
 
 # A model's step should compile once per call kind; more graphs than this for one code object means shapes leak into
 # guards, and the step falls back to eager with a warning rather than compile without end.

@@ -165,7 +165,7 @@ def _rows(n: int) -> str:
 
 def cpu_linear_block(reports: Path, name: str = "bench_cpu_linear.json") -> Block:
     """bench/cpu_linear.py (one report per CPU kind): torch's float32 linear against oneDNN's on a packed weight, per
-    weight shape and row count, cold weights, and which of the two ``citer.decoding.cpu_linear`` takes here."""
+    weight shape and row count, cold weights, and which of the two ``citer.kernels.cpu_linear`` takes here."""
     r = load_report(reports, name)
     by: dict[str, list[dict[str, Any]]] = {}
     for x in r["rows"]:

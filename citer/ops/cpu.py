@@ -1,6 +1,6 @@
 """The host's CPU as ``/proc/cpuinfo`` describes it, read once a process: its vendor, model name and flags.
 
-Kernel choices (:mod:`citer.decoding.cpu_linear`), provenance's machine kind and the speed benches' reports all ask
+Kernel choices (:mod:`citer.kernels.cpu_linear`), provenance's machine kind and the speed benches' reports all ask
 the same file; one cached reader answers them. Where the file is absent (macOS, a locked-down container) every field
 is empty, so a caller takes its portable path.
 """

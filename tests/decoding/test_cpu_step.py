@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from citer.decoding import cpu_linear, cpu_step
+from citer.decoding import cpu_step
 from citer.decoding.context import prepare
 from citer.decoding.kv_pool import KVPool
 from citer.decoding.runner import ModelRunner
+from citer.kernels import cpu_linear
 
 
 def _buildable() -> bool:

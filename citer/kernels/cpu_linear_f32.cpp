@@ -1,7 +1,7 @@
 // float32 linear for a few rows (decode steps) on x86-64 CPUs with AVX2 and FMA: each row of the weight is read from
 // memory once per call whatever the number of input rows, and every output is one input row's dot product with one
 // weight row, summed in one order whatever else the call holds (a row's outputs do not depend on the rows beside it).
-// Built at first use by citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to oneDNN's linear
+// Built at first use by citer/kernels/cpu_linear.py (torch.utils.cpp_extension), which falls back to oneDNN's linear
 // where the build or the instruction set is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -2,7 +2,7 @@
 // read once per call whatever the number of input rows, and the products are summed in fp32. One row (and, where the
 // CPU has no AMX, up to four) by vdpbf16ps; 2 to 96 rows, where the CPU has AMX, by its tiles (linear_bf16_amx),
 // which read the weight in place as the tiles' left operand, so no copy of it is made. Built at first use by
-// citer/decoding/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
+// citer/kernels/cpu_linear.py (torch.utils.cpp_extension), which falls back to torch's linear where the build or the
 // instruction set is missing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -4,7 +4,7 @@
 // where the lean forward's torch ops do (each elementwise op's result, round to nearest even), so the norm, RoPE, the
 // pool's keys and the gate match torch's bit for bit up to the last bit of an exp or a sum; the attention sums in
 // float32 and rounds once. Every row is computed alone, in one order whatever the call holds. Built with
-// cpu_linear.cpp into one extension by citer/decoding/cpu_linear.py.
+// cpu_linear.cpp into one extension by citer/kernels/cpu_linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_bf16.h"

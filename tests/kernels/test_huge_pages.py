@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from citer.decoding import huge_pages
 from citer.decoding.baselines import RandomRouter
 from citer.decoding.engine import RoutedEngine
 from citer.decoding.lean import lean_decoder
+from citer.kernels import huge_pages
 from tests.decoding.test_lean import PROMPTS, V, build
 
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this kernel")

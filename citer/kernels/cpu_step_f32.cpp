@@ -2,7 +2,7 @@
 // RMS norm, the attention of one new token per row (RoPE on its query and key, the key and value written to the KV
 // pool, the row's columns attended) and the gated MLP's silu(gate) * up. A step of a small model on a CPU is bound by
 // its op count once its linears stream their weights (citer::linear_f32). Every row is computed alone, in one order
-// whatever the call holds. Built with cpu_linear_f32.cpp into one extension by citer/decoding/cpu_linear.py.
+// whatever the call holds. Built with cpu_linear_f32.cpp into one extension by citer/kernels/cpu_linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_step_args.h"

@@ -1,4 +1,4 @@
-"""The bf16 CPU linear kernel (citer.decoding.cpu_linear): the same products as torch's linear up to bf16 rounding, for
+"""The bf16 CPU linear kernel (citer.kernels.cpu_linear): the same products as torch's linear up to bf16 rounding, for
 one to four rows, any width (a masked tail), with and without bias, eagerly and inside a compiled graph; on an AMX CPU
 2 to 32 rows on its tiles (a row's outputs independent of the rows beside it); more rows
 take oneDNN's linear on a prepacked weight, torch's linear bit for bit, repacked when the weight changes in place;
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from citer.decoding import cpu_linear
+from citer.kernels import cpu_linear
 from citer.ops.cpu import HostCpu
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason="no AVX512-BF16 or no compiler here")
@@ -78,7 +78,7 @@ def test_an_installed_package_carries_every_file_the_kernels_build_reads():
     builds no kernel: every bf16 call falls back to torch's linear with a warning)."""
     root = Path(cpu_linear.__file__).parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "citer.decoding"
+        "citer.kernels"
     ]
     needed = set()
     for _, sources, _ in cpu_linear._KERNELS.values():
