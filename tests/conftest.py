@@ -86,20 +86,23 @@ def pytest_configure(config):
         )
 
 
-# The modules that run whole pipelines, longest first (seconds in one quiet run on 2 cores): `scripts/test.sh` spreads
-# modules over two workers in collection order, so starting these first keeps one worker from finishing a long module
-# alone.
+# The slowest modules, longest first (seconds their slowest tests took in a CI run on a Xeon without AMX, at 9049253):
+# `scripts/test.sh` spreads modules over two workers in collection order, so starting these first keeps one worker
+# from finishing a long module alone.
 LONGEST_FIRST = (
-    "tests/e2e/test_dvc.py",  # 281: a dvc repro and a dvc experiment
-    "tests/e2e/test_dvc_params.py",  # 246: three dvc repros
-    "tests/faults/test_faults.py",  # 235
-    "tests/e2e/test_pipeline_interrupt.py",  # 221
-    "tests/e2e/test_pipeline_mc.py",  # 63
-    "tests/e2e/test_pipeline.py",  # 53
-    "tests/serving/test_real_model_serve.py",  # 50: loads the real SmolLM2 GGUF (dequantizing) once
-    "tests/evaluation/test_sweep_passes.py",  # 44
-    "tests/models/test_real_model.py",  # 40: likewise
-    "tests/e2e/test_deployments.py",  # 18
+    "tests/decoding/test_compiled.py",  # 354: inductor compiles, cold cache
+    "tests/e2e/test_dvc_params.py",  # 245: three dvc repros and a dvc experiment
+    "tests/faults/test_faults.py",  # 165
+    "tests/e2e/test_pipeline_interrupt.py",  # 133
+    "tests/e2e/test_dvc.py",  # 119: a dvc repro
+    "tests/evaluation/test_sweep_passes.py",  # 84
+    "tests/e2e/test_pipeline_mc.py",  # 80
+    "tests/decoding/test_cpu_step.py",  # 67
+    "tests/serving/test_real_model_serve.py",  # 63: loads the real SmolLM2 GGUF (dequantizing) once
+    "tests/e2e/test_pipeline.py",  # 61
+    "tests/e2e/test_scale_out.py",  # 42
+    "tests/models/test_real_model.py",  # 29: loads the real SmolLM2 GGUF too
+    "tests/e2e/test_deployments.py",
 )
 
 
